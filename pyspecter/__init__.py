@@ -1,0 +1,3 @@
+"""pyspecter: run Mixture-of-Experts models bigger than fast memory on llama.cpp."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from pyspecter.cli import main
+
+main()
