@@ -1,0 +1,1 @@
+"""Models the project makes itself: tiny random-weight MoE fixtures, smol-moe, drafts."""
