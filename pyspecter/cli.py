@@ -1,9 +1,196 @@
-"""Thin command-line layer: parse, call, print. Work lives in the modules."""
+"""pyspecter: run Mixture-of-Experts LLMs bigger than fast memory on a patched llama.cpp.
+
+Bad input (missing or corrupt file, a budget that can't fit, a model without experts) ends with a one-line
+error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+from pyspecter.errors import SpecterError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
+models_app = typer.Typer(no_args_is_help=True, help="Build the project's own models (fixtures, smol-moe, drafts).")
+app.add_typer(models_app, name="models")
+
+ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a built-in name such as tiny-qwen3moe")]
+
+
+def resolve_model(spec: str) -> Path:
+    """A path as given, or a built-in model name built (or found in the cache) on demand."""
+    p = Path(spec)
+    if p.exists() or "/" in spec or spec.endswith(".gguf"):
+        return p
+    from pyspecter.models import tiny
+
+    if spec in tiny.TINY_MODELS:
+        return tiny.build_tiny(spec)
+    raise SpecterError(f"{spec}: no such file, and not a built-in model ({', '.join(tiny.TINY_MODELS)})")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@app.command()
+def inspect(
+    model: ModelArg,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    budget: Annotated[str | None, typer.Option(help="fast-tier budget for experts: 64MiB, 1.5GB or 40%")] = None,
+) -> None:
+    """Show a MoE GGUF's expert layout: bytes per expert, expert vs non-expert bytes, slots a budget buys."""
+    from pyspecter.layout import parse_budget, read_layout, slots_for_budget
+
+    lay = read_layout(resolve_model(model)).require_moe()
+    info: dict = {
+        "path": str(lay.path), "name": lay.name, "arch": lay.arch, "n_layer": lay.n_layer,
+        "n_moe_layers": len(lay.layers), "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used,
+        "shared_expert_layers": lay.n_shared_expert_layers,
+        "expert_bytes": lay.layers[0].expert_bytes,
+        "expert_total_bytes": lay.expert_total_bytes, "nonexpert_bytes": lay.nonexpert_bytes,
+        "file_bytes": lay.file_bytes,
+        "layers": [{"layer": L.index, "expert_bytes": L.expert_bytes,
+                    "tensors": {k: {"type": t.ggml_type, "shape": list(t.shape), "expert_bytes": t.expert_bytes}
+                                for k, t in L.tensors.items()}} for L in lay.layers],
+    }
+    if budget is not None:
+        b = parse_budget(budget, lay.expert_total_bytes)
+        slots = slots_for_budget(lay, b)
+        info["budget_bytes"] = b
+        info["slots_per_layer"] = slots
+        info["budget_fits_top_k"] = slots >= lay.n_expert_used
+    if json_out:
+        print(json.dumps(info, indent=1))
+        return
+    print(f"{lay.name}  ({lay.path})")
+    print(f"arch {lay.arch}: {lay.n_layer} layers, {len(lay.layers)} MoE layers, "
+          f"{lay.n_expert} experts, top-{lay.n_expert_used}, shared experts in {lay.n_shared_expert_layers} layers")
+    L0 = lay.layers[0]
+    parts = ", ".join(f"{k} {t.ggml_type} {_fmt_bytes(t.expert_bytes)}" for k, t in L0.tensors.items())
+    same = all(L.expert_bytes == L0.expert_bytes for L in lay.layers)
+    print(f"one expert: {_fmt_bytes(L0.expert_bytes)} ({parts})" + ("" if same else "  [varies by layer, see --json]"))
+    tot = lay.expert_total_bytes + lay.nonexpert_bytes
+    print(f"experts: {_fmt_bytes(lay.expert_total_bytes)} ({100 * lay.expert_total_bytes / tot:.1f}%), "
+          f"non-expert: {_fmt_bytes(lay.nonexpert_bytes)}")
+    if budget is not None:
+        note = "" if info["budget_fits_top_k"] else f"  (below top-{lay.n_expert_used}: every token will miss)"
+        print(f"budget {_fmt_bytes(info['budget_bytes'])}: {info['slots_per_layer']} of {lay.n_expert} "
+              f"expert slots per layer{note}")
+
+
+@models_app.command("build")
+def models_build(
+    name: Annotated[str, typer.Argument(help="tiny-qwen3moe, tiny-qwen2moe, tiny-mixtral or tiny-gptoss")],
+) -> None:
+    """Build (or find in the cache) a project model and print its path."""
+    from pyspecter.models import tiny
+
+    if name not in tiny.TINY_MODELS:
+        raise SpecterError(f"unknown model {name!r}; known: {', '.join(tiny.TINY_MODELS)}")
+    print(tiny.build_tiny(name))
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List the models the project can build."""
+    from pyspecter.models import tiny
+
+    for name in tiny.TINY_MODELS:
+        print(name)
+
+
+@app.command()
+def verify(
+    model: ModelArg,
+    slots: Annotated[int, typer.Option(help="expert slots per MoE layer (>= top-k)")] = 0,
+    budget: Annotated[str | None, typer.Option(help="instead of --slots: fast-tier bytes, e.g. 64MiB or 40%")] = None,
+    miss: Annotated[str, typer.Option(help="on a miss: wait (upload, then compute) or cpu (compute on host)")] = "wait",
+    tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS, gpu")] = "ram",
+    policy: Annotated[str, typer.Option(help="eviction policy: lru or lfu")] = "lru",
+    n: Annotated[int, typer.Option("-n", help="tokens to generate")] = 16,
+    prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Run one prompt through stock llama.cpp and through expert slots; compare greedy tokens and logits.
+
+    Exits 1 if the tokens differ or logits move by more than 1e-4."""
+    from pyspecter.layout import parse_budget, read_layout, slots_for_budget
+    from pyspecter.verify import DEFAULT_PROMPT
+    from pyspecter.verify import verify as run_verify
+
+    path = resolve_model(model)
+    lay = read_layout(path).require_moe()
+    if budget is not None:
+        slots = slots_for_budget(lay, parse_budget(budget, lay.expert_total_bytes))
+        if slots == 0:
+            raise SpecterError(f"budget {budget} fits no expert slot (one slot in every layer is "
+                               f"{_fmt_bytes(sum(L.expert_bytes for L in lay.layers))})")
+    if slots <= 0:
+        raise SpecterError("give --slots N or --budget SIZE")
+    r = run_verify(path, slots=slots, miss=miss, tier=tier, policy=policy, n_tokens=n,
+                   prompt=prompt or DEFAULT_PROMPT)
+    ok = r["identical_tokens"] and r["max_abs_logit_diff"] <= 1e-4
+    if json_out:
+        print(json.dumps(r, indent=1))
+    else:
+        print(f"{r['arch']} slots={r['slots']}/{r['n_expert']} miss={miss} tier={r['tier']} policy={policy}: "
+              f"{'IDENTICAL' if r['identical_tokens'] else 'DIFFERENT'} tokens ({r['n_tokens']}), "
+              f"max |dlogit| {r['max_abs_logit_diff']:.2e}, hit rate {100 * r['hit_rate']:.1f}%, "
+              f"{r['uploads']} uploads ({_fmt_bytes(r['upload_bytes'])})")
+    if not ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    model: Annotated[str, typer.Option(help="model to run")] = "tiny-qwen3moe",
+    n: Annotated[int, typer.Option("-n", help="tokens to generate")] = 48,
+) -> None:
+    """Build a model, show its expert layout and generate text through the patched llama.cpp."""
+    import time
+
+    from pyspecter import native
+    from pyspecter.layout import read_layout
+
+    path = resolve_model(model)
+    print(f"patched llama.cpp: pyspecter patch series v{native.patch_series_version()}")
+    inspect(str(path), json_out=False, budget="50%")
+    native.quiet_logs()
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, seed=0, verbose=False)
+    prompt = "Once upon a time"
+    toks = llm.tokenize(prompt.encode(), add_bos=True)
+    t0 = time.perf_counter()
+    out = []
+    for i, tok in enumerate(llm.generate(toks, temp=0.0)):
+        if i == 0:
+            t1 = time.perf_counter()
+        out.append(tok)
+        if len(out) >= n or tok == llm.token_eos():
+            break
+    t2 = time.perf_counter()
+    text = llm.detokenize(out).decode("utf-8", errors="replace")
+    lay = read_layout(path)
+    print(f"\nprompt: {prompt!r}\n{lay.arch} says: {text!r}")
+    print(f"prefill {len(toks)} tok in {1e3 * (t1 - t0):.1f} ms; decode {len(out) - 1} tok at "
+          f"{(len(out) - 1) / max(t2 - t1, 1e-9):.1f} tok/s (greedy, 2 threads, stock path)")
 
 
 def main() -> None:
-    app()
+    # Standalone mode lets click turn usage errors into exit code 2; our own bad-input errors come out here.
+    try:
+        app()
+    except SpecterError as e:
+        print(f"pyspecter: error: {e}", file=sys.stderr)
+        sys.exit(2)

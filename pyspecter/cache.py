@@ -1,0 +1,376 @@
+"""Expert slots on the fast tier: residency, eviction, and what happens on a miss.
+
+The C side (patches/0003) owns the slot tensors and the remap table and calls ``ExpertCache._on_route`` once per
+MoE layer per ubatch, before that layer's expert matmuls. Here we decide what to upload and what to evict. Any
+expert still not resident when the hook returns is computed exactly on the host, so no decision made here can
+change the model's output, only its speed.
+
+Miss modes:
+  wait  upload the missing experts now (the compute thread waits), then compute them from the slots;
+  cpu   compute misses on the host now, and upload them in the background for next time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pyspecter import native
+from pyspecter.errors import SpecterError
+from pyspecter.layout import ModelLayout
+
+POLICIES = ("lru", "lfu")
+MISS_MODES = ("wait", "cpu")
+
+
+# --- slow tiers: where an expert's bytes come from -----------------------------------------------------------
+
+class Tier:
+    """The slow tier. ``upload`` copies expert ``e`` of layer ``il`` into slot ``s``; ``upload_async`` returns a
+    handle with ``done()``/``wait()``."""
+
+    name = "?"
+    emulated = False
+
+    def bind(self, model: native.Model, layout: ModelLayout) -> None:
+        self.model, self.layout, self.api = model, layout, native.slots()
+
+    def upload(self, il: int, expert: int, slot: int) -> None:
+        raise NotImplementedError
+
+    def upload_async(self, il: int, expert: int, slot: int):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _Ticket:
+    def __init__(self, api: native.SlotAPI, model_ptr, ticket: int) -> None:
+        self.api, self.model_ptr, self.ticket = api, model_ptr, ticket
+
+    def done(self) -> bool:
+        return bool(self.api.upload_done(self.model_ptr, self.ticket))
+
+    def wait(self) -> None:
+        self.api.upload_wait(self.model_ptr, self.ticket)
+
+
+class RamTier(Tier):
+    """Host RAM: the model's own (mmap'd) expert tensors are the host copy; upload is a memcpy."""
+
+    name = "ram"
+
+    def upload(self, il: int, expert: int, slot: int) -> None:
+        if self.api.load_expert(self.model.ptr, il, expert, slot) != 0:
+            raise SpecterError(f"upload of expert {expert} of layer {il} failed")
+
+    def upload_async(self, il: int, expert: int, slot: int) -> _Ticket:
+        return _Ticket(self.api, self.model.ptr, self.api.load_expert_async(self.model.ptr, il, expert, slot))
+
+
+class EmulatedTier(RamTier):
+    """Host RAM with uploads throttled to a given bandwidth (PCIe-shaped experiments). Results are emulated."""
+
+    emulated = True
+
+    def __init__(self, gbps: float) -> None:
+        if gbps <= 0:
+            raise SpecterError(f"emulated tier needs a positive bandwidth, got {gbps}")
+        self.gbps = gbps
+        self.name = f"emulated:{gbps:g}"
+
+    def bind(self, model: native.Model, layout: ModelLayout) -> None:
+        super().bind(model, layout)
+        self.api.set_link_gbps(model.ptr, self.gbps)
+
+
+class _Done:
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class DiskTier(Tier):
+    """The GGUF file itself, read with O_DIRECT so the page cache holds nothing of the experts: the
+    bigger-than-RAM case on CPU boxes. Falls back to buffered reads (with a warning) where O_DIRECT is refused."""
+
+    name = "disk"
+    ALIGN = 4096
+
+    def bind(self, model: native.Model, layout: ModelLayout) -> None:
+        super().bind(model, layout)
+        self.direct = True
+        try:
+            self.fd = os.open(layout.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            self._probe()
+        except OSError:
+            self.direct = False
+            self.fd = os.open(layout.path, os.O_RDONLY)
+            print(f"pyspecter: warning: {layout.path}: filesystem refuses O_DIRECT; disk tier reads go through "
+                  "the page cache (dropped after each read)", file=sys.stderr)
+        biggest = max(t.expert_bytes for layer in layout.layers for t in layer.tensors.values())
+        self.buf_size = (biggest + 2 * self.ALIGN) // self.ALIGN * self.ALIGN
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specter-disk")
+        self.read_bytes = 0
+
+    def _probe(self) -> None:
+        mm = mmap.mmap(-1, self.ALIGN)
+        try:
+            os.preadv(self.fd, [mm], 0)
+        finally:
+            mm.close()
+
+    def _buffer(self) -> tuple[mmap.mmap, int]:
+        # one page-aligned buffer per thread (anonymous mmap is page aligned, as O_DIRECT needs)
+        if not hasattr(self._local, "mm"):
+            self._local.mm = mmap.mmap(-1, self.buf_size)
+            self._local.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._local.mm))
+        return self._local.mm, self._local.addr
+
+    def _read_into_slot(self, il: int, expert: int, slot: int) -> None:
+        mm, addr = self._buffer()
+        for kind, t in self.layout.layer(il).tensors.items():
+            off = t.expert_offset(expert)
+            start = off // self.ALIGN * self.ALIGN
+            end = -(-(off + t.expert_bytes) // self.ALIGN) * self.ALIGN
+            view = memoryview(mm)[: end - start]
+            got = os.preadv(self.fd, [view], start)
+            view.release()
+            if got < off - start + t.expert_bytes:
+                raise SpecterError(f"{self.layout.path}: short read of {t.name} expert {expert}")
+            if not self.direct:
+                os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            self.read_bytes += t.expert_bytes
+            rc = self.api.write_slot(self.model.ptr, il, native.KIND_NAMES[kind], slot,
+                                     ctypes.c_void_p(addr + off - start), t.expert_bytes)
+            if rc != 0:
+                raise SpecterError(f"write into slot {slot} of layer {il} failed ({rc})")
+
+    def upload(self, il: int, expert: int, slot: int) -> None:
+        self._read_into_slot(il, expert, slot)
+
+    def upload_async(self, il: int, expert: int, slot: int) -> Future:
+        fut = self._pool.submit(self._read_into_slot, il, expert, slot)
+        fut.wait = fut.result  # type: ignore[attr-defined]
+        return fut
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        os.close(self.fd)
+
+
+def make_tier(spec: str) -> Tier:
+    """'ram', 'disk', 'emulated:GBPS' or 'gpu'."""
+    if spec == "ram":
+        return RamTier()
+    if spec == "disk":
+        return DiskTier()
+    if spec.startswith("emulated:"):
+        try:
+            return EmulatedTier(float(spec.split(":", 1)[1]))
+        except ValueError:
+            raise SpecterError(f"cannot parse tier {spec!r}: expected emulated:GBPS, e.g. emulated:16") from None
+    if spec == "gpu":
+        raise SpecterError("tier 'gpu' needs a CUDA build of the library (SPECTER_CUDA=1 make build) and a GPU")
+    raise SpecterError(f"unknown tier {spec!r}: use ram, disk, emulated:GBPS or gpu")
+
+
+# --- the cache -------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Layer:
+    owner: np.ndarray  # slot -> expert (-1 free)
+    where: np.ndarray  # expert -> slot (-1 not resident)
+    last_use: np.ndarray  # slot -> clock of last hit
+    freq: np.ndarray  # expert -> times selected
+    pending: dict = field(default_factory=dict)  # slot -> (expert, handle): uploads in flight (cpu mode)
+
+
+@dataclass
+class CacheStats:
+    uploads: int = 0
+    upload_bytes: int = 0
+    overflow_rows: int = 0  # wait mode: rows left to the host because one ubatch needed more experts than slots
+    hook_calls: int = 0
+
+
+class ExpertCache:
+    """Budgeted expert slots for one model. Create it after loading the model and before its context."""
+
+    def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
+                 miss: str = "wait", tier: Tier | None = None) -> None:
+        layout.require_moe()
+        if policy not in POLICIES:
+            raise SpecterError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+        if miss not in MISS_MODES:
+            raise SpecterError(f"unknown miss mode {miss!r}: use one of {', '.join(MISS_MODES)}")
+        if n_slots < layout.n_expert_used:
+            raise SpecterError(f"{n_slots} slots per layer is below top-{layout.n_expert_used}: one token's experts "
+                               "would not fit")
+        n_slots = min(n_slots, layout.n_expert)
+        self.model, self.layout, self.n_slots = model, layout, n_slots
+        self.policy, self.miss = policy, miss
+        self.api = native.slots()
+        rc = self.api.slots_init(model.ptr, n_slots)
+        if rc != 0:
+            raise SpecterError(f"could not allocate {n_slots} expert slots per layer (code {rc})")
+        self.tier = tier or RamTier()
+        self.tier.bind(model, layout)
+        self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
+        E = layout.n_expert
+        self.layers = {
+            L.index: _Layer(owner=np.full(n_slots, -1, np.int32), where=np.full(E, -1, np.int32),
+                            last_use=np.zeros(n_slots, np.int64), freq=np.zeros(E, np.int64))
+            for L in layout.layers
+        }
+        self.clock = 0
+        self.stats = CacheStats()
+        self.error: BaseException | None = None
+        self._cb = native.ROUTE_CB(self._on_route)  # keep a reference: C holds the pointer
+        self.api.set_route_cb(model.ptr, self._cb, None)
+
+    # residency bookkeeping mirrored on both sides
+    def _assign(self, il: int, expert: int, slot: int) -> None:
+        st = self.layers[il]
+        prev = st.owner[slot]
+        if prev >= 0:
+            st.where[prev] = -1
+        st.owner[slot] = expert
+        st.where[expert] = slot
+        st.last_use[slot] = self.clock
+        self.api.set_slot(self.model.ptr, il, expert, slot)
+
+    def _evict(self, il: int, slot: int) -> None:
+        st = self.layers[il]
+        prev = st.owner[slot]
+        if prev >= 0:
+            st.where[prev] = -1
+            st.owner[slot] = -1
+            self.api.set_slot(self.model.ptr, il, int(prev), -1)
+
+    def _victim(self, il: int, protected: set[int]) -> int:
+        """A slot to reuse: a free one, else by policy among slots not holding an expert needed right now."""
+        st = self.layers[il]
+        best, best_key = -1, None
+        for s in range(self.n_slots):
+            if s in st.pending:
+                continue
+            e = int(st.owner[s])
+            if e < 0:
+                return s
+            if e in protected:
+                continue
+            key = (st.last_use[s],) if self.policy == "lru" else (st.freq[e], st.last_use[s])
+            if best_key is None or key < best_key:
+                best, best_key = s, key
+        return best
+
+    def _reap(self, il: int, block_for: set[int] | None = None) -> None:
+        st = self.layers[il]
+        for slot, (expert, handle) in list(st.pending.items()):
+            if block_for is not None and expert in block_for:
+                handle.wait()
+            if handle.done():
+                del st.pending[slot]
+                self._assign(il, expert, slot)
+
+    def _count_upload(self, il: int) -> None:
+        self.stats.uploads += 1
+        self.stats.upload_bytes += self.expert_bytes[il]
+
+    def _on_route(self, _ud, il, n_tokens, n_used, ids_p, _weights_p) -> None:
+        # Runs on llama.cpp's compute thread. An exception must not unwind into C: remember it, and leave the
+        # layer to the host path, which is always exact.
+        try:
+            self.clock += 1
+            self.stats.hook_calls += 1
+            st = self.layers.get(il)
+            if st is None:
+                return
+            needed = set(ids_p[: n_tokens * n_used])
+            for e in needed:
+                st.freq[e] += 1
+            self._reap(il)
+            missing = []
+            for e in needed:
+                s = st.where[e]
+                if s >= 0:
+                    st.last_use[s] = self.clock
+                else:
+                    missing.append(e)
+            if not missing:
+                return
+            if self.miss == "wait":
+                inflight = {e for e, _ in st.pending.values()}
+                self._reap(il, block_for=inflight & set(missing))
+                for e in missing:
+                    if st.where[e] >= 0:
+                        continue
+                    slot = self._victim(il, needed)
+                    if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
+                        self.stats.overflow_rows += 1
+                        continue
+                    self._evict(il, slot)
+                    self.tier.upload(il, e, slot)
+                    self._count_upload(il)
+                    self._assign(il, e, slot)
+            else:
+                inflight = {e for e, _ in st.pending.values()}
+                for e in missing:
+                    if e in inflight:
+                        continue
+                    slot = self._victim(il, needed)
+                    if slot < 0:
+                        break
+                    self._evict(il, slot)
+                    st.pending[slot] = (e, self.tier.upload_async(il, e, slot))
+                    self._count_upload(il)
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+
+    def check(self) -> None:
+        """Re-raise an error the hook swallowed (call after each decode)."""
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def drain(self) -> None:
+        """Finish uploads in flight (cpu mode) and make them resident."""
+        for il in self.layers:
+            self._reap(il, block_for={e for e, _ in self.layers[il].pending.values()})
+
+    def warm(self, experts_by_layer: dict[int, list[int]]) -> None:
+        """Fill slots before the first token (e.g. from a routing profile), hottest first."""
+        for il, experts in experts_by_layer.items():
+            for slot, e in enumerate(experts[: self.n_slots]):
+                self.tier.upload(il, e, slot)
+                self._count_upload(il)
+                self._assign(il, e, slot)
+
+    def counters(self) -> dict:
+        c = self.api.stats(self.model.ptr)
+        rows = c["hit_rows"] + c["miss_rows"]
+        return {
+            "hit_rate": c["hit_rows"] / rows if rows else 0.0,
+            "hit_rows": c["hit_rows"], "miss_rows": c["miss_rows"], "route_calls": c["route_calls"],
+            "uploads": self.stats.uploads, "upload_bytes": self.stats.upload_bytes,
+            "overflow_rows": self.stats.overflow_rows,
+            "route_us_per_call": c["route_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
+            "hook_us_per_call": c["hook_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
+        }
+
+    def close(self) -> None:
+        self.drain()
+        self.api.set_route_cb(self.model.ptr, native.ROUTE_CB(), None)
+        self.tier.close()

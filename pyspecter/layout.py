@@ -1,0 +1,182 @@
+"""GGUF expert layout: which tensors hold experts, and the bytes and file offsets of each expert.
+
+Every llama.cpp MoE arch stores a layer's experts as 3-D tensors ``blk.L.ffn_{gate,up,down,gate_up}_exps`` whose
+outermost dimension is the expert, so expert ``e`` is one contiguous run of ``nbytes / n_expert`` bytes. That is
+what lets the slow tiers read an expert with a single pread.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pyspecter.errors import SpecterError
+
+# Matmul weights of the routed experts (biases and scales stay resident: they are tiny and indexed logically).
+EXPERT_KINDS = ("gate_up", "gate", "up", "down")
+_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
+_SHEXP_RE = re.compile(r"^blk\.(\d+)\.ffn_\w+_shexp\.weight$")
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    name: str
+    kind: str  # gate | up | down | gate_up
+    ggml_type: str  # e.g. F16, Q8_0
+    shape: tuple[int, ...]  # numpy order, experts first: (n_expert, rows, cols)
+    offset: int  # absolute file offset of expert 0
+    expert_bytes: int  # one expert's bytes in this tensor
+
+    def expert_offset(self, expert: int) -> int:
+        return self.offset + expert * self.expert_bytes
+
+
+@dataclass
+class MoELayer:
+    index: int
+    tensors: dict[str, ExpertTensor] = field(default_factory=dict)  # kind -> tensor
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert of this layer, all its matmul weights together."""
+        return sum(t.expert_bytes for t in self.tensors.values())
+
+
+@dataclass
+class ModelLayout:
+    path: Path
+    arch: str
+    name: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_shared_expert_layers: int
+    file_bytes: int
+    tensor_bytes: int
+    layers: list[MoELayer]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0 and bool(self.layers)
+
+    @property
+    def expert_total_bytes(self) -> int:
+        return sum(layer.expert_bytes * self.n_expert for layer in self.layers)
+
+    @property
+    def nonexpert_bytes(self) -> int:
+        return self.tensor_bytes - self.expert_total_bytes
+
+    def layer(self, index: int) -> MoELayer:
+        for layer in self.layers:
+            if layer.index == index:
+                return layer
+        raise KeyError(index)
+
+    def require_moe(self) -> ModelLayout:
+        if not self.is_moe:
+            raise SpecterError(f"{self.path}: model has no experts (dense {self.arch}); "
+                               "this needs a Mixture-of-Experts model")
+        return self
+
+
+def _field_value(reader, key: str):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    # gguf stores scalars as one-element arrays in parts[data[0]]; strings as uint8 arrays
+    v = f.parts[f.data[0]]
+    if v.dtype == np.uint8 and f.types and f.types[0].name == "STRING":
+        return bytes(v).decode("utf-8", errors="replace")
+    return v.item() if v.size == 1 else v.tolist()
+
+
+def read_layout(path: str | Path) -> ModelLayout:
+    """Parse a GGUF's header and tensor table. Raises SpecterError for a missing, foreign or truncated file."""
+    import gguf
+
+    p = Path(path)
+    if not p.exists():
+        raise SpecterError(f"{p}: no such file")
+    if not p.is_file():
+        raise SpecterError(f"{p}: not a file")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise SpecterError(f"{p}: not a GGUF file (bad magic)")
+    file_bytes = p.stat().st_size
+    try:
+        reader = gguf.GGUFReader(p, "r")
+    except Exception as e:  # the reader raises many types on a cut or garbled header
+        raise SpecterError(f"{p}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
+
+    arch = _field_value(reader, "general.architecture") or "unknown"
+    name = _field_value(reader, "general.name") or p.stem
+    n_layer = int(_field_value(reader, f"{arch}.block_count") or 0)
+    n_expert = int(_field_value(reader, f"{arch}.expert_count") or 0)
+    n_used = int(_field_value(reader, f"{arch}.expert_used_count") or 0)
+
+    layers: dict[int, MoELayer] = {}
+    shexp_layers: set[int] = set()
+    tensor_bytes = 0
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > file_bytes:
+            raise SpecterError(f"{p}: truncated GGUF (tensor {t.name} ends at byte {end}, file has {file_bytes})")
+        tensor_bytes += int(t.n_bytes)
+        if m := _SHEXP_RE.match(t.name):
+            shexp_layers.add(int(m.group(1)))
+        m = _EXPS_RE.match(t.name)
+        if not m or n_expert == 0:
+            continue
+        il, kind = int(m.group(1)), m.group(2)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # gguf lists ggml order (ne0 first)
+        if shape[0] != n_expert or int(t.n_bytes) % n_expert:
+            raise SpecterError(f"{p}: {t.name} has shape {shape}, expected {n_expert} experts outermost")
+        layers.setdefault(il, MoELayer(il)).tensors[kind] = ExpertTensor(
+            name=t.name, kind=kind, ggml_type=t.tensor_type.name, shape=shape,
+            offset=int(t.data_offset), expert_bytes=int(t.n_bytes) // n_expert,
+        )
+    return ModelLayout(
+        path=p, arch=arch, name=str(name), n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used,
+        n_shared_expert_layers=len(shexp_layers), file_bytes=file_bytes, tensor_bytes=tensor_bytes,
+        layers=[layers[k] for k in sorted(layers)],
+    )
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_budget(text: str, expert_total_bytes: int) -> int:
+    """Bytes from '64MiB', '1.5GB', '123456' or '40%' (of all expert bytes)."""
+    s = text.strip()
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise SpecterError(f"cannot parse budget {text!r} (examples: 64MiB, 1.5GB, 40%)") from None
+        if not 0 < pct <= 100:
+            raise SpecterError(f"budget {text!r} must be a percentage in (0, 100]")
+        return int(expert_total_bytes * pct / 100)
+    m = _SIZE_RE.match(s)
+    if not m or m.group(2) is None and not s[-1:].isdigit():
+        raise SpecterError(f"cannot parse budget {text!r} (examples: 64MiB, 1.5GB, 40%)")
+    unit = (m.group(2) or "").lower()
+    if unit not in _UNITS:
+        raise SpecterError(f"cannot parse budget {text!r}: unknown unit {m.group(2)!r}")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise SpecterError(f"budget {text!r} must be positive")
+    return value
+
+
+def slots_for_budget(layout: ModelLayout, budget_bytes: int) -> int:
+    """Expert slots per MoE layer (the same count in every layer) that fit in budget_bytes, capped at n_expert."""
+    per_slot_row = sum(layer.expert_bytes for layer in layout.layers)  # one slot in every layer
+    return min(layout.n_expert, budget_bytes // per_slot_row) if per_slot_row else 0
