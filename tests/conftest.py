@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it: a fresh process, so exit codes and stderr are the real ones."""
+    return subprocess.run([sys.executable, "-m", "pyspecter", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def dense_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small dense llama GGUF (no experts): only its header matters to the commands that refuse it."""
+    path = tmp_path_factory.mktemp("dense") / "dense.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("dense test model")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((16, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
