@@ -203,13 +203,17 @@ class CacheStats:
     upload_bytes: int = 0
     overflow_rows: int = 0  # wait mode: rows left to the host because one ubatch needed more experts than slots
     hook_calls: int = 0
+    needed: int = 0  # distinct experts asked for, summed over (layer, ubatch)
+    resident_at_need: int = 0  # ... of which already resident when the layer asked: the cache's hit rate
 
 
 class ExpertCache:
     """Budgeted expert slots for one model. Create it after loading the model and before its context."""
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
-                 miss: str = "wait", tier: Tier | None = None) -> None:
+                 miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False) -> None:
+        """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
+        record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN)."""
         layout.require_moe()
         if policy not in POLICIES:
             raise SpecterError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -237,8 +241,10 @@ class ExpertCache:
         self.clock = 0
         self.stats = CacheStats()
         self.error: BaseException | None = None
+        self.trace: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
         self._cb = native.ROUTE_CB(self._on_route)  # keep a reference: C holds the pointer
-        self.api.set_route_cb(model.ptr, self._cb, None)
+        if hook:
+            self.api.set_route_cb(model.ptr, self._cb, None)
 
     # residency bookkeeping mirrored on both sides
     def _assign(self, il: int, expert: int, slot: int) -> None:
@@ -299,6 +305,8 @@ class ExpertCache:
             if st is None:
                 return
             needed = set(ids_p[: n_tokens * n_used])
+            if self.trace is not None:
+                self.trace.append((il, tuple(sorted(needed))))
             for e in needed:
                 st.freq[e] += 1
             self._reap(il)
@@ -309,6 +317,8 @@ class ExpertCache:
                     st.last_use[s] = self.clock
                 else:
                     missing.append(e)
+            self.stats.needed += len(needed)
+            self.stats.resident_at_need += len(needed) - len(missing)
             if not missing:
                 return
             if self.miss == "wait":
@@ -361,14 +371,25 @@ class ExpertCache:
     def counters(self) -> dict:
         c = self.api.stats(self.model.ptr)
         rows = c["hit_rows"] + c["miss_rows"]
+        st = self.stats
         return {
-            "hit_rate": c["hit_rows"] / rows if rows else 0.0,
+            # experts already resident when their layer asked for them (before any upload the hook made)
+            # (with no hook, residency is static and the C row counters tell the same thing)
+            "hit_rate": st.resident_at_need / st.needed if st.needed else (c["hit_rows"] / rows if rows else 0.0),
+            # rows computed from slots rather than on the host (after the hook's uploads)
+            "slot_row_rate": c["hit_rows"] / rows if rows else 0.0,
             "hit_rows": c["hit_rows"], "miss_rows": c["miss_rows"], "route_calls": c["route_calls"],
+            "needed": st.needed, "resident_at_need": st.resident_at_need,
+            "hook_ms": c["hook_ns"] / 1e6, "upload_ns": c["upload_ns"],
             "uploads": self.stats.uploads, "upload_bytes": self.stats.upload_bytes,
             "overflow_rows": self.stats.overflow_rows,
             "route_us_per_call": c["route_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
             "hook_us_per_call": c["hook_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
         }
+
+    def reset_counters(self) -> None:
+        self.stats = CacheStats()
+        self.api.stats_reset(self.model.ptr)
 
     def close(self) -> None:
         self.drain()

@@ -29,9 +29,15 @@ def resolve_model(spec: str) -> Path:
         return p
     from pyspecter.models import tiny
 
-    if spec in tiny.TINY_MODELS:
+    if spec in tiny.TINY_MODELS or spec in tiny.BENCH_MODELS:
         return tiny.build_tiny(spec)
-    raise SpecterError(f"{spec}: no such file, and not a built-in model ({', '.join(tiny.TINY_MODELS)})")
+    raise SpecterError(f"{spec}: no such file, and not a built-in model ({', '.join(_builtin_names())})")
+
+
+def _builtin_names() -> list[str]:
+    from pyspecter.models import tiny
+
+    return [*tiny.TINY_MODELS, *tiny.BENCH_MODELS]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -95,17 +101,15 @@ def models_build(
     """Build (or find in the cache) a project model and print its path."""
     from pyspecter.models import tiny
 
-    if name not in tiny.TINY_MODELS:
-        raise SpecterError(f"unknown model {name!r}; known: {', '.join(tiny.TINY_MODELS)}")
+    if name not in _builtin_names():
+        raise SpecterError(f"unknown model {name!r}; known: {', '.join(_builtin_names())}")
     print(tiny.build_tiny(name))
 
 
 @models_app.command("list")
 def models_list() -> None:
     """List the models the project can build."""
-    from pyspecter.models import tiny
-
-    for name in tiny.TINY_MODELS:
+    for name in _builtin_names():
         print(name)
 
 
@@ -149,6 +153,40 @@ def verify(
               f"{r['uploads']} uploads ({_fmt_bytes(r['upload_bytes'])})")
     if not ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def bench(
+    model: ModelArg,
+    tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")] = "ram",
+    budget: Annotated[str, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%")] = "50%",
+    policies: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(
+        ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")))] = "",
+    prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill")] = 64,
+    n: Annotated[int, typer.Option("-n", help="decode tokens per run")] = 32,
+    repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,
+    threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Time residency policies side by side on one model: same prompt, interleaved repeats, ratios."""
+    from pyspecter.bench import run_bench
+
+    r = run_bench(resolve_model(model), tier=tier, budget=budget,
+                  policies=[p.strip() for p in policies.split(",") if p.strip()] or None,
+                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=threads)
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    print(f"{Path(r['model']).name}: {r['arch']}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
+          f"{r['slots_per_layer']}/{r['n_expert']} slots per layer, link {r['link_gbps']:.2f} GB/s, "
+          f"{r['prompt_tokens']}-token prompt, {r['decode_tokens']} decode tokens x {r['repeat']}")
+    print(f"{'policy':<15}{'TPOT ms':>9}{'tok/s':>9}{'prefill/s':>10}{'hit%':>7}{'KiB/tok':>9}{'stall ms':>9}"
+          f"{'hook us':>8}{'vs lru':>8}{'vs all':>8}")
+    for name, p in r["policies"].items():
+        print(f"{name:<15}{p['tpot_ms']:>9.2f}{p['decode_tok_s']:>9.1f}{p.get('prefill_tok_s', float('nan')):>10.1f}"
+              f"{100 * p.get('hit_rate', 1):>7.1f}{p['bytes_per_token'] / 1024:>9.1f}"
+              f"{p.get('stall_ms_per_token', 0):>9.2f}{p.get('hook_us_per_call', 0):>8.1f}"
+              f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}")
 
 
 @app.command()

@@ -35,7 +35,7 @@ def test_slots_exact(name: str, miss: str, tier: str) -> None:
         assert r["max_abs_logit_diff"] <= TOL, (slots, r["max_abs_logit_diff"])
         assert r["uploads"] > 0
         if miss == "wait" and slots == TINY_MODELS[name].n_expert:
-            assert r["hit_rate"] == 1.0  # every miss was uploaded and waited for
+            assert r["slot_row_rate"] == 1.0  # every miss was uploaded and waited for
 
 
 PROMPTS = [

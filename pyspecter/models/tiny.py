@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType, LlamaFileType
 
 from pyspecter.paths import content_key, models_dir
 
-__all__ = ["TINY_MODELS", "TinySpec", "build_tiny"]
+__all__ = ["BENCH_MODELS", "TINY_MODELS", "TinySpec", "build_tiny"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,20 @@ TINY_MODELS: dict[str, TinySpec] = {
         ),
     )
 }
+
+# Scaled-up random fixtures for benchmarks (DESIGN §5): big enough that expert I/O shows, with distinct experts and
+# little routing locality, the hard case. Not built by the tests.
+BENCH_MODELS: dict[str, TinySpec] = {
+    spec.name: spec
+    for spec in (
+        TinySpec(
+            name="bench-qwen3moe", arch="qwen3moe", seed=4242,
+            n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64,
+            n_expert=32, n_expert_used=4, n_ff_exp=512, expert_dtype="F16",
+            qk_norm=True, rope_freq_base=1_000_000.0, n_vocab=2048,
+        ),
+    )
+}
 # fmt: on
 
 _FILE_TYPES = {
@@ -115,9 +129,9 @@ _FILE_TYPES = {
 
 def build_tiny(name: str, out_dir: Path | None = None) -> Path:
     """Return the path of fixture ``name``, building it if no file with the current content key exists."""
-    spec = TINY_MODELS.get(name)
+    spec = TINY_MODELS.get(name) or BENCH_MODELS.get(name)
     if spec is None:
-        raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(sorted(TINY_MODELS))}")
+        raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(sorted(TINY_MODELS | BENCH_MODELS))}")
 
     out_dir = models_dir() if out_dir is None else Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,189 @@
+"""Side-by-side speed of residency policies on one model, in one process, on the same prompt.
+
+Machines here are shared and noisy, so every figure that matters is a ratio between policies measured in the same
+run, with policies interleaved across repeats so drift hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from pyspecter.cache import ExpertCache, make_tier
+from pyspecter.errors import SpecterError
+from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.native import Context, Model
+
+POLICIES = ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
+
+
+@dataclass
+class Run:
+    prefill_s: float
+    tpots: list[float]
+    counters: dict
+    peak_rss: int
+    trace: list | None = None
+
+
+def _prompt_tokens(model: Model, n: int, seed: int = 0) -> list[int]:
+    # Synthetic ids are fine for speed: the random fixtures have no real text anyway, and every policy sees the
+    # same ones.
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(1, model.n_vocab, size=n)]
+
+
+def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompt_len: int, n: int,
+         n_threads: int) -> Run:
+    proc = psutil.Process()
+    stock = policy == "stock"
+    # stock is llama.cpp as users run it (repacked weights where the CPU has kernels for them)
+    model = Model(path, extra_bufts=stock)
+    cache = None
+    try:
+        if policy == "all-resident":
+            cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"), hook=False)
+            cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
+        elif policy.startswith("on-demand-"):
+            kind = policy.removeprefix("on-demand-")
+            cache = ExpertCache(model, layout, slots, policy="lru" if kind == "cpu" else kind,
+                                miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True)
+        elif not stock:
+            raise SpecterError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
+        with Context(model, n_threads=n_threads, n_ctx=prompt_len + n + 8) as ctx:
+            prompt = _prompt_tokens(model, prompt_len)
+            t0 = time.perf_counter()
+            logits = ctx.decode(prompt)
+            prefill = time.perf_counter() - t0
+            if cache:
+                cache.check()
+                cache.reset_counters()
+                if cache.trace is not None:
+                    cache.trace.clear()
+            tpots, peak = [], proc.memory_info().rss
+            for _ in range(n):
+                t0 = time.perf_counter()
+                logits = ctx.decode([int(np.argmax(logits))])
+                tpots.append(time.perf_counter() - t0)
+                peak = max(peak, proc.memory_info().rss)
+            counters = cache.counters() if cache else {}
+            if cache:
+                cache.check()
+            return Run(prefill, tpots, counters, peak, cache.trace if cache else None)
+    finally:
+        if cache:
+            cache.close()
+        model.close()
+
+
+def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0) -> float:
+    """Upload throughput of a tier in GB/s: synchronous uploads of random experts into slots."""
+    layout = read_layout(path).require_moe()
+    rng = np.random.default_rng(seed)
+    with Model(path) as model:
+        cache = ExpertCache(model, layout, layout.n_expert_used, tier=make_tier(tier), hook=False)
+        picks = [(layout.layers[rng.integers(len(layout.layers))].index, int(rng.integers(layout.n_expert)))
+                 for _ in range(n_uploads)]
+        t0 = time.perf_counter()
+        nbytes = 0
+        for i, (il, e) in enumerate(picks):
+            cache.tier.upload(il, e, i % cache.n_slots)
+            nbytes += cache.expert_bytes[il]
+        dt = time.perf_counter() - t0
+        cache.close()
+    return nbytes / dt / 1e9
+
+
+def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int) -> int:
+    """Uploads an optimal (MIN) cache of `slots` per layer needs for this routing trace."""
+    per_layer: dict[int, list[tuple[int, ...]]] = {}
+    for il, needed in trace:
+        per_layer.setdefault(il, []).append(needed)
+    misses = 0
+    for steps in per_layer.values():
+        # next_use[i][e]: the first step after i that needs e (computed backwards once: O(steps x experts))
+        nxt: dict[int, int] = {}
+        next_use: list[dict[int, int]] = [{} for _ in steps]
+        for i in range(len(steps) - 1, -1, -1):
+            next_use[i] = dict(nxt)
+            for e in steps[i]:
+                nxt[e] = i
+        resident: set[int] = set()
+        for i, needed in enumerate(steps):
+            for e in needed:
+                if e in resident:
+                    continue
+                misses += 1
+                if len(resident) >= slots:
+                    victims = [x for x in resident if x not in needed] or list(resident)
+                    resident.remove(max(victims, key=lambda x, i=i: next_use[i].get(x, 1 << 30)))
+                resident.add(e)
+    return misses
+
+
+def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None, slots: int | None = None,
+              policies: list[str] | None = None, prompt_len: int = 64, n: int = 32, repeat: int = 3,
+              n_threads: int = 2) -> dict:
+    from pyspecter.layout import parse_budget, slots_for_budget
+
+    path = Path(path)
+    layout = read_layout(path).require_moe()
+    policies = list(policies or POLICIES)
+    for p in policies:
+        if p not in POLICIES:
+            raise SpecterError(f"unknown policy {p!r}: use {', '.join(POLICIES)}")
+    if slots is None:
+        slots = slots_for_budget(layout, parse_budget(budget or "50%", layout.expert_total_bytes))
+    if slots < layout.n_expert_used:
+        raise SpecterError(f"budget gives {slots} slots per layer, below top-{layout.n_expert_used}")
+    make_tier(tier)  # validate early
+    link_gbps = measure_link(path, tier)
+    # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
+    _run("stock", path, layout, slots, tier, min(prompt_len, 8), 2, n_threads)
+    runs: dict[str, list[Run]] = {p: [] for p in policies}
+    for _ in range(repeat):
+        for p in policies:  # interleaved: drift hits every policy alike
+            runs[p].append(_run(p, path, layout, slots, tier, prompt_len, n, n_threads))
+
+    out: dict = {"model": str(path), "arch": layout.arch, "tier": tier, "emulated": tier.startswith("emulated"),
+                 "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
+                 "n_expert_used": layout.n_expert_used, "prompt_tokens": prompt_len, "decode_tokens": n,
+                 "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps, "policies": {}}
+    layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
+    for p, rs in runs.items():
+        tp = [t for r in rs for t in r.tpots]
+        tpot = statistics.median(tp)
+        c = rs[-1].counters
+        ups = [r.counters.get("upload_bytes", 0) for r in rs]
+        hook_ms = [r.counters.get("hook_ms", 0.0) for r in rs]
+        out["policies"][p] = {
+            "tpot_ms": 1e3 * tpot,
+            "tpot_p10_ms": 1e3 * float(np.percentile(tp, 10)), "tpot_p90_ms": 1e3 * float(np.percentile(tp, 90)),
+            "decode_tok_s": 1 / tpot,
+            "prefill_tok_s": prompt_len / statistics.median(r.prefill_s for r in rs),
+            "hit_rate": c.get("hit_rate", 1.0), "coverage": c.get("slot_row_rate", 1.0),
+            "bytes_per_token": statistics.mean(ups) / n,
+            "stall_ms_per_token": statistics.mean(hook_ms) / n,
+            "route_us_per_call": c.get("route_us_per_call", 0.0),
+            "hook_us_per_call": c.get("hook_us_per_call", 0.0),
+            "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
+        }
+    # oracle bound: Belady-optimal uploads for the routing the on-demand runs saw, perfectly overlapped
+    trace = next((r.trace for p in policies if p.startswith("on-demand") for r in runs[p] if r.trace), None)
+    if trace is not None and "all-resident" in out["policies"]:
+        mn = belady_misses(trace, slots)
+        t_link = mn * layer_bytes / n / (link_gbps * 1e9)
+        ar = out["policies"]["all-resident"]["tpot_ms"] / 1e3
+        tpot = max(ar, t_link)
+        out["policies"]["oracle-bound"] = {"tpot_ms": 1e3 * tpot, "decode_tok_s": 1 / tpot,
+                                           "bytes_per_token": mn * layer_bytes / n, "computed": True}
+    for r in out["policies"].values():
+        for ref in ("on-demand-lru", "all-resident", "oracle-bound"):
+            if ref in out["policies"]:
+                r["vs_" + ref.replace("-", "_")] = out["policies"][ref]["tpot_ms"] / r["tpot_ms"]
+    return out
