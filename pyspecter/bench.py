@@ -19,7 +19,8 @@ from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.native import Context, Model
 
-POLICIES = ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
+POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
+DEFAULT_POLICIES = ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
 
 
 @dataclass
@@ -46,8 +47,10 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
     model = Model(path, extra_bufts=stock)
     cache = None
     try:
-        if policy == "all-resident":
-            cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"), hook=False)
+        if policy.startswith("all-resident"):
+            # -hooked keeps the Python routing hook on with nothing to do: the hook's own cost per layer
+            cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"),
+                                hook=policy.endswith("hooked"))
             cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
         elif policy.startswith("on-demand-"):
             kind = policy.removeprefix("on-demand-")
@@ -57,6 +60,9 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
             raise SpecterError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
         with Context(model, n_threads=n_threads, n_ctx=prompt_len + n + 8) as ctx:
             prompt = _prompt_tokens(model, prompt_len)
+            # a fresh context's first decode allocates its compute buffers: load time, not prefill speed
+            ctx.decode(prompt[:1])
+            ctx.clear()
             t0 = time.perf_counter()
             logits = ctx.decode(prompt)
             prefill = time.perf_counter() - t0
@@ -133,7 +139,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
 
     path = Path(path)
     layout = read_layout(path).require_moe()
-    policies = list(policies or POLICIES)
+    policies = list(policies or DEFAULT_POLICIES)
     for p in policies:
         if p not in POLICIES:
             raise SpecterError(f"unknown policy {p!r}: use {', '.join(POLICIES)}")

@@ -20,8 +20,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from pyspecter import native
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
@@ -190,10 +188,12 @@ def make_tier(spec: str) -> Tier:
 
 @dataclass
 class _Layer:
-    owner: np.ndarray  # slot -> expert (-1 free)
-    where: np.ndarray  # expert -> slot (-1 not resident)
-    last_use: np.ndarray  # slot -> clock of last hit
-    freq: np.ndarray  # expert -> times selected
+    # plain lists, not numpy: the hook does a handful of scalar reads and writes per call, where list indexing
+    # is several times cheaper than numpy scalar indexing
+    owner: list[int]  # slot -> expert (-1 free)
+    where: list[int]  # expert -> slot (-1 not resident)
+    last_use: list[int]  # slot -> clock of last hit
+    freq: list[int]  # expert -> times selected
     pending: dict = field(default_factory=dict)  # slot -> (expert, handle): uploads in flight (cpu mode)
 
 
@@ -234,8 +234,7 @@ class ExpertCache:
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
         E = layout.n_expert
         self.layers = {
-            L.index: _Layer(owner=np.full(n_slots, -1, np.int32), where=np.full(E, -1, np.int32),
-                            last_use=np.zeros(n_slots, np.int64), freq=np.zeros(E, np.int64))
+            L.index: _Layer(owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E)
             for L in layout.layers
         }
         self.clock = 0
@@ -263,7 +262,7 @@ class ExpertCache:
         if prev >= 0:
             st.where[prev] = -1
             st.owner[slot] = -1
-            self.api.set_slot(self.model.ptr, il, int(prev), -1)
+            self.api.set_slot(self.model.ptr, il, prev, -1)
 
     def _victim(self, il: int, protected: set[int]) -> int:
         """A slot to reuse: a free one, else by policy among slots not holding an expert needed right now."""
@@ -272,7 +271,7 @@ class ExpertCache:
         for s in range(self.n_slots):
             if s in st.pending:
                 continue
-            e = int(st.owner[s])
+            e = st.owner[s]
             if e < 0:
                 return s
             if e in protected:
@@ -309,7 +308,8 @@ class ExpertCache:
                 self.trace.append((il, tuple(sorted(needed))))
             for e in needed:
                 st.freq[e] += 1
-            self._reap(il)
+            if st.pending:
+                self._reap(il)
             missing = []
             for e in needed:
                 s = st.where[e]

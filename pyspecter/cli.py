@@ -161,7 +161,7 @@ def bench(
     tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")] = "ram",
     budget: Annotated[str, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%")] = "50%",
     policies: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(
-        ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")))] = "",
+        ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")))] = "",
     prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill")] = 64,
     n: Annotated[int, typer.Option("-n", help="decode tokens per run")] = 32,
     repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,
