@@ -60,9 +60,7 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
             raise SpecterError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
         with Context(model, n_threads=n_threads, n_ctx=prompt_len + n + 8) as ctx:
             prompt = _prompt_tokens(model, prompt_len)
-            # a fresh context's first decode allocates its compute buffers: load time, not prefill speed
-            ctx.decode(prompt[:1])
-            ctx.clear()
+            ctx.warmup()
             t0 = time.perf_counter()
             logits = ctx.decode(prompt)
             prefill = time.perf_counter() - t0

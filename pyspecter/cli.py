@@ -192,37 +192,46 @@ def bench(
 @app.command()
 def demo(
     model: Annotated[str, typer.Option(help="model to run")] = "tiny-qwen3moe",
-    n: Annotated[int, typer.Option("-n", help="tokens to generate")] = 48,
+    budget: Annotated[str, typer.Option(help="fast-tier budget for expert slots")] = "50%",
+    n: Annotated[int, typer.Option("-n", help="tokens to generate")] = 32,
 ) -> None:
-    """Build a model, show its expert layout and generate text through the patched llama.cpp."""
+    """Build a model, show its expert layout, and generate through expert slots next to stock llama.cpp."""
     import time
 
     from pyspecter import native
-    from pyspecter.layout import read_layout
+    from pyspecter.cache import ExpertCache
+    from pyspecter.engine import greedy
+    from pyspecter.layout import parse_budget, read_layout, slots_for_budget
 
     path = resolve_model(model)
     print(f"patched llama.cpp: pyspecter patch series v{native.patch_series_version()}")
-    inspect(str(path), json_out=False, budget="50%")
-    native.quiet_logs()
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, seed=0, verbose=False)
-    prompt = "Once upon a time"
-    toks = llm.tokenize(prompt.encode(), add_bos=True)
-    t0 = time.perf_counter()
-    out = []
-    for i, tok in enumerate(llm.generate(toks, temp=0.0)):
-        if i == 0:
-            t1 = time.perf_counter()
-        out.append(tok)
-        if len(out) >= n or tok == llm.token_eos():
-            break
-    t2 = time.perf_counter()
-    text = llm.detokenize(out).decode("utf-8", errors="replace")
+    inspect(str(path), json_out=False, budget=budget)
     lay = read_layout(path)
+    slots = max(slots_for_budget(lay, parse_budget(budget, lay.expert_total_bytes)), lay.n_expert_used)
+    prompt = "Once upon a time"
+    results = {}
+    for mode in ("stock", "slots"):
+        with native.Model(path) as m:
+            cache = ExpertCache(m, lay, slots, miss="wait") if mode == "slots" else None
+            with native.Context(m) as ctx:
+                toks = m.tokenize(prompt)
+                ctx.warmup()
+                t0 = time.perf_counter()
+                out, _ = greedy(ctx, toks, n, stop_at_eog=True)
+                dt = time.perf_counter() - t0
+                results[mode] = (out, m.detokenize(out), dt, cache.counters() if cache else None)
+            if cache:
+                cache.check()
+                cache.close()
+    out, text, dt, c = results["slots"]
     print(f"\nprompt: {prompt!r}\n{lay.arch} says: {text!r}")
-    print(f"prefill {len(toks)} tok in {1e3 * (t1 - t0):.1f} ms; decode {len(out) - 1} tok at "
-          f"{(len(out) - 1) / max(t2 - t1, 1e-9):.1f} tok/s (greedy, 2 threads, stock path)")
+    print(f"expert slots ({slots}/{lay.n_expert} per layer, miss=wait, tier ram): {len(out) / dt:.1f} tok/s, "
+          f"hit rate {100 * c['hit_rate']:.1f}%, {c['uploads']} uploads; stock llama.cpp: "
+          f"{len(results['stock'][0]) / results['stock'][2]:.1f} tok/s")
+    same = results["stock"][0] == out
+    print("greedy tokens identical to stock llama.cpp" if same else "WARNING: tokens differ from stock llama.cpp")
+    if not same:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -234,6 +234,12 @@ class Context:
                 rows.append(np.ctypeslib.as_array(p, shape=(n_vocab,)).copy())
         return np.stack(rows) if logits_all else rows[-1]
 
+    def warmup(self) -> None:
+        """Run one token and forget it: a fresh context's first decode allocates its compute buffers, which is
+        load time, not speed."""
+        self.decode([0])
+        self.clear()
+
     def truncate(self, n_keep: int) -> None:
         """Drop cached positions >= n_keep (KV rollback)."""
         import llama_cpp
