@@ -57,6 +57,10 @@ class _Ticket:
     def done(self) -> bool:
         return bool(self.api.upload_done(self.model_ptr, self.ticket))
 
+    def started(self) -> bool:
+        # uploads complete in FIFO order: once the previous one is done, this one is on the wire
+        return bool(self.api.upload_done(self.model_ptr, self.ticket - 1))
+
     def wait(self) -> None:
         self.api.upload_wait(self.model_ptr, self.ticket)
 
@@ -161,6 +165,7 @@ class DiskTier(Tier):
     def upload_async(self, il: int, expert: int, slot: int) -> Future:
         fut = self._pool.submit(self._read_into_slot, il, expert, slot)
         fut.wait = fut.result  # type: ignore[attr-defined]
+        fut.started = lambda: fut.running() or fut.done()  # type: ignore[attr-defined]
         return fut
 
     def close(self) -> None:
@@ -194,7 +199,8 @@ class _Layer:
     where: list[int]  # expert -> slot (-1 not resident)
     last_use: list[int]  # slot -> clock of last hit
     freq: list[int]  # expert -> times selected
-    pending: dict = field(default_factory=dict)  # slot -> (expert, handle): uploads in flight (cpu mode)
+    pending: dict = field(default_factory=dict)  # slot -> (expert, handle): uploads in flight
+    protected: set = field(default_factory=set)  # experts predicted for the window in flight: never evicted
 
 
 @dataclass
@@ -203,6 +209,8 @@ class CacheStats:
     upload_bytes: int = 0
     overflow_rows: int = 0  # wait mode: rows left to the host because one ubatch needed more experts than slots
     hook_calls: int = 0
+    prefetches: int = 0  # uploads issued ahead of need (from a prediction)
+    waited: int = 0  # misses that waited for an upload already in flight
     needed: int = 0  # distinct experts asked for, summed over (layer, ubatch)
     resident_at_need: int = 0  # ... of which already resident when the layer asked: the cache's hit rate
 
@@ -274,7 +282,7 @@ class ExpertCache:
             e = st.owner[s]
             if e < 0:
                 return s
-            if e in protected:
+            if e in protected or e in st.protected:
                 continue
             key = (st.last_use[s],) if self.policy == "lru" else (st.freq[e], st.last_use[s])
             if best_key is None or key < best_key:
@@ -321,9 +329,10 @@ class ExpertCache:
             self.stats.resident_at_need += len(needed) - len(missing)
             if not missing:
                 return
+            inflight = {e: h for e, h in st.pending.values()}
             if self.miss == "wait":
-                inflight = {e for e, _ in st.pending.values()}
-                self._reap(il, block_for=inflight & set(missing))
+                self._reap(il, block_for=set(inflight) & set(missing))
+                self.stats.waited += len(set(inflight) & set(missing))
                 for e in missing:
                     if st.where[e] >= 0:
                         continue
@@ -336,7 +345,12 @@ class ExpertCache:
                     self._count_upload(il)
                     self._assign(il, e, slot)
             else:
-                inflight = {e for e, _ in st.pending.values()}
+                # an upload already on the wire is due soon: wait for it; one still queued behind others would
+                # stall longer than computing the expert on the host
+                due = {e for e in missing if e in inflight and inflight[e].started()}
+                if due:
+                    self._reap(il, block_for=due)
+                    self.stats.waited += len(due)
                 for e in missing:
                     if e in inflight:
                         continue
@@ -348,6 +362,39 @@ class ExpertCache:
                     self._count_upload(il)
         except BaseException as e:  # noqa: BLE001
             self.error = e
+
+    # --- prediction-driven residency (the speculative engine) ---------------------------------------------------
+
+    def protect(self, il: int, experts) -> None:
+        """Experts predicted for the window in flight: eviction skips them until unprotect_all()."""
+        st = self.layers.get(il)
+        if st is not None:
+            st.protected.update(experts)
+
+    def unprotect_all(self) -> None:
+        for st in self.layers.values():
+            st.protected.clear()
+
+    def prefetch(self, il: int, experts) -> int:
+        """Start async uploads of predicted experts that are neither resident nor on their way. Victims are never
+        protected or pending. Returns how many uploads were issued."""
+        st = self.layers.get(il)
+        if st is None:
+            return 0
+        inflight = {e for e, _ in st.pending.values()}
+        issued = 0
+        for e in experts:
+            if st.where[e] >= 0 or e in inflight:
+                continue
+            slot = self._victim(il, set(experts))
+            if slot < 0:
+                break
+            self._evict(il, slot)
+            st.pending[slot] = (e, self.tier.upload_async(il, e, slot))
+            self._count_upload(il)
+            self.stats.prefetches += 1
+            issued += 1
+        return issued
 
     def check(self) -> None:
         """Re-raise an error the hook swallowed (call after each decode)."""
@@ -382,7 +429,8 @@ class ExpertCache:
             "needed": st.needed, "resident_at_need": st.resident_at_need,
             "hook_ms": c["hook_ns"] / 1e6, "upload_ns": c["upload_ns"],
             "uploads": self.stats.uploads, "upload_bytes": self.stats.upload_bytes,
-            "overflow_rows": self.stats.overflow_rows,
+            "overflow_rows": self.stats.overflow_rows, "prefetches": self.stats.prefetches,
+            "waited": self.stats.waited,
             "route_us_per_call": c["route_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
             "hook_us_per_call": c["hook_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
         }

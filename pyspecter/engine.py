@@ -1,10 +1,23 @@
-"""The decode loop. For now plain greedy decoding on one context; the speculative engine grows here."""
+"""The decode loops: plain greedy, and speculative decoding with a draft that also predicts experts.
+
+One speculative step: the draft (in step with the target's accepted tokens) drafts K tokens; while it does, its
+per-layer routing drives expert prefetch on the target (plan.Prefetcher); the target then verifies the current
+token plus the K drafts in one batch; the accepted prefix plus one token from the target is emitted, and both
+KV caches are rolled back past the rejected drafts. Greedy output equals the target's own greedy output; with a
+temperature, standard speculative sampling keeps the target's distribution.
+"""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pyspecter.native import Context
+from pyspecter.plan import KGovernor, Prefetcher
+from pyspecter.predict import DraftRouting
 
 
 def greedy(ctx: Context, prompt: list[int], n: int, *, stop_at_eog: bool = False) -> tuple[list[int], np.ndarray]:
@@ -22,3 +35,158 @@ def greedy(ctx: Context, prompt: list[int], n: int, *, stop_at_eog: bool = False
             break
         logits = ctx.decode([tok])
     return out, np.stack(rows)
+
+
+def _softmax(x: np.ndarray, temperature: float) -> np.ndarray:
+    z = (x - x.max()) / temperature
+    p = np.exp(z)
+    return p / p.sum()
+
+
+def speculative_accept(target_logits: np.ndarray, draft_probs: list[np.ndarray], drafts: list[int],
+                       temperature: float, rng: np.random.Generator) -> tuple[int, int]:
+    """Standard speculative sampling (Leviathan et al. / Chen et al.): accept draft i with probability
+    min(1, p_i/q_i); on the first rejection sample from normalise(max(0, p - q)); if all K are accepted, sample a
+    bonus token from p_K. The emitted tokens are distributed exactly as sampling the target alone.
+    Returns (number accepted, the token emitted after them)."""
+    k = len(drafts)
+    for i in range(k):
+        p = _softmax(target_logits[i], temperature)
+        d = drafts[i]
+        if rng.random() < min(1.0, p[d] / max(draft_probs[i][d], 1e-20)):
+            continue
+        resid = np.maximum(p - draft_probs[i], 0.0)
+        total = resid.sum()
+        tok = int(rng.choice(len(p), p=resid / total)) if total > 0 else int(np.argmax(p))
+        return i, tok
+    p = _softmax(target_logits[k], temperature)
+    return k, int(rng.choice(len(p), p=p))
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    k_hist: dict[int, int] = field(default_factory=dict)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return sum(k * c for k, c in self.k_hist.items()) / self.steps if self.steps else 0.0
+
+
+class SpeculativeDecoder:
+    """Target + draft contexts on the same vocabulary. ``routing``/``prefetcher`` are optional: without them this
+    is plain speculative decoding; with them the draft's routing prefetches the target's experts."""
+
+    def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
+                 routing: DraftRouting | None = None, prefetcher: Prefetcher | None = None,
+                 temperature: float = 0.0, seed: int = 0) -> None:
+        if target.model.n_vocab != draft.model.n_vocab:
+            raise ValueError("draft and target must share a vocabulary")
+        self.target, self.draft = target, draft
+        self.k, self.adaptive = k, adaptive
+        self.governor = KGovernor(k_max=k_max, k=k)
+        self.routing, self.prefetcher = routing, prefetcher
+        if routing is not None and prefetcher is not None:
+            routing.on_layer = prefetcher.on_draft_layer
+        self.temperature = temperature
+        self.rng = np.random.default_rng(seed)
+        self.stats = SpecStats()
+        self._draft_lag: list[int] = []  # accepted tokens the draft has not processed yet (K=0 steps skip it)
+
+    def _pick(self, logits: np.ndarray) -> int:
+        if self.temperature <= 0:
+            return int(np.argmax(logits))
+        return int(self.rng.choice(len(logits), p=_softmax(logits, self.temperature)))
+
+    def generate(self, prompt: list[int], n: int, *, stop_at_eog: bool = True,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:
+        tgt, dft = self.target, self.draft
+        tgt.clear()
+        dft.clear()
+        self._draft_lag = list(prompt)
+        cur = self._pick(tgt.decode(prompt))
+        out = [cur]
+        if on_token:
+            on_token(cur)
+        while len(out) < n and not (stop_at_eog and tgt.model.is_eog(cur)):
+            k = min(self.governor.choose() if self.adaptive else self.k, n - len(out))
+            new = self._step(cur, k)
+            for t in new:
+                out.append(t)
+                if on_token:
+                    on_token(t)
+                if len(out) >= n or (stop_at_eog and tgt.model.is_eog(t)):
+                    break
+            cur = new[-1]
+        out = out[:n]
+        # leave both caches holding the prompt and every emitted token but the last (which is pending, as after
+        # plain decoding), so a caller can continue the sequence
+        keep = len(prompt) + len(out) - 1
+        if tgt.n_past > keep:
+            tgt.truncate(keep)
+        if dft.n_past > keep:
+            dft.truncate(keep)
+        return out
+
+    def _step(self, cur: int, k: int) -> list[int]:
+        tgt, dft = self.target, self.draft
+        base = tgt.n_past
+        t0 = time.perf_counter()
+        drafts: list[int] = []
+        qs: list[np.ndarray] = []
+        if k > 0:
+            if self.routing is not None:
+                self.routing.start()
+            if self.prefetcher is not None:
+                # the verification pass starts after K+1 draft tokens; uploads must land before it needs them
+                self.prefetcher.start_window(self.governor.t_draft * (k + 1) if self.governor.t_draft else None)
+            logits = dft.decode([*self._draft_lag, cur])
+            self._draft_lag = []
+            for _ in range(k):
+                q = _softmax(logits, self.temperature) if self.temperature > 0 else None
+                d = int(np.argmax(logits)) if q is None else int(self.rng.choice(len(q), p=q))
+                drafts.append(d)
+                if q is not None:
+                    qs.append(q)
+                # the draft also runs its last token: its routing there predicts the last verified position
+                logits = dft.decode([d])
+            if self.routing is not None:
+                self.routing.stop()
+        else:
+            self._draft_lag.append(cur)
+        t1 = time.perf_counter()
+        rows = tgt.decode([cur, *drafts], logits_all=True)
+        t2 = time.perf_counter()
+
+        accepted = 0
+        if self.temperature <= 0:
+            while accepted < k and int(np.argmax(rows[accepted])) == drafts[accepted]:
+                accepted += 1
+            bonus = int(np.argmax(rows[accepted]))
+        else:
+            accepted, bonus = speculative_accept(rows, qs, drafts, self.temperature, self.rng)
+
+        # roll both caches back to the accepted prefix: cur + accepted drafts
+        keep = base + 1 + accepted
+        tgt.truncate(keep)
+        if k > 0:
+            dft.truncate(keep)
+        s = self.stats
+        s.steps += 1
+        s.drafted += k
+        s.accepted += accepted
+        s.emitted += accepted + 1
+        s.k_hist[k] = s.k_hist.get(k, 0) + 1
+        s.draft_s += t1 - t0
+        s.verify_s += t2 - t1
+        self.governor.observe(k, accepted, t1 - t0, t2 - t1)
+        return [*drafts[:accepted], bonus]

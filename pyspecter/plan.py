@@ -1,0 +1,106 @@
+"""What to upload when, and how far to speculate.
+
+Prefetch: as the draft routes each layer, its confident experts for that layer are protected (never evicted while
+the window is in flight) and uploaded asynchronously, in layer order, which is the order the verification pass
+will need them. A layer is cut off when the link cannot deliver before the verification pass reaches it.
+
+Adaptive K (Cascade's lesson: speculation can cost more than it gives): pick the draft length that maximises
+expected tokens per second from measured acceptance and measured step times, including K = 0 (plain decoding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pyspecter.cache import ExpertCache
+
+
+class Prefetcher:
+    def __init__(self, cache: ExpertCache, min_confidence: float = 0.0, link_gbps: float | None = None) -> None:
+        self.cache = cache
+        self.min_confidence = min_confidence
+        self.link_gbps = link_gbps  # None: no cut-off (uploads overlap everything that follows)
+        self.budget_bytes: float = math.inf  # bytes the link can still deliver before verification needs them
+        self.issued = 0
+        self.skipped_late = 0
+
+    def start_window(self, time_until_verify_s: float | None) -> None:
+        self.cache.unprotect_all()
+        if self.link_gbps and time_until_verify_s is not None:
+            self.budget_bytes = self.link_gbps * 1e9 * time_until_verify_s
+        else:
+            self.budget_bytes = math.inf
+
+    def on_draft_layer(self, il: int, experts: dict[int, float]) -> None:
+        keep = [e for e, w in sorted(experts.items(), key=lambda kv: -kv[1]) if w >= self.min_confidence]
+        if not keep:
+            return
+        self.cache.protect(il, keep)
+        nbytes = self.cache.expert_bytes.get(il, 0)
+        if nbytes == 0 or math.isinf(self.budget_bytes):
+            affordable = keep
+        else:
+            affordable = keep[: max(0, int(self.budget_bytes // nbytes))]
+        self.skipped_late += len(keep) - len(affordable)
+        n = self.cache.prefetch(il, affordable)
+        self.budget_bytes -= n * nbytes
+        self.issued += n
+
+
+@dataclass
+class KGovernor:
+    """Chooses K from an EMA of the per-token acceptance rate and of measured step costs."""
+
+    k_max: int = 6
+    k: int = 3
+    alpha: float = 0.7  # P(a drafted token is accepted | the previous one was)
+    t_draft: float = 0.0  # seconds per drafted token
+    t_verify: dict[int, float] = field(default_factory=dict)  # K -> seconds for the target pass over K+1 tokens
+    decay: float = 0.8
+    steps: int = 0
+
+    def observe(self, k: int, accepted: int, t_draft_total: float, t_verify: float) -> None:
+        self.steps += 1
+        if k > 0:
+            # accepted tokens follow a truncated geometric law; a simple unbiased-enough update of alpha
+            rate = accepted / k
+            self.alpha = self.decay * self.alpha + (1 - self.decay) * rate
+            per = t_draft_total / (k + 1)
+            self.t_draft = per if self.t_draft == 0 else self.decay * self.t_draft + (1 - self.decay) * per
+        old = self.t_verify.get(k)
+        self.t_verify[k] = t_verify if old is None else self.decay * old + (1 - self.decay) * t_verify
+
+    def _verify_cost(self, k: int) -> float | None:
+        if k in self.t_verify:
+            return self.t_verify[k]
+        known = sorted(self.t_verify)
+        if not known:
+            return None
+        # the verification pass costs a fixed part plus a little per token: interpolate linearly
+        if len(known) == 1:
+            return self.t_verify[known[0]]
+        k0, k1 = known[0], known[-1]
+        slope = (self.t_verify[k1] - self.t_verify[k0]) / (k1 - k0)
+        return self.t_verify[k0] + slope * (k - k0)
+
+    def expected_tokens(self, k: int) -> float:
+        a = min(max(self.alpha, 0.0), 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def choose(self) -> int:
+        if self.steps < 3:
+            return self.k
+        best, best_rate = self.k, -1.0
+        for k in range(0, self.k_max + 1):
+            tv = self._verify_cost(k)
+            if tv is None:
+                continue
+            rate = self.expected_tokens(k) / (tv + k * self.t_draft + (self.t_draft if k else 0.0))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        # explore one step towards unmeasured K now and then, so the estimates stay honest
+        if self.steps % 16 == 0:
+            best = min(self.k_max, best + 1) if best + 1 not in self.t_verify else max(0, best - 1)
+        self.k = best
+        return best

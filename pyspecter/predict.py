@@ -1,0 +1,65 @@
+"""Predicting which experts the target will need.
+
+The main predictor is the draft itself (Specter): a small quantized copy of the target with the same layers and
+experts routes each token almost as the target will, one step earlier. We read its routing with the same
+per-layer hook the target's slots use; with every expert on the host path that hook changes nothing about the
+draft's numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pyspecter import native
+from pyspecter.errors import SpecterError
+from pyspecter.layout import ModelLayout
+
+# on_layer(il, {expert: confidence}) is called as soon as the draft has routed a layer
+LayerSink = Callable[[int, dict[int, float]], None]
+
+
+class DraftRouting:
+    """Watches the draft model's routing. Attach before the draft's Context is created."""
+
+    def __init__(self, draft: native.Model, draft_layout: ModelLayout, on_layer: LayerSink | None = None) -> None:
+        draft_layout.require_moe()
+        self.layout = draft_layout
+        self.on_layer = on_layer
+        self.api = native.slots()
+        # every expert stays on the host path: only the hook matters here (no slot memory: n_slots is per layer,
+        # allocated once, and we never upload into them, so keep it at top-k, the minimum)
+        if self.api.slots_init(draft.ptr, draft_layout.n_expert_used) != 0:
+            raise SpecterError("could not attach to the draft's routing")
+        self.window: dict[int, dict[int, float]] = {}
+        self.recording = False
+        self.error: BaseException | None = None
+        self._cb = native.ROUTE_CB(self._on_route)
+        self.api.set_route_cb(draft.ptr, self._cb, None)
+
+    def _on_route(self, _ud, il, n_tokens, n_used, ids_p, w_p) -> None:
+        if not self.recording:
+            return
+        try:
+            n = n_tokens * n_used
+            ids, ws = ids_p[:n], w_p[:n]
+            got = self.window.setdefault(il, {})
+            fresh: dict[int, float] = {}
+            for e, w in zip(ids, ws, strict=True):
+                if w > got.get(e, -1.0):
+                    got[e] = w
+                    fresh[e] = w
+            if self.on_layer is not None and fresh:
+                self.on_layer(il, fresh)
+        except BaseException as e:  # noqa: BLE001 - never unwind into C
+            self.error = e
+
+    def start(self) -> None:
+        self.window = {}
+        self.recording = True
+
+    def stop(self) -> dict[int, dict[int, float]]:
+        self.recording = False
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+        return self.window

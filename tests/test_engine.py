@@ -1,0 +1,112 @@
+"""The speculative engine: greedy output identical to the target's own greedy decoding (every fixture arch, with a
+draft made by llama.cpp's quantizer and expert prefetch on the target's slots), and speculative sampling that
+preserves the target's distribution."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyspecter import native
+from pyspecter.cache import ExpertCache
+from pyspecter.engine import SpeculativeDecoder, greedy, speculative_accept
+from pyspecter.layout import read_layout
+from pyspecter.models.tiny import TINY_MODELS, build_tiny
+from pyspecter.plan import KGovernor, Prefetcher
+from pyspecter.predict import DraftRouting
+
+
+@pytest.fixture(scope="session")
+def tiny_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import llama_cpp
+
+    out = {}
+    d = tmp_path_factory.mktemp("drafts")
+    native.quiet_logs()
+    for name in TINY_MODELS:
+        p = d / f"{name}-q4_0.gguf"
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+        params.allow_requantize = True
+        assert llama_cpp.llama_model_quantize(str(build_tiny(name)).encode(), str(p).encode(),
+                                              ctypes.byref(params)) == 0
+        out[name] = p
+    return out
+
+
+PROMPTS = ["hello there, speculative world", "def fib(n): return n if n < 2 else fib(n-1) + fib(n-2)"]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_greedy_identical_to_target(name: str, adaptive: bool, tiny_drafts: dict[str, Path]) -> None:
+    path = build_tiny(name)
+    lay, dlay = read_layout(path), read_layout(tiny_drafts[name])
+    refs = []
+    with native.Model(path) as m, native.Context(m) as ctx:
+        for text in PROMPTS:
+            ctx.clear()
+            refs.append((m.tokenize(text), greedy(ctx, m.tokenize(text), 32)[0]))
+    with native.Model(path) as tm, native.Model(tiny_drafts[name]) as dm:
+        cache = ExpertCache(tm, lay, lay.n_expert // 2, miss="cpu")
+        routing = DraftRouting(dm, dlay)
+        with native.Context(tm) as tctx, native.Context(dm) as dctx:
+            eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=adaptive, routing=routing, prefetcher=Prefetcher(cache))
+            for toks, ref in refs:
+                out = eng.generate(toks, 32, stop_at_eog=False)
+                cache.check()
+                assert out == ref
+                # KV rollback: the target holds the prompt and every emitted token but the last
+                assert tctx.n_past == len(toks) + len(out) - 1
+        if not adaptive:
+            assert eng.stats.drafted > 0 and eng.stats.k_hist.get(3, 0) > 0
+            assert cache.counters()["prefetches"] > 0
+        cache.close()
+
+
+def test_sampling_is_seeded(tiny_drafts: dict[str, Path]) -> None:
+    path = build_tiny("tiny-mixtral")
+    outs = []
+    for _ in range(2):
+        with native.Model(path) as tm, native.Model(tiny_drafts["tiny-mixtral"]) as dm:
+            with native.Context(tm) as tctx, native.Context(dm) as dctx:
+                eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, temperature=0.8, seed=7)
+                outs.append(eng.generate(tm.tokenize("sample me"), 24, stop_at_eog=False))
+    assert outs[0] == outs[1] and len(outs[0]) == 24
+
+
+def test_speculative_sampling_preserves_target_distribution() -> None:
+    # the first emitted token must follow the target's p exactly, whatever the draft's q
+    rng = np.random.default_rng(0)
+    V = 6
+    p_logits = rng.normal(size=(2, V)) * 1.5
+    q_logits = rng.normal(size=V) * 1.5
+    q = np.exp(q_logits - q_logits.max())
+    q /= q.sum()
+    p0 = np.exp(p_logits[0] - p_logits[0].max())
+    p0 /= p0.sum()
+    counts = np.zeros(V)
+    N = 40000
+    for _ in range(N):
+        d = int(rng.choice(V, p=q))
+        accepted, tok = speculative_accept(p_logits, [q], [d], 1.0, rng)
+        counts[d if accepted == 1 else tok] += 1
+    freq = counts / N
+    assert np.abs(freq - p0).max() < 0.01, (freq, p0)
+
+
+def test_governor_turns_speculation_off_when_it_does_not_pay() -> None:
+    g = KGovernor(k_max=6, k=3)
+    for _ in range(20):
+        k = g.choose()
+        # nothing is ever accepted and drafting costs as much as verifying
+        g.observe(k, 0, 0.01 * (k + 1), 0.01 + 0.001 * k)
+    assert g.choose() == 0 or g.steps % 16 == 0
+    g2 = KGovernor(k_max=6, k=1)
+    for _ in range(20):
+        k = g2.choose()
+        g2.observe(k, k, 0.001 * (k + 1), 0.01 + 0.0005 * k)  # everything accepted, drafting cheap
+    assert g2.k >= 3
