@@ -189,6 +189,140 @@ def bench(
               f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}")
 
 
+def _session(model: str, draft: str | None, budget: str | None, tier: str, miss: str, k: int, temp: float,
+             seed: int, threads: int, adaptive: bool = True):
+    from pyspecter.session import Session, SessionConfig
+
+    path = resolve_model(model)
+    dpath = resolve_model(draft) if draft else None
+    return Session(SessionConfig(model=path, draft=dpath, budget=budget, tier=tier, miss=miss, k=k,
+                                 adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads))
+
+
+class _Streamer:
+    """Prints tokens as they come, decoding the whole answer each time so multi-byte characters split across
+    tokens come out whole."""
+
+    def __init__(self, model) -> None:
+        self.model, self.tokens, self.shown = model, [], 0
+
+    def __call__(self, tok: int) -> None:
+        self.tokens.append(tok)
+        text = self.model.detokenize([t for t in self.tokens if not self.model.is_eog(t)])
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[self.shown:])
+        sys.stdout.flush()
+        self.shown = len(text)
+
+
+DraftOpt = Annotated[str | None, typer.Option(help="draft GGUF (or built-in name): speculative decoding + prefetch")]
+BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: all")]
+TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
+MissOpt = Annotated[str, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first)")]
+
+
+@app.command()
+def generate(
+    model: ModelArg,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="prompt text (raw, no chat template)")],
+    draft: DraftOpt = None,
+    budget: BudgetOpt = None,
+    tier: TierOpt = "ram",
+    miss: MissOpt = "cpu",
+    k: Annotated[int, typer.Option("-k", help="draft tokens per step (the start value when adaptive)")] = 4,
+    fixed_k: Annotated[bool, typer.Option("--fixed-k", help="do not adapt K")] = False,
+    n: Annotated[int, typer.Option("-n", help="max tokens to generate")] = 128,
+    temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
+    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="print the text and stats as JSON")] = False,
+) -> None:
+    """Generate text through expert slots, speculatively when a draft is given."""
+    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k)
+    try:
+        toks = s.tokenize(prompt)
+        stream = None if json_out else _Streamer(s.target)
+        out = s.generate(toks, n, on_token=stream)
+        st = s.stats()
+        if json_out:
+            print(json.dumps({"text": s.target.detokenize(out), "tokens": out, "stats": st}, indent=1))
+        else:
+            print()
+            print(_stats_line(st), file=sys.stderr)
+    finally:
+        s.close()
+
+
+def _stats_line(st: dict) -> str:
+    line = (f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | slots {st['slots_per_layer']}/{st['n_expert']}, "
+            f"tier {st['tier']}, miss {st['miss']} | hit {100 * st['hit_rate']:.1f}%, "
+            f"from slots {100 * st['coverage']:.1f}%, uploads {st['uploads']} ({st['upload_mib']:.1f} MiB), "
+            f"stall {st['stall_ms']:.1f} ms")
+    if "acceptance" in st:
+        line += f" | acceptance {100 * st['acceptance']:.0f}%, mean K {st['mean_k']:.2f}"
+    return line + "]"
+
+
+@app.command()
+def chat(
+    model: Annotated[str, typer.Argument(help="GGUF path or built-in name")] = "smol-moe",
+    draft: DraftOpt = None,
+    budget: BudgetOpt = None,
+    tier: TierOpt = "ram",
+    miss: MissOpt = "cpu",
+    k: Annotated[int, typer.Option("-k", help="draft tokens per step (start value)")] = 4,
+    n: Annotated[int, typer.Option("-n", help="max tokens per answer")] = 256,
+    temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
+    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
+    threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+) -> None:
+    """Chat with a model. /stats shows speed and cache figures, /reset forgets the conversation, /quit leaves;
+    Ctrl-C stops the current answer."""
+    from pyspecter.session import apply_chat_template
+
+    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    interactive = sys.stdin.isatty()
+    print(f"pyspecter chat: {s.layout.name} — /stats /reset /quit", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                print()
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line in ("/quit", "/exit"):
+                break
+            if line == "/stats":
+                print(_stats_line(s.stats()))
+                continue
+            if line == "/reset":
+                history = history[:1] if system else []
+                s.reset_stats()
+                print("(conversation cleared)")
+                continue
+            history.append({"role": "user", "content": line})
+            prompt = s.tokenize(apply_chat_template(s.target, history), add_special=False)
+            stream = _Streamer(s.target)
+            try:
+                out = s.generate(prompt, n, on_token=stream)
+            except KeyboardInterrupt:
+                out = stream.tokens
+                print(" [stopped]", end="")
+            print()
+            answer = s.target.detokenize([t for t in out if not s.target.is_eog(t)])
+            history.append({"role": "assistant", "content": answer})
+    finally:
+        s.close()
+
+
 @app.command()
 def demo(
     model: Annotated[str, typer.Option(help="model to run")] = "tiny-qwen3moe",

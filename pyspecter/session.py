@@ -1,0 +1,169 @@
+"""A ready-to-use runtime: target model with expert slots, optional draft with prefetch, the decode loop.
+
+`generate`, `chat` and the `specter` benchmark policy all build one of these, so they run the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspecter import native
+from pyspecter.cache import ExpertCache, make_tier
+from pyspecter.engine import SpeculativeDecoder
+from pyspecter.errors import SpecterError
+from pyspecter.layout import parse_budget, read_layout, slots_for_budget
+from pyspecter.plan import Prefetcher
+from pyspecter.predict import DraftRouting
+
+
+@dataclass
+class SessionConfig:
+    model: Path
+    draft: Path | None = None
+    budget: str | None = None  # fast-tier bytes for target expert slots; None: all experts resident
+    tier: str = "ram"
+    miss: str = "cpu"
+    policy: str = "lru"
+    k: int = 4
+    adaptive: bool = True
+    temperature: float = 0.0
+    seed: int = 0
+    n_ctx: int = 2048
+    n_threads: int = 2
+    min_confidence: float = 0.0
+    draft_counts_in_budget: bool = True  # equal total fast memory: the draft's bytes come out of the slot budget
+
+
+class Session:
+    def __init__(self, cfg: SessionConfig) -> None:
+        self.cfg = cfg
+        self.layout = read_layout(cfg.model).require_moe()
+        self.tier = make_tier(cfg.tier)
+        budget_bytes = parse_budget(cfg.budget, self.layout.expert_total_bytes) if cfg.budget else None
+        self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
+        if budget_bytes is not None and cfg.draft and cfg.draft_counts_in_budget:
+            budget_bytes -= self.draft_bytes
+            if budget_bytes <= 0:
+                raise SpecterError(f"the draft ({self.draft_bytes / 2**20:.0f} MiB) does not fit in budget "
+                                   f"{cfg.budget}")
+        self.n_slots = (slots_for_budget(self.layout, budget_bytes) if budget_bytes is not None
+                        else self.layout.n_expert)
+        if self.n_slots < self.layout.n_expert_used:
+            raise SpecterError(f"budget {cfg.budget} buys {self.n_slots} expert slots per layer, below "
+                               f"top-{self.layout.n_expert_used}" + (" once the draft is counted" if cfg.draft else ""))
+        self.target = native.Model(cfg.model)
+        self.cache = ExpertCache(self.target, self.layout, self.n_slots, policy=cfg.policy, miss=cfg.miss,
+                                 tier=self.tier)
+        self.tctx = native.Context(self.target, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
+        self.decoder: SpeculativeDecoder | None = None
+        self.draft = None
+        if cfg.draft:
+            dlay = read_layout(cfg.draft)
+            self.draft = native.Model(cfg.draft)
+            if self.draft.n_vocab != self.target.n_vocab:
+                raise SpecterError(f"{cfg.draft}: draft vocabulary ({self.draft.n_vocab}) differs from the target's")
+            routing = DraftRouting(self.draft, dlay) if dlay.is_moe else None
+            self.dctx = native.Context(self.draft, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
+            pf = Prefetcher(self.cache, cfg.min_confidence) if routing else None
+            self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
+                                              routing=routing, prefetcher=pf, temperature=cfg.temperature,
+                                              seed=cfg.seed)
+        self.tctx.warmup()
+        if self.draft:
+            self.dctx.warmup()
+        self.tokens_out = 0
+        self.decode_s = 0.0
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.target.tokenize(text, add_special=add_special)
+
+    def generate(self, prompt: list[int], n: int, on_token: Callable[[int], None] | None = None,
+                 stop_at_eog: bool = True) -> list[int]:
+        """Decode up to n tokens after prompt, from a fresh context."""
+        t0 = time.perf_counter()
+        if self.decoder is not None:
+            out = self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=on_token)
+        else:
+            out = self._plain(prompt, n, on_token, stop_at_eog)
+        self.cache.check()
+        self.decode_s += time.perf_counter() - t0
+        self.tokens_out += len(out)
+        return out
+
+    def _plain(self, prompt, n, on_token, stop_at_eog) -> list[int]:
+        import numpy as np
+
+        self.tctx.clear()
+        logits = self.tctx.decode(prompt)
+        out: list[int] = []
+        while len(out) < n:
+            if self.cfg.temperature > 0:
+                from pyspecter.engine import _softmax
+
+                rng = getattr(self, "_rng", None) or np.random.default_rng(self.cfg.seed)
+                self._rng = rng
+                tok = int(rng.choice(len(logits), p=_softmax(logits, self.cfg.temperature)))
+            else:
+                tok = int(np.argmax(logits))
+            out.append(tok)
+            if on_token:
+                on_token(tok)
+            if (stop_at_eog and self.target.is_eog(tok)) or len(out) >= n:
+                break
+            logits = self.tctx.decode([tok])
+            self.cache.check()
+        return out
+
+    def stats(self) -> dict:
+        c = self.cache.counters()
+        out = {"tokens": self.tokens_out, "tok_s": self.tokens_out / self.decode_s if self.decode_s else 0.0,
+               "slots_per_layer": self.n_slots, "n_expert": self.layout.n_expert, "tier": self.tier.name,
+               "miss": self.cfg.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],
+               "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
+               "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20}
+        if self.decoder is not None:
+            s = self.decoder.stats
+            out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps)
+        return out
+
+    def reset_stats(self) -> None:
+        self.cache.reset_counters()
+        self.tokens_out, self.decode_s = 0, 0.0
+
+    def close(self) -> None:
+        self.cache.close()
+        self.tctx.close()
+        self.target.close()
+        if self.draft is not None:
+            self.dctx.close()
+            self.draft.close()
+
+
+def apply_chat_template(model: native.Model, messages: list[dict[str, str]], add_assistant: bool = True) -> str:
+    """The model's own chat template through llama.cpp (ChatML as a fallback for models without one)."""
+    import ctypes
+
+    import llama_cpp
+
+    tmpl = llama_cpp.llama_model_chat_template(model.ptr, None)
+    if not tmpl:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_assistant else "")
+    arr = (llama_cpp.llama_chat_message * len(messages))()
+    keep = []
+    for i, m in enumerate(messages):
+        r, c = m["role"].encode(), m["content"].encode()
+        keep += [r, c]
+        arr[i].role, arr[i].content = r, c
+    size = 256 + 2 * sum(len(k) for k in keep)
+    buf = ctypes.create_string_buffer(size)
+    n = llama_cpp.llama_chat_apply_template(tmpl, arr, len(messages), add_assistant, buf, size)
+    if n < 0:
+        raise SpecterError("the model's chat template is not supported by llama.cpp")
+    if n > size:
+        buf = ctypes.create_string_buffer(n + 1)
+        n = llama_cpp.llama_chat_apply_template(tmpl, arr, len(messages), add_assistant, buf, n + 1)
+    return buf.raw[:n].decode("utf-8", errors="replace")

@@ -1,0 +1,57 @@
+"""`generate` and `chat` as a user drives them: through the CLI, a pipe, exit codes."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from pyspecter import native
+from pyspecter.models.tiny import build_tiny
+
+
+@pytest.fixture(scope="module")
+def mixtral_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import llama_cpp
+
+    native.quiet_logs()
+    p = tmp_path_factory.mktemp("draft") / "tiny-mixtral-q4_0.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.allow_requantize = True
+    assert llama_cpp.llama_model_quantize(str(build_tiny("tiny-mixtral")).encode(), str(p).encode(),
+                                          ctypes.byref(params)) == 0
+    return p
+
+
+def test_generate_with_draft_equals_plain(mixtral_draft: Path) -> None:
+    plain = run_cli("generate", "tiny-mixtral", "-p", "speculate on this", "-n", "20", "--json")
+    spec = run_cli("generate", "tiny-mixtral", "-p", "speculate on this", "-n", "20", "--json",
+                   "--draft", str(mixtral_draft), "--budget", "100%", "--fixed-k", "-k", "3")
+    assert plain.returncode == 0 and spec.returncode == 0, (plain.stderr, spec.stderr)
+    a, b = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert a["tokens"] == b["tokens"]
+    for key in ("tok_s", "hit_rate", "uploads", "acceptance", "mean_k", "stall_ms"):
+        assert key in b["stats"]
+    assert b["stats"]["mean_k"] == 3
+
+
+def test_generate_budget_that_cannot_hold_the_draft(mixtral_draft: Path) -> None:
+    r = run_cli("generate", "tiny-mixtral", "-p", "x", "--draft", str(mixtral_draft), "--budget", "10KiB")
+    assert r.returncode == 2 and "does not fit" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_through_a_pipe() -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pyspecter", "chat", "tiny-qwen3moe", "-n", "6", "--budget", "50%"],
+                       input="hello\n/stats\n/reset\nagain\n/quit\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any("tok/s" in line and "hit" in line for line in lines)
+    assert "(conversation cleared)" in r.stdout
+    assert len([line for line in lines if line and not line.startswith(("[", "("))]) == 2  # two answers
