@@ -36,7 +36,7 @@ def test_generate_with_draft_equals_plain(mixtral_draft: Path) -> None:
     assert a["tokens"] == b["tokens"]
     for key in ("tok_s", "hit_rate", "uploads", "acceptance", "mean_k", "stall_ms"):
         assert key in b["stats"]
-    assert b["stats"]["mean_k"] == 3
+    assert 2 < b["stats"]["mean_k"] <= 3  # fixed K, shortened only at the end of the answer
 
 
 def test_generate_budget_that_cannot_hold_the_draft(mixtral_draft: Path) -> None:
