@@ -19,7 +19,8 @@ from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.native import Context, Model
 
-POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
+POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
+            "specter", "specter-equal-slots")
 DEFAULT_POLICIES = ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
 
 
@@ -37,6 +38,30 @@ def _prompt_tokens(model: Model, n: int, seed: int = 0) -> list[int]:
     # same ones.
     rng = np.random.default_rng(seed)
     return [int(x) for x in rng.integers(1, model.n_vocab, size=n)]
+
+
+def _run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, tier: str, prompt_len: int,
+                 n: int, n_threads: int, k: int) -> Run:
+    from pyspecter.session import Session, SessionConfig
+
+    proc = psutil.Process()
+    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, miss="cpu", k=k,
+                              n_ctx=prompt_len + n + 16, n_threads=n_threads, draft_counts_in_budget=count_draft))
+    try:
+        prompt = _prompt_tokens(s.target, prompt_len)
+        stamps: list[float] = []
+        t0 = time.perf_counter()
+        # the first token comes straight from the target's prefill; the rest are decode
+        out = s.generate(prompt, n + 1, stop_at_eog=False,
+                         on_token=lambda _t: stamps.append(time.perf_counter()))
+        prefill = stamps[0] - t0
+        tpot = (stamps[-1] - stamps[0]) / max(len(out) - 1, 1)
+        c = s.cache.counters()
+        ds = s.decoder.stats
+        c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, slots=s.n_slots)
+        return Run(prefill, [tpot] * (len(out) - 1), c, proc.memory_info().rss)
+    finally:
+        s.close()
 
 
 def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompt_len: int, n: int,
@@ -132,17 +157,22 @@ def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int) -> int:
 
 def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None, slots: int | None = None,
               policies: list[str] | None = None, prompt_len: int = 64, n: int = 32, repeat: int = 3,
-              n_threads: int = 2) -> dict:
+              n_threads: int = 2, draft: str | Path | None = None, k: int = 4) -> dict:
     from pyspecter.layout import parse_budget, slots_for_budget
 
     path = Path(path)
     layout = read_layout(path).require_moe()
-    policies = list(policies or DEFAULT_POLICIES)
+    policies = list(policies or (DEFAULT_POLICIES + (("specter", "specter-equal-slots") if draft else ())))
     for p in policies:
         if p not in POLICIES:
             raise SpecterError(f"unknown policy {p!r}: use {', '.join(POLICIES)}")
+        if p.startswith("specter") and not draft:
+            raise SpecterError(f"policy {p} needs --draft")
+    budget_bytes = parse_budget(budget or "50%", layout.expert_total_bytes)
     if slots is None:
-        slots = slots_for_budget(layout, parse_budget(budget or "50%", layout.expert_total_bytes))
+        slots = slots_for_budget(layout, budget_bytes)
+    else:
+        budget_bytes = slots * sum(L.expert_bytes for L in layout.layers)
     if slots < layout.n_expert_used:
         raise SpecterError(f"budget gives {slots} slots per layer, below top-{layout.n_expert_used}")
     make_tier(tier)  # validate early
@@ -152,9 +182,16 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     runs: dict[str, list[Run]] = {p: [] for p in policies}
     for _ in range(repeat):
         for p in policies:  # interleaved: drift hits every policy alike
-            runs[p].append(_run(p, path, layout, slots, tier, prompt_len, n, n_threads))
+            if p.startswith("specter"):
+                # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
+                # headline); "specter-equal-slots": same slots as the others, draft on top
+                runs[p].append(_run_specter(path, Path(draft), budget_bytes, p == "specter", tier, prompt_len, n,
+                                            n_threads, k))
+            else:
+                runs[p].append(_run(p, path, layout, slots, tier, prompt_len, n, n_threads))
 
-    out: dict = {"model": str(path), "arch": layout.arch, "tier": tier, "emulated": tier.startswith("emulated"),
+    out: dict = {"model": str(path), "draft": str(draft) if draft else None, "arch": layout.arch, "tier": tier,
+                 "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
                  "n_expert_used": layout.n_expert_used, "prompt_tokens": prompt_len, "decode_tokens": n,
                  "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps, "policies": {}}
@@ -177,6 +214,9 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             "hook_us_per_call": c.get("hook_us_per_call", 0.0),
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
         }
+        if p.startswith("specter"):
+            out["policies"][p].update(acceptance=c["acceptance"], mean_k=c["mean_k"], slots_per_layer=c["slots"],
+                                      k_start=k, miss="cpu")
     # oracle bound: Belady-optimal uploads for the routing the on-demand runs saw, perfectly overlapped
     trace = next((r.trace for p in policies if p.startswith("on-demand") for r in runs[p] if r.trace), None)
     if trace is not None and "all-resident" in out["policies"]:

@@ -20,6 +20,10 @@ models_app = typer.Typer(no_args_is_help=True, help="Build the project's own mod
 app.add_typer(models_app, name="models")
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a built-in name such as tiny-qwen3moe")]
+DraftOpt = Annotated[str | None, typer.Option(help="draft GGUF (or built-in name): speculative decoding + prefetch")]
+BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: all")]
+TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
+MissOpt = Annotated[str, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first)")]
 
 
 def resolve_model(spec: str) -> Path:
@@ -161,11 +165,14 @@ def bench(
     tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")] = "ram",
     budget: Annotated[str, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%")] = "50%",
     policies: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(
-        ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")))] = "",
+        ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
+         "specter", "specter-equal-slots")))] = "",
     prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill")] = 64,
     n: Annotated[int, typer.Option("-n", help="decode tokens per run")] = 32,
     repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    draft: DraftOpt = None,
+    k: Annotated[int, typer.Option("-k", help="specter: draft tokens per step (start value)")] = 4,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Time residency policies side by side on one model: same prompt, interleaved repeats, ratios."""
@@ -173,7 +180,8 @@ def bench(
 
     r = run_bench(resolve_model(model), tier=tier, budget=budget,
                   policies=[p.strip() for p in policies.split(",") if p.strip()] or None,
-                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=threads)
+                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=threads,
+                  draft=resolve_model(draft) if draft else None, k=k)
     if json_out:
         print(json.dumps(r, indent=1))
         return
@@ -216,10 +224,6 @@ class _Streamer:
         self.shown = len(text)
 
 
-DraftOpt = Annotated[str | None, typer.Option(help="draft GGUF (or built-in name): speculative decoding + prefetch")]
-BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: all")]
-TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
-MissOpt = Annotated[str, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first)")]
 
 
 @app.command()

@@ -112,8 +112,10 @@ class SpeculativeDecoder:
         tgt, dft = self.target, self.draft
         tgt.clear()
         dft.clear()
-        self._draft_lag = list(prompt)
         cur = self._pick(tgt.decode(prompt))
+        # the draft reads the prompt up front, so the first token's latency (not decode) pays for it
+        dft.decode(prompt)
+        self._draft_lag = []
         out = [cur]
         if on_token:
             on_token(cur)
