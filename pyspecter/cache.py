@@ -120,6 +120,12 @@ class DiskTier(Tier):
             self.fd = os.open(layout.path, os.O_RDONLY)
             print(f"pyspecter: warning: {layout.path}: filesystem refuses O_DIRECT; disk tier reads go through "
                   "the page cache (dropped after each read)", file=sys.stderr)
+        # mmap loading pre-faulted the whole file: drop the experts from this process and from the page cache,
+        # so they really live on disk (and in slots) from here on
+        self.released = self.api.release_host_experts(model.ptr)
+        for L in layout.layers:
+            for t in L.tensors.values():
+                os.posix_fadvise(self.fd, t.offset, t.expert_bytes * layout.n_expert, os.POSIX_FADV_DONTNEED)
         biggest = max(t.expert_bytes for layer in layout.layers for t in layer.tensors.values())
         self.buf_size = (biggest + 2 * self.ALIGN) // self.ALIGN * self.ALIGN
         self._local = threading.local()

@@ -328,6 +328,39 @@ def chat(
 
 
 @app.command()
+def trace(
+    model: ModelArg,
+    out: Annotated[Path, typer.Option("--out", "-o", help="trace file to write (.npz)")],
+    draft: Annotated[str | None, typer.Option(help="draft GGUF: also record its routing")] = None,
+    prompts: Annotated[str | None, typer.Option(help="JSONL prompt file (default: the packaged eval set)")] = None,
+    n: Annotated[int, typer.Option("-n", help="tokens generated per prompt")] = 32,
+    k: Annotated[int, typer.Option("-k", help="draft lookahead (tokens drafted ahead)")] = 4,
+    threads: Annotated[int | None, typer.Option(help="llama.cpp threads")] = None,
+) -> None:
+    """Record per-token, per-layer routing of the target (and of the draft, on the same and on its own tokens)."""
+    from pyspecter.trace import record_trace
+
+    summary = record_trace(resolve_model(model), out, draft_path=resolve_model(draft) if draft else None,
+                           prompts=prompts, n=n, k=k, n_threads=threads)
+    print(json.dumps(summary, indent=1))
+
+
+@app.command()
+def analyze(
+    trace_file: Annotated[Path, typer.Argument(help="trace written by `pyspecter trace`")],
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    plot: Annotated[Path | None, typer.Option(help="directory for PNG plots (heatmap, hit-rate curves)")] = None,
+) -> None:
+    """How predictable is expert use: frequencies, reuse, LRU/LFU/MIN hit rates vs slots, predictor recall."""
+    from pyspecter import analyze as an
+
+    if not trace_file.exists():
+        raise SpecterError(f"{trace_file}: no such file")
+    result = an.analyze(trace_file, plot_dir=plot)
+    print(an.dumps(result) if json_out else an.format_analysis(result))
+
+
+@app.command()
 def demo(
     model: Annotated[str, typer.Option(help="model to run")] = "tiny-qwen3moe",
     budget: Annotated[str, typer.Option(help="fast-tier budget for expert slots")] = "50%",

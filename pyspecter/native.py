@@ -11,7 +11,7 @@ import os
 
 from pyspecter.errors import SpecterError
 
-PATCH_SERIES_VERSION = 2
+PATCH_SERIES_VERSION = 3
 
 
 def llama_lib() -> ctypes.CDLL:
@@ -81,6 +81,7 @@ _SIGNATURES = {
     "llama_pyspecter_set_route_cb": (None, [ctypes.c_void_p, ROUTE_CB, ctypes.c_void_p]),
     "llama_pyspecter_stats": (None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]),
     "llama_pyspecter_stats_reset": (None, [ctypes.c_void_p]),
+    "llama_pyspecter_release_host_experts": (ctypes.c_size_t, [ctypes.c_void_p]),
 }
 
 
@@ -121,7 +122,9 @@ class Model:
     CPU buffers (repacked ones can't be read back or take negative ids), which the slot path needs; exactness
     comparisons load the stock model the same way."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, use_mmap: bool = True,
+    LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1}
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, load_mode: str = "mmap",
                  extra_bufts: bool = False) -> None:
         import llama_cpp
 
@@ -130,7 +133,9 @@ class Model:
         self.path = str(path)
         p = llama_cpp.llama_model_default_params()
         p.n_gpu_layers = n_gpu_layers
-        p.use_mmap = use_mmap
+        # mmap: the model's expert tensors are then a view of the file, which is what the ram and disk tiers use
+        # as the host copy
+        p.load_mode = self.LOAD_MODES[load_mode]
         p.use_extra_bufts = extra_bufts
         self.ptr = llama_cpp.llama_model_load_from_file(self.path.encode(), p)
         if not self.ptr:

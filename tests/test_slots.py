@@ -142,3 +142,18 @@ def test_disk_tier_without_o_direct_falls_back(monkeypatch: pytest.MonkeyPatch, 
     r = verify(build_tiny("tiny-qwen3moe"), slots=4, tier="disk", n_tokens=6)
     assert r["identical_tokens"] and r["max_abs_logit_diff"] <= TOL
     assert "O_DIRECT" in capsys.readouterr().err
+
+
+def test_disk_tier_releases_expert_pages() -> None:
+    # mmap loading pre-faults the whole file; the disk tier must drop the experts from the process so they live
+    # on disk and in slots only (patch 0004), and stay exact afterwards
+    from pyspecter.cache import DiskTier
+
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path) as model:
+        cache = ExpertCache(model, lay, lay.n_expert_used, tier=DiskTier(), miss="wait")
+        assert cache.tier.released >= lay.expert_total_bytes // 2
+        cache.close()
+    r = verify(path, slots=lay.n_expert_used, miss="cpu", tier="disk", n_tokens=8)
+    assert r["identical_tokens"] and r["max_abs_logit_diff"] <= TOL
