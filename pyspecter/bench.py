@@ -6,7 +6,12 @@ run, with policies interleaved across repeats so drift hits all of them alike.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +115,50 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
         model.close()
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+RUNTIME_HEADROOM = 256 * 2**20  # Python, llama.cpp buffers and KV cache on top of the weights
+
+
+def _drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _run_stock_capped(path: Path, cap_bytes: int, prompt_len: int, n: int, n_threads: int) -> tuple[Run, str]:
+    """Stock llama.cpp on the disk tier, fairly: in a child process whose page cache (cgroup v1 memory limit) is
+    held to the same memory our policies get, starting cold. Without a writable cgroup, the page cache is only
+    dropped before the run (cold start, no cap) and the result says so."""
+    cg = CGROUP_ROOT / f"pyspecter-bench-{os.getpid()}"
+    how = f"page cache capped at {cap_bytes / 2**20:.0f} MiB by a cgroup, cold start"
+    try:
+        cg.mkdir()
+        (cg / "memory.limit_in_bytes").write_text(str(cap_bytes))
+    except OSError:
+        cg = None
+        how = "no writable cgroup: page cache dropped before the run, not capped"
+    _drop_page_cache(path)
+    code = ("import json,sys,dataclasses; from pathlib import Path; from pyspecter import bench; "
+            "from pyspecter.layout import read_layout; a=json.loads(sys.argv[1]); p=Path(a['path']); "
+            "r=bench._run('stock', p, read_layout(p), 0, 'disk', a['prompt_len'], a['n'], a['n_threads']); "
+            "print(json.dumps(dataclasses.asdict(r)))")
+    args = json.dumps({"path": str(path), "prompt_len": prompt_len, "n": n, "n_threads": n_threads})
+    try:
+        # the child joins the cgroup before it imports llama.cpp or touches the model
+        pre = f"open('{cg}/cgroup.procs','w').write(str(__import__('os').getpid()));" if cg else ""
+        r = subprocess.run([sys.executable, "-c", pre + code, args], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SpecterError(f"capped stock run failed: {r.stderr.strip().splitlines()[-1:]}")
+        d = json.loads(r.stdout.strip().splitlines()[-1])
+        return Run(**d), how
+    finally:
+        if cg is not None:
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+
+
 def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0) -> float:
     """Upload throughput of a tier in GB/s: synchronous uploads of random experts into slots."""
     layout = read_layout(path).require_moe()
@@ -180,9 +229,14 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
     _run("stock", path, layout, slots, tier, min(prompt_len, 8), 2, n_threads)
     runs: dict[str, list[Run]] = {p: [] for p in policies}
+    stock_how = "page cache warm (ram tier)"
     for _ in range(repeat):
         for p in policies:  # interleaved: drift hits every policy alike
-            if p.startswith("specter"):
+            if p == "stock" and tier == "disk":
+                cap = budget_bytes + layout.nonexpert_bytes + RUNTIME_HEADROOM
+                run, stock_how = _run_stock_capped(path, cap, prompt_len, n, n_threads)
+                runs[p].append(run)
+            elif p.startswith("specter"):
                 # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
                 # headline); "specter-equal-slots": same slots as the others, draft on top
                 runs[p].append(_run_specter(path, Path(draft), budget_bytes, p == "specter", tier, prompt_len, n,
@@ -194,7 +248,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
                  "n_expert_used": layout.n_expert_used, "prompt_tokens": prompt_len, "decode_tokens": n,
-                 "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps, "policies": {}}
+                 "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps, "stock_baseline": stock_how,
+                 "budget_bytes": budget_bytes, "policies": {}}
     layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
     for p, rs in runs.items():
         tp = [t for r in rs for t in r.tpots]
@@ -231,3 +286,21 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             if ref in out["policies"]:
                 r["vs_" + ref.replace("-", "_")] = out["policies"][ref]["tpot_ms"] / r["tpot_ms"]
     return out
+
+
+CSV_FIELDS = ("model", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer", "policy", "tpot_ms",
+              "tpot_p10_ms", "tpot_p90_ms", "decode_tok_s", "prefill_tok_s", "hit_rate", "coverage",
+              "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "vs_on_demand_lru",
+              "vs_all_resident", "vs_oracle_bound")
+
+
+def to_csv_rows(result: dict) -> list[dict]:
+    """One flat row per policy, for spreadsheets and tools/bench.sh."""
+    rows = []
+    for name, p in result["policies"].items():
+        row = {k: result.get(k) for k in ("model", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer")}
+        row["model"] = Path(row["model"]).name
+        row["policy"] = name
+        row.update({k: p.get(k) for k in CSV_FIELDS if k in p})
+        rows.append({k: row.get(k, "") for k in CSV_FIELDS})
+    return rows

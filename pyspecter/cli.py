@@ -174,9 +174,13 @@ def bench(
     draft: DraftOpt = None,
     k: Annotated[int, typer.Option("-k", help="specter: draft tokens per step (start value)")] = 4,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy (with a header)")] = False,
 ) -> None:
-    """Time residency policies side by side on one model: same prompt, interleaved repeats, ratios."""
-    from pyspecter.bench import run_bench
+    """Time residency policies side by side on one model: same prompt, interleaved repeats, ratios.
+
+    The disk tier's stock baseline runs in a child process whose page cache a cgroup holds to the same memory
+    (budget + non-expert weights + runtime), starting cold."""
+    from pyspecter.bench import CSV_FIELDS, run_bench, to_csv_rows
 
     r = run_bench(resolve_model(model), tier=tier, budget=budget,
                   policies=[p.strip() for p in policies.split(",") if p.strip()] or None,
@@ -184,6 +188,13 @@ def bench(
                   draft=resolve_model(draft) if draft else None, k=k)
     if json_out:
         print(json.dumps(r, indent=1))
+        return
+    if csv_out:
+        import csv
+
+        w = csv.DictWriter(sys.stdout, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        w.writerows(to_csv_rows(r))
         return
     print(f"{Path(r['model']).name}: {r['arch']}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
           f"{r['slots_per_layer']}/{r['n_expert']} slots per layer, link {r['link_gbps']:.2f} GB/s, "
