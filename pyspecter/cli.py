@@ -416,11 +416,13 @@ def analyze(
 
 @app.command()
 def demo(
-    model: Annotated[str, typer.Option(help="model to run")] = "tiny-qwen3moe",
+    model: Annotated[str, typer.Option(help="model to run")] = "smol-moe",
     budget: Annotated[str, typer.Option(help="fast-tier budget for expert slots")] = "50%",
-    n: Annotated[int, typer.Option("-n", help="tokens to generate")] = 32,
+    n: Annotated[int, typer.Option("-n", help="tokens to generate")] = 64,
+    question: Annotated[str, typer.Option(help="chat prompt")] = "What are three good habits for staying healthy?",
 ) -> None:
-    """Build a model, show its expert layout, and generate through expert slots next to stock llama.cpp."""
+    """Build smol-moe, show its expert layout, and answer a chat prompt through expert slots (half the experts
+    resident, misses computed exactly on the CPU), next to stock llama.cpp on the same prompt."""
     import time
 
     from pyspecter import native
@@ -433,13 +435,15 @@ def demo(
     inspect(str(path), json_out=False, budget=budget)
     lay = read_layout(path)
     slots = max(slots_for_budget(lay, parse_budget(budget, lay.expert_total_bytes)), lay.n_expert_used)
-    prompt = "Once upon a time"
+    from pyspecter.session import apply_chat_template
+
     results = {}
     for mode in ("stock", "slots"):
         with native.Model(path) as m:
-            cache = ExpertCache(m, lay, slots, miss="wait") if mode == "slots" else None
+            cache = ExpertCache(m, lay, slots, miss="cpu") if mode == "slots" else None
             with native.Context(m) as ctx:
-                toks = m.tokenize(prompt)
+                prompt = apply_chat_template(m, [{"role": "user", "content": question}])
+                toks = m.tokenize(prompt, add_special=False)
                 ctx.warmup()
                 t0 = time.perf_counter()
                 out, _ = greedy(ctx, toks, n, stop_at_eog=True)
@@ -449,8 +453,8 @@ def demo(
                 cache.check()
                 cache.close()
     out, text, dt, c = results["slots"]
-    print(f"\nprompt: {prompt!r}\n{lay.arch} says: {text!r}")
-    print(f"expert slots ({slots}/{lay.n_expert} per layer, miss=wait, tier ram): {len(out) / dt:.1f} tok/s, "
+    print(f"\nuser: {question}\n{lay.name.split(':')[0]}: {text.strip()}\n")
+    print(f"expert slots ({slots}/{lay.n_expert} per layer, misses on CPU, tier ram): {len(out) / dt:.1f} tok/s, "
           f"hit rate {100 * c['hit_rate']:.1f}%, {c['uploads']} uploads; stock llama.cpp: "
           f"{len(results['stock'][0]) / results['stock'][2]:.1f} tok/s")
     same = results["stock"][0] == out
