@@ -1,0 +1,212 @@
+"""Draft models: the same MoE with its experts at low bits and everything else untouched.
+
+Specter's recipe (DESIGN.md §6): a draft that predicts the target's routing keeps attention, routers and shared
+experts at the target's precision, because router-side quantization error mis-routes tokens, and takes its size
+savings from the experts, which are most of the bytes. The file is made by llama.cpp's own quantize API with
+per-tensor type overrides, so the draft is a plain GGUF that stock llama.cpp loads.
+
+``routing_agreement`` measures what a draft is for: on held-out text, how many of the experts the target selects
+(per token, per layer) the draft selects too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pyspecter.errors import SpecterError
+from pyspecter.layout import read_layout
+from pyspecter.paths import content_key, models_dir
+
+__all__ = ["EXPERT_PATTERN", "build_smol_moe_draft", "make_draft", "routing_agreement", "routing_trace"]
+
+N_THREADS = 2
+# Every routed-expert matmul weight in llama.cpp's naming; shared experts (``*_shexp``) are not matched.
+EXPERT_PATTERN = r"^blk\.\d+\.ffn_(gate_up|gate|up|down)_exps\.weight$"
+_EXPERT_RE = re.compile(EXPERT_PATTERN)
+
+# Types llama.cpp refuses to produce without an importance matrix (llama-quant.cpp, tensor_requires_imatrix).
+IMATRIX_TYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"})
+# Target types we accept: ones llama.cpp can quantize to and gguf-py (hence read_layout) can read back.
+# (This llama.cpp also has Q2_0, but gguf 0.19 cannot parse files containing it.)
+QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+               "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", *sorted(IMATRIX_TYPES))
+
+
+def _ggml_type(name: str) -> int:
+    from gguf import GGMLQuantizationType
+
+    key = name.upper()
+    if key not in QUANT_TYPES:
+        raise SpecterError(f"unsupported tensor type {name!r} (choose from {', '.join(QUANT_TYPES)})")
+    if key in IMATRIX_TYPES:
+        raise SpecterError(f"{key} needs an importance matrix, which make_draft does not take; "
+                           "use a K-quant such as Q2_K or Q3_K, or IQ4_XS / IQ4_NL")
+    return int(GGMLQuantizationType[key])
+
+
+def make_draft(model: Path, out: Path, experts_type: str = "Q2_K", rest_type: str | None = None,
+               progress: bool = True) -> Path:
+    """Write a draft of MoE ``model`` to ``out``: routed-expert weights re-quantized to ``experts_type``; every
+    other tensor kept byte-for-byte (``rest_type=None``) or quantized to ``rest_type`` (norms, routers and other
+    1-D tensors always stay as they are). Returns ``out``.
+
+    Where a row is not a whole number of the type's blocks (e.g. SmolLM2's 576-wide gate/up rows and Q2_K's
+    256-blocks), llama.cpp falls back to a compatible type (Q2_K/Q3_K -> Q4_0); read the result with read_layout.
+    """
+    import gguf
+    import llama_cpp
+
+    from pyspecter.native import llama_lib, quiet_logs
+
+    model, out = Path(model), Path(out)
+    lay = read_layout(model).require_moe()
+    exp_t = _ggml_type(experts_type)
+    rest_t = _ggml_type(rest_type) if rest_type is not None else None
+
+    reader = gguf.GGUFReader(model)
+    ftype = reader.fields.get("general.file_type")
+    # ftype must name a quantized default type, or llama.cpp never consults the overrides; the source's own ftype
+    # also keeps the draft's general.file_type describing its non-expert tensors.
+    file_type = int(ftype.contents()) if ftype is not None else int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    if file_type in (int(gguf.LlamaFileType.ALL_F32), int(gguf.LlamaFileType.MOSTLY_F16),
+                     int(gguf.LlamaFileType.MOSTLY_BF16)):
+        file_type = int(gguf.LlamaFileType.MOSTLY_Q8_0)
+
+    # Overrides are tried in order, first match wins: experts first, then every other tensor pinned to its own
+    # type (exact names, so nothing is re-quantized or re-chosen by llama.cpp's mixture heuristics).
+    overrides: list[tuple[str, int]] = [(EXPERT_PATTERN, exp_t)]
+    for t in reader.tensors:
+        if _EXPERT_RE.match(t.name):
+            continue
+        overrides.append(("^" + re.escape(t.name) + "$", rest_t if rest_t is not None else int(t.tensor_type)))
+    del reader
+
+    arr = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
+    keep = []  # the C side only borrows the pattern strings
+    for i, (pat, typ) in enumerate(overrides):
+        b = pat.encode()
+        keep.append(b)
+        arr[i].pattern = b
+        arr[i].type = typ
+    arr[len(overrides)].pattern = None  # terminator
+
+    kv = (llama_cpp.llama_model_kv_override * 2)()
+    kv[0].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR
+    kv[0].key = b"general.name"
+    # general.name holds at most 127 bytes here; the distinguishing part goes first in case the tail is cut
+    name = f"draft (experts {experts_type.upper()}) of {lay.name}".encode()[:127]
+    kv[0].value.val_str = name.decode("utf-8", errors="ignore").encode()
+    kv[1].key = b""  # terminator
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = N_THREADS
+    params.ftype = file_type
+    params.allow_requantize = True  # the source experts are already quantized
+    params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+    params.kv_overrides = ctypes.cast(kv, ctypes.POINTER(llama_cpp.llama_model_kv_override))
+
+    llama_lib()
+    quiet_logs()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=".gguf.tmp", dir=out.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    t0 = time.monotonic()
+    if progress:
+        print(f"draft: quantizing experts of {model.name} to {experts_type.upper()} ...", file=sys.stderr, flush=True)
+    try:
+        rc = llama_cpp.llama_model_quantize(str(model).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise SpecterError(f"{model}: llama.cpp could not quantize it to a {experts_type} draft (rc {rc})")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if progress:
+        d = read_layout(out)
+        print(f"draft: wrote {out} ({out.stat().st_size / 2**20:.0f} MiB, expert bytes "
+              f"{d.expert_total_bytes / max(lay.expert_total_bytes, 1):.0%} of the target's) "
+              f"in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+    return out
+
+
+def build_smol_moe_draft(experts_type: str = "Q2_K", progress: bool = True) -> Path:
+    """The default draft of smol-moe (built first if needed): experts at ``experts_type``, the rest unchanged.
+    Cached by content key (the target file's key, the type, this file's source, the llama.cpp version)."""
+    import llama_cpp
+
+    from pyspecter.models.smol import build_smol_moe
+
+    target = build_smol_moe(progress=progress)
+    key = content_key(target.name, experts_type.upper(), Path(__file__).read_bytes(), llama_cpp.__version__)
+    out = models_dir() / f"smol-moe-draft-{experts_type.upper()}-{key}.gguf"
+    if out.exists():
+        return out
+    return make_draft(target, out, experts_type=experts_type, progress=progress)
+
+
+# --- routing -------------------------------------------------------------------------------------------------------
+
+def routing_trace(path: Path, tokens: list[int]) -> np.ndarray:
+    """Experts selected at every MoE layer for every token: int32 [n_moe_layers, n_tokens, n_used], in layer order.
+
+    Uses the patched library's routing hook (slots enabled, none resident, so every expert is computed on the
+    host as stock llama.cpp would). Logits are requested for every token: llama skips the last layer's FFN for
+    rows without output, and so would the hook."""
+    from pyspecter import native
+
+    lay = read_layout(path).require_moe()
+    calls: dict[int, list[np.ndarray]] = {}
+
+    def on_route(_ud, il, n_tokens, n_used, ids, _weights) -> None:
+        calls.setdefault(int(il), []).append(
+            np.ctypeslib.as_array(ids, shape=(n_tokens * n_used,)).reshape(n_tokens, n_used).copy())
+
+    cb = native.ROUTE_CB(on_route)  # referenced until the contexts are gone: the C side holds the pointer
+    with native.Model(path) as model:
+        api = native.slots()
+        rc = api.slots_init(model.ptr, lay.n_expert)
+        if rc != 0:
+            raise SpecterError(f"{path}: could not enable the routing hook (slots_init rc {rc})")
+        api.set_route_cb(model.ptr, cb, None)
+        with native.Context(model, n_ctx=len(tokens) + 8, n_batch=512, n_threads=N_THREADS) as ctx:
+            ctx.decode(tokens, logits_all=True)
+        api.set_route_cb(model.ptr, native.ROUTE_CB(), None)
+    layers = sorted(calls)
+    trace = np.stack([np.concatenate(calls[il]) for il in layers])
+    if trace.shape[1] != len(tokens):
+        raise SpecterError(f"{path}: routing hook saw {trace.shape[1]} tokens per layer, expected {len(tokens)}")
+    return trace
+
+
+def routing_agreement(target: Path, draft: Path, text: str | None = None) -> dict:
+    """On held-out text (default: pyspecter/data/heldout.txt), the fraction of the target's selected experts that
+    the draft selects too, per MoE layer and overall; also the fraction of (token, layer) pairs whose whole
+    top-k sets match, and the chance level (n_used / n_expert)."""
+    from pyspecter import native
+    from pyspecter.models.smol import heldout_text
+
+    text = heldout_text() if text is None else text
+    with native.Model(target) as m:
+        tokens = m.tokenize(text, add_special=True, parse_special=False)
+    t = routing_trace(target, tokens)
+    d = routing_trace(draft, tokens)
+    if t.shape != d.shape:
+        raise SpecterError(f"target and draft route differently shaped ({t.shape} vs {d.shape}); same model?")
+    n_layers, n_tok, k = t.shape
+    n_expert = read_layout(target).n_expert
+    # per (layer, token): |target set ∩ draft set| / k
+    hit = (t[:, :, :, None] == d[:, :, None, :]).any(axis=3).sum(axis=2) / k
+    same_set = (np.sort(t, axis=2) == np.sort(d, axis=2)).all(axis=2)
+    return {
+        "tokens": n_tok, "n_used": k, "n_expert": n_expert, "chance": k / n_expert,
+        "overall": float(hit.mean()), "per_layer": [float(x) for x in hit.mean(axis=1)],
+        "same_set": float(same_set.mean()),
+    }
