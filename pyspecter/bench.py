@@ -39,8 +39,19 @@ class Run:
 
 
 def _prompt_tokens(model: Model, n: int, seed: int = 0) -> list[int]:
-    # Synthetic ids are fine for speed: the random fixtures have no real text anyway, and every policy sees the
-    # same ones.
+    """The first n tokens of the packaged eval prompts, chat-rendered, for models with a chat template (real
+    routing needs real text); synthetic ids for the random fixtures, whose text is noise anyway. Every policy
+    sees the same tokens."""
+    import llama_cpp
+
+    if llama_cpp.llama_model_chat_template(model.ptr, None):
+        from pyspecter.trace import load_prompts, render_prompt
+
+        toks: list[int] = []
+        for p in load_prompts(split="eval"):
+            toks += model.tokenize(render_prompt(model, p["messages"]), add_special=not toks)
+            if len(toks) >= n:
+                return toks[:n]
     rng = np.random.default_rng(seed)
     return [int(x) for x in rng.integers(1, model.n_vocab, size=n)]
 
@@ -229,6 +240,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
     _run("stock", path, layout, slots, tier, min(prompt_len, 8), 2, n_threads)
     runs: dict[str, list[Run]] = {p: [] for p in policies}
+    skipped: dict[str, str] = {}  # policy -> why it could not run at this budget
     stock_how = "page cache warm (ram tier)"
     for _ in range(repeat):
         for p in policies:  # interleaved: drift hits every policy alike
@@ -239,8 +251,13 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             elif p.startswith("specter"):
                 # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
                 # headline); "specter-equal-slots": same slots as the others, draft on top
-                runs[p].append(_run_specter(path, Path(draft), budget_bytes, p == "specter", tier, prompt_len, n,
-                                            n_threads, k))
+                if p in skipped:
+                    continue
+                try:
+                    runs[p].append(_run_specter(path, Path(draft), budget_bytes, p == "specter", tier, prompt_len,
+                                                n, n_threads, k))
+                except SpecterError as e:  # e.g. the draft alone is bigger than the budget
+                    skipped[p] = str(e)
             else:
                 runs[p].append(_run(p, path, layout, slots, tier, prompt_len, n, n_threads))
 
@@ -251,7 +268,11 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps, "stock_baseline": stock_how,
                  "budget_bytes": budget_bytes, "policies": {}}
     layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
+    for p, why in skipped.items():
+        out["policies"][p] = {"skipped": why}
     for p, rs in runs.items():
+        if not rs:
+            continue
         tp = [t for r in rs for t in r.tpots]
         tpot = statistics.median(tp)
         c = rs[-1].counters
@@ -283,7 +304,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                            "bytes_per_token": mn * layer_bytes / n, "computed": True}
     for r in out["policies"].values():
         for ref in ("on-demand-lru", "all-resident", "oracle-bound"):
-            if ref in out["policies"]:
+            if ref in out["policies"] and "tpot_ms" in r and "tpot_ms" in out["policies"][ref]:
                 r["vs_" + ref.replace("-", "_")] = out["policies"][ref]["tpot_ms"] / r["tpot_ms"]
     return out
 
@@ -298,6 +319,8 @@ def to_csv_rows(result: dict) -> list[dict]:
     """One flat row per policy, for spreadsheets and tools/bench.sh."""
     rows = []
     for name, p in result["policies"].items():
+        if "skipped" in p:
+            continue
         row = {k: result.get(k) for k in ("model", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer")}
         row["model"] = Path(row["model"]).name
         row["policy"] = name

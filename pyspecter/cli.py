@@ -245,6 +245,9 @@ def bench(
     print(f"{'policy':<15}{'TPOT ms':>9}{'tok/s':>9}{'prefill/s':>10}{'hit%':>7}{'KiB/tok':>9}{'stall ms':>9}"
           f"{'hook us':>8}{'vs lru':>8}{'vs all':>8}")
     for name, p in r["policies"].items():
+        if "skipped" in p:
+            print(f"{name:<15} skipped: {p['skipped']}")
+            continue
         print(f"{name:<15}{p['tpot_ms']:>9.2f}{p['decode_tok_s']:>9.1f}{p.get('prefill_tok_s', float('nan')):>10.1f}"
               f"{100 * p.get('hit_rate', 1):>7.1f}{p['bytes_per_token'] / 1024:>9.1f}"
               f"{p.get('stall_ms_per_token', 0):>9.2f}{p.get('hook_us_per_call', 0):>8.1f}"

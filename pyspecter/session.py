@@ -142,28 +142,8 @@ class Session:
             self.draft.close()
 
 
-def apply_chat_template(model: native.Model, messages: list[dict[str, str]], add_assistant: bool = True) -> str:
-    """The model's own chat template through llama.cpp (ChatML as a fallback for models without one)."""
-    import ctypes
+def apply_chat_template(model: native.Model, messages: list[dict[str, str]]) -> str:
+    """The model's own chat template through llama.cpp (ChatML for models without one it knows)."""
+    from pyspecter.trace import render_prompt
 
-    import llama_cpp
-
-    tmpl = llama_cpp.llama_model_chat_template(model.ptr, None)
-    if not tmpl:
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_assistant else "")
-    arr = (llama_cpp.llama_chat_message * len(messages))()
-    keep = []
-    for i, m in enumerate(messages):
-        r, c = m["role"].encode(), m["content"].encode()
-        keep += [r, c]
-        arr[i].role, arr[i].content = r, c
-    size = 256 + 2 * sum(len(k) for k in keep)
-    buf = ctypes.create_string_buffer(size)
-    n = llama_cpp.llama_chat_apply_template(tmpl, arr, len(messages), add_assistant, buf, size)
-    if n < 0:
-        raise SpecterError("the model's chat template is not supported by llama.cpp")
-    if n > size:
-        buf = ctypes.create_string_buffer(n + 1)
-        n = llama_cpp.llama_chat_apply_template(tmpl, arr, len(messages), add_assistant, buf, n + 1)
-    return buf.raw[:n].decode("utf-8", errors="replace")
+    return render_prompt(model, messages)
