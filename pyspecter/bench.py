@@ -138,12 +138,13 @@ def _drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _run_stock_capped(path: Path, cap_bytes: int, prompt_len: int, n: int, n_threads: int) -> tuple[Run, str]:
-    """Stock llama.cpp on the disk tier, fairly: in a child process whose page cache (cgroup v1 memory limit) is
-    held to the same memory our policies get, starting cold. Without a writable cgroup, the page cache is only
-    dropped before the run (cold start, no cap) and the result says so."""
-    cg = CGROUP_ROOT / f"pyspecter-bench-{os.getpid()}"
-    how = f"page cache capped at {cap_bytes / 2**20:.0f} MiB by a cgroup, cold start"
+def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, str]:
+    """Run one policy on the disk tier, fairly: in a child process whose memory, page cache included (cgroup v1
+    memory limit), is held to the fast-memory budget plus non-expert weights plus runtime, starting with the
+    file's page cache dropped. That holds stock's mmap and our host path alike to the budget. Without a writable
+    cgroup the page cache is only dropped before the run, and the result says so."""
+    cg: Path | None = CGROUP_ROOT / f"pyspecter-bench-{os.getpid()}"
+    how = f"cgroup memory cap {cap_bytes / 2**20:.0f} MiB (page cache included), cold start"
     try:
         cg.mkdir()
         (cg / "memory.limit_in_bytes").write_text(str(cap_bytes))
@@ -153,17 +154,19 @@ def _run_stock_capped(path: Path, cap_bytes: int, prompt_len: int, n: int, n_thr
     _drop_page_cache(path)
     code = ("import json,sys,dataclasses; from pathlib import Path; from pyspecter import bench; "
             "from pyspecter.layout import read_layout; a=json.loads(sys.argv[1]); p=Path(a['path']); "
-            "r=bench._run('stock', p, read_layout(p), 0, 'disk', a['prompt_len'], a['n'], a['n_threads']); "
+            "r=(bench._run(a['policy'], p, read_layout(p), a['slots'], 'disk', a['prompt_len'], a['n'], "
+            "a['n_threads']) if a['fn'] == 'run' else bench._run_specter(p, Path(a['draft']), a['budget_bytes'], "
+            "a['count_draft'], 'disk', a['prompt_len'], a['n'], a['n_threads'], a['k'])); "
             "print(json.dumps(dataclasses.asdict(r)))")
-    args = json.dumps({"path": str(path), "prompt_len": prompt_len, "n": n, "n_threads": n_threads})
     try:
         # the child joins the cgroup before it imports llama.cpp or touches the model
         pre = f"open('{cg}/cgroup.procs','w').write(str(__import__('os').getpid()));" if cg else ""
-        r = subprocess.run([sys.executable, "-c", pre + code, args], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-c", pre + code, json.dumps({**call, "path": str(path)})],
+                           capture_output=True, text=True)
         if r.returncode != 0:
-            raise SpecterError(f"capped stock run failed: {r.stderr.strip().splitlines()[-1:]}")
-        d = json.loads(r.stdout.strip().splitlines()[-1])
-        return Run(**d), how
+            last = (r.stderr.strip().splitlines() or ["killed (out of memory under the cap?)"])[-1]
+            raise SpecterError(last.removeprefix("pyspecter.errors.SpecterError: "))
+        return Run(**json.loads(r.stdout.strip().splitlines()[-1])), how
     finally:
         if cg is not None:
             with contextlib.suppress(OSError):
@@ -241,31 +244,38 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     _run("stock", path, layout, slots, tier, min(prompt_len, 8), 2, n_threads)
     runs: dict[str, list[Run]] = {p: [] for p in policies}
     skipped: dict[str, str] = {}  # policy -> why it could not run at this budget
-    stock_how = "page cache warm (ram tier)"
+    capped_how = "page cache warm (ram tier)"
     for _ in range(repeat):
         for p in policies:  # interleaved: drift hits every policy alike
-            if p == "stock" and tier == "disk":
-                cap = budget_bytes + layout.nonexpert_bytes + RUNTIME_HEADROOM
-                run, stock_how = _run_stock_capped(path, cap, prompt_len, n, n_threads)
-                runs[p].append(run)
-            elif p.startswith("specter"):
-                # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
-                # headline); "specter-equal-slots": same slots as the others, draft on top
-                if p in skipped:
-                    continue
-                try:
+            if p in skipped:
+                continue
+            cap = budget_bytes + layout.nonexpert_bytes + RUNTIME_HEADROOM
+            common = {"prompt_len": prompt_len, "n": n, "n_threads": n_threads}
+            try:
+                if tier == "disk" and p != "all-resident":  # all-resident is the no-stall limit: no cap
+                    if p.startswith("specter"):
+                        extra = 0 if p == "specter" else Path(draft).stat().st_size
+                        call = {"fn": "specter", "draft": str(draft), "budget_bytes": budget_bytes,
+                                "count_draft": p == "specter", "k": k, **common}
+                        run, capped_how = _run_capped(call, path, cap + extra)
+                    else:
+                        run, capped_how = _run_capped({"fn": "run", "policy": p, "slots": slots, **common}, path, cap)
+                    runs[p].append(run)
+                elif p.startswith("specter"):
+                    # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
+                    # headline); "specter-equal-slots": same slots as the others, draft on top
                     runs[p].append(_run_specter(path, Path(draft), budget_bytes, p == "specter", tier, prompt_len,
                                                 n, n_threads, k))
-                except SpecterError as e:  # e.g. the draft alone is bigger than the budget
-                    skipped[p] = str(e)
-            else:
-                runs[p].append(_run(p, path, layout, slots, tier, prompt_len, n, n_threads))
+                else:
+                    runs[p].append(_run(p, path, layout, slots, tier, prompt_len, n, n_threads))
+            except SpecterError as e:  # e.g. the draft alone is bigger than the budget
+                skipped[p] = str(e)
 
     out: dict = {"model": str(path), "draft": str(draft) if draft else None, "arch": layout.arch, "tier": tier,
                  "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
                  "n_expert_used": layout.n_expert_used, "prompt_tokens": prompt_len, "decode_tokens": n,
-                 "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps, "stock_baseline": stock_how,
+                 "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps, "memory_cap": capped_how,
                  "budget_bytes": budget_bytes, "policies": {}}
     layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
     for p, why in skipped.items():

@@ -241,7 +241,8 @@ def bench(
         return
     print(f"{Path(r['model']).name}: {r['arch']}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
           f"{r['slots_per_layer']}/{r['n_expert']} slots per layer, link {r['link_gbps']:.2f} GB/s, "
-          f"{r['prompt_tokens']}-token prompt, {r['decode_tokens']} decode tokens x {r['repeat']}")
+          f"{r['prompt_tokens']}-token prompt, {r['decode_tokens']} decode tokens x {r['repeat']}; "
+          f"memory: {r['memory_cap']}")
     print(f"{'policy':<15}{'TPOT ms':>9}{'tok/s':>9}{'prefill/s':>10}{'hit%':>7}{'KiB/tok':>9}{'stall ms':>9}"
           f"{'hook us':>8}{'vs lru':>8}{'vs all':>8}")
     for name, p in r["policies"].items():
