@@ -20,6 +20,42 @@ models_app = typer.Typer(no_args_is_help=True, help="Build the project's own mod
 app.add_typer(models_app, name="models")
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a built-in name such as tiny-qwen3moe")]
+class _Stopped(Exception):
+    pass
+
+
+_interrupted = [False]
+
+
+def _stop_check(stream):
+    """Wrap the token callback: it runs in plain Python between decodes, the one place a stop can be raised.
+    (The routing hook runs inside llama_decode on this same thread, where a KeyboardInterrupt would only be
+    printed and swallowed by ctypes.)"""
+
+    def on_token(tok: int) -> None:
+        stream(tok)
+        if _interrupted[0]:
+            raise _Stopped
+
+    return on_token
+
+
+def _interruptible(fn, *args, **kwargs):
+    """Run fn with Ctrl-C turned into a flag that _stop_check honours."""
+    import signal
+
+    _interrupted[0] = False
+
+    def handler(_sig, _frame) -> None:
+        _interrupted[0] = True
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 DraftOpt = Annotated[str | None, typer.Option(help="draft GGUF (or built-in name): speculative decoding + prefetch")]
 BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: all")]
 TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
@@ -374,8 +410,8 @@ def chat(
             prompt = s.tokenize(apply_chat_template(s.target, history), add_special=False)
             stream = _Streamer(s.target)
             try:
-                out = s.generate(prompt, n, on_token=stream)
-            except KeyboardInterrupt:
+                out = _interruptible(s.generate, prompt, n, on_token=_stop_check(stream))
+            except _Stopped:
                 out = stream.tokens
                 print(" [stopped]", end="")
             print()

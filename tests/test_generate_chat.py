@@ -55,3 +55,26 @@ def test_chat_through_a_pipe() -> None:
     assert any("tok/s" in line and "hit" in line for line in lines)
     assert "(conversation cleared)" in r.stdout
     assert len([line for line in lines if line and not line.startswith(("[", "("))]) == 2  # two answers
+
+
+def test_ctrl_c_stops_the_answer_not_the_repl() -> None:
+    # The routing hook runs inside llama_decode on the main thread, where a KeyboardInterrupt would be swallowed
+    # by ctypes; chat turns Ctrl-C into a flag checked between tokens instead.
+    import os
+    import signal
+
+    from pyspecter.cli import _interruptible, _stop_check, _Stopped
+
+    seen: list[int] = []
+
+    def fake_generate() -> None:
+        cb = _stop_check(seen.append)
+        cb(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        cb(2)
+        cb(3)
+
+    with pytest.raises(_Stopped):
+        _interruptible(fake_generate)
+    assert seen == [1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
