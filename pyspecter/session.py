@@ -84,13 +84,22 @@ class Session:
                  stop_at_eog: bool = True) -> list[int]:
         """Decode up to n tokens after prompt, from a fresh context."""
         t0 = time.perf_counter()
-        if self.decoder is not None:
-            out = self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=on_token)
-        else:
-            out = self._plain(prompt, n, on_token, stop_at_eog)
-        self.cache.check()
-        self.decode_s += time.perf_counter() - t0
-        self.tokens_out += len(out)
+        n_out = [0]
+
+        def counted(tok: int) -> None:
+            n_out[0] += 1
+            if on_token:
+                on_token(tok)
+
+        try:
+            if self.decoder is not None:
+                out = self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=counted)
+            else:
+                out = self._plain(prompt, n, counted, stop_at_eog)
+            self.cache.check()
+        finally:  # an answer stopped early (Ctrl-C) still counts in /stats
+            self.decode_s += time.perf_counter() - t0
+            self.tokens_out += n_out[0]
         return out
 
     def _plain(self, prompt, n, on_token, stop_at_eog) -> list[int]:
