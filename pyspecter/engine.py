@@ -43,24 +43,33 @@ def _softmax(x: np.ndarray, temperature: float) -> np.ndarray:
     return p / p.sum()
 
 
+def accept_one(logits: np.ndarray, draft: int | None, q: np.ndarray | None, temperature: float,
+               rng: np.random.Generator) -> int | None:
+    """One position of verification. Returns None if the draft token is accepted, else the token to emit there
+    (the target's choice: greedy argmax, or with a temperature standard speculative sampling (Leviathan et al.,
+    Chen et al.): accept with probability min(1, p/q), else sample from normalise(max(0, p - q)); with no draft
+    left, sample the bonus token from p). The emitted tokens are distributed exactly as the target's own."""
+    if temperature <= 0:
+        tok = int(np.argmax(logits))
+        return None if tok == draft else tok
+    p = _softmax(logits, temperature)
+    if draft is None:
+        return int(rng.choice(len(p), p=p))
+    if rng.random() < min(1.0, p[draft] / max(q[draft], 1e-20)):
+        return None
+    resid = np.maximum(p - q, 0.0)
+    total = resid.sum()
+    return int(rng.choice(len(p), p=resid / total)) if total > 0 else int(np.argmax(p))
+
+
 def speculative_accept(target_logits: np.ndarray, draft_probs: list[np.ndarray], drafts: list[int],
                        temperature: float, rng: np.random.Generator) -> tuple[int, int]:
-    """Standard speculative sampling (Leviathan et al. / Chen et al.): accept draft i with probability
-    min(1, p_i/q_i); on the first rejection sample from normalise(max(0, p - q)); if all K are accepted, sample a
-    bonus token from p_K. The emitted tokens are distributed exactly as sampling the target alone.
-    Returns (number accepted, the token emitted after them)."""
-    k = len(drafts)
-    for i in range(k):
-        p = _softmax(target_logits[i], temperature)
-        d = drafts[i]
-        if rng.random() < min(1.0, p[d] / max(draft_probs[i][d], 1e-20)):
-            continue
-        resid = np.maximum(p - draft_probs[i], 0.0)
-        total = resid.sum()
-        tok = int(rng.choice(len(p), p=resid / total)) if total > 0 else int(np.argmax(p))
-        return i, tok
-    p = _softmax(target_logits[k], temperature)
-    return k, int(rng.choice(len(p), p=p))
+    """Verify K drafts against K+1 rows of target logits. Returns (number accepted, the token emitted after)."""
+    for i, d in enumerate(drafts):
+        tok = accept_one(target_logits[i], d, draft_probs[i] if draft_probs else None, temperature, rng)
+        if tok is not None:
+            return i, tok
+    return len(drafts), accept_one(target_logits[len(drafts)], None, None, temperature, rng)
 
 
 @dataclass
@@ -88,7 +97,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
                  routing: DraftRouting | None = None, prefetcher: Prefetcher | None = None,
-                 temperature: float = 0.0, seed: int = 0) -> None:
+                 temperature: float = 0.0, seed: int = 0, batch_verify: bool = False) -> None:
         if target.model.n_vocab != draft.model.n_vocab:
             raise ValueError("draft and target must share a vocabulary")
         self.target, self.draft = target, draft
@@ -98,6 +107,12 @@ class SpeculativeDecoder:
         if routing is not None and prefetcher is not None:
             routing.on_layer = prefetcher.on_draft_layer
         self.temperature = temperature
+        # llama.cpp's numbers depend on the ubatch size (kernels differ for 1 vs many rows; on Q4 models logits
+        # move by up to ~2, DESIGN §4), so a batched verification pass can flip a near-tie that token-by-token
+        # decoding would not. Exact (default): the target verifies one token at a time, stopping at the first
+        # rejection; the window's experts are already resident, so the I/O saving remains. batch_verify=True is
+        # the faster, approximate mode.
+        self.batch_verify = batch_verify
         self.rng = np.random.default_rng(seed)
         self.stats = SpecStats()
         self._draft_lag: list[int] = []  # accepted tokens the draft has not processed yet (K=0 steps skip it)
@@ -166,16 +181,20 @@ class SpeculativeDecoder:
         else:
             self._draft_lag.append(cur)
         t1 = time.perf_counter()
-        rows = tgt.decode([cur, *drafts], logits_all=True)
-        t2 = time.perf_counter()
-
-        accepted = 0
-        if self.temperature <= 0:
-            while accepted < k and int(np.argmax(rows[accepted])) == drafts[accepted]:
-                accepted += 1
-            bonus = int(np.argmax(rows[accepted]))
-        else:
+        if self.batch_verify:
+            rows = tgt.decode([cur, *drafts], logits_all=True)
             accepted, bonus = speculative_accept(rows, qs, drafts, self.temperature, self.rng)
+        else:
+            toks = [cur, *drafts]
+            accepted = 0
+            while True:
+                tok = accept_one(tgt.decode([toks[accepted]]), drafts[accepted] if accepted < k else None,
+                                 qs[accepted] if accepted < k and qs else None, self.temperature, self.rng)
+                if tok is not None:
+                    bonus = tok
+                    break
+                accepted += 1
+        t2 = time.perf_counter()
 
         # roll both caches back to the accepted prefix: cur + accepted drafts
         keep = base + 1 + accepted

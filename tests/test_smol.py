@@ -287,3 +287,30 @@ def test_rebuild_is_a_cache_hit(moe: Path, draft: Path) -> None:
     assert smol.build_smol_moe(N_EXPERT, TOP_K, progress=False) == moe
     assert drafts.build_smol_moe_draft(progress=False) == draft
     assert time.monotonic() - t0 < 5.0
+
+
+def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None:
+    # The real model with its real draft, through expert slots at half the experts with draft-driven prefetch:
+    # greedy output must equal the target's own token-by-token greedy decoding.
+    from pyspecter import native
+    from pyspecter.cache import ExpertCache
+    from pyspecter.engine import SpeculativeDecoder, greedy
+    from pyspecter.layout import read_layout
+    from pyspecter.plan import Prefetcher
+    from pyspecter.predict import DraftRouting
+    from pyspecter.trace import load_prompts, render_prompt
+
+    lay = read_layout(moe)
+    with native.Model(moe) as tm, native.Model(draft) as dm:
+        cache = ExpertCache(tm, lay, lay.n_expert // 2, miss="cpu")
+        routing = DraftRouting(dm, read_layout(draft))
+        with native.Context(tm) as tctx, native.Context(dm) as dctx:
+            eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, routing=routing, prefetcher=Prefetcher(cache))
+            for p in load_prompts(split="eval")[:4]:
+                toks = tm.tokenize(render_prompt(tm, p["messages"]), add_special=False)
+                tctx.clear()
+                ref, _ = greedy(tctx, toks, 24)
+                assert eng.generate(toks, 24, stop_at_eog=False) == ref, p["id"]
+                cache.check()
+        assert eng.stats.drafted > 0 and cache.counters()["prefetches"] > 0
+        cache.close()
