@@ -187,7 +187,9 @@ class Context:
     """A llama_context with the settings exactness depends on held explicit: flash attention off, fixed batch."""
 
     def __init__(self, model: Model, *, n_ctx: int = 512, n_batch: int = 512, n_threads: int = 2,
-                 flash_attn: bool = False) -> None:
+                 flash_attn: bool = False, cb_eval=None) -> None:
+        """cb_eval: llama.cpp's eval callback (a llama_cpp.ggml_backend_sched_eval_callback), for observing
+        graph nodes; keep a reference to it while the context lives."""
         import llama_cpp
 
         self.model = model
@@ -199,6 +201,9 @@ class Context:
         p.n_threads_batch = n_threads
         p.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_{DISABLED=0,ENABLED=1}
         p.no_perf = True
+        if cb_eval is not None:
+            p.cb_eval = cb_eval
+            p.cb_eval_user_data = None
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, p)

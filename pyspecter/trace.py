@@ -299,32 +299,6 @@ class _RouterInputTap:
         return x, logits
 
 
-class _TappedContext(Context):
-    """native.Context with llama.cpp's eval callback set (the base class has no parameter for it)."""
-
-    def __init__(self, model: Model, *, n_ctx: int, n_batch: int, n_threads: int, cb_eval) -> None:
-        import llama_cpp
-
-        self.model = model
-        p = llama_cpp.llama_context_default_params()
-        p.n_ctx = n_ctx
-        p.n_batch = n_batch
-        p.n_ubatch = n_batch
-        p.n_threads = n_threads
-        p.n_threads_batch = n_threads
-        p.flash_attn_type = 0  # same settings as native.Context: routing near-ties depend on them
-        p.no_perf = True
-        p.cb_eval = cb_eval
-        p.cb_eval_user_data = None
-        self.n_ctx = n_ctx
-        self.n_batch = n_batch
-        self.ptr = llama_cpp.llama_init_from_model(model.ptr, p)
-        if not self.ptr:
-            raise SpecterError("llama.cpp could not create a context")
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        self.n_past = 0
-
-
 # --- routers, for the next-layer gate lookahead ----------------------------------------------------------------
 
 @dataclass
@@ -457,7 +431,7 @@ def record_trace(model_path: str | os.PathLike, out_path: str | os.PathLike,
         n_batch = min(n_ctx, 512)
         tap = _RouterInputTap(layout) if H else None
         if tap is not None:
-            ctx = _TappedContext(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, cb_eval=tap.cb)
+            ctx = Context(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, cb_eval=tap.cb)
         else:
             ctx = Context(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
         closers.insert(0, ctx)
