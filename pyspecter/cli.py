@@ -60,6 +60,8 @@ DraftOpt = Annotated[str | None, typer.Option(help="draft GGUF (or built-in name
 BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: all")]
 TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
 MissOpt = Annotated[str, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first)")]
+ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
+                                                      "hottest experts before the first token")]
 
 
 def resolve_model(spec: str) -> Path:
@@ -292,13 +294,16 @@ def bench(
 
 
 def _session(model: str, draft: str | None, budget: str | None, tier: str, miss: str, k: int, temp: float,
-             seed: int, threads: int, adaptive: bool = True):
+             seed: int, threads: int, adaptive: bool = True, profile: Path | None = None):
     from pyspecter.session import Session, SessionConfig
 
     path = resolve_model(model)
     dpath = resolve_model(draft) if draft else None
+    if profile is not None and not profile.exists():
+        raise SpecterError(f"{profile}: no such file")
     return Session(SessionConfig(model=path, draft=dpath, budget=budget, tier=tier, miss=miss, k=k,
-                                 adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads))
+                                 adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
+                                 profile=profile))
 
 
 class _Streamer:
@@ -334,10 +339,11 @@ def generate(
     temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    profile: ProfileOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the text and stats as JSON")] = False,
 ) -> None:
     """Generate text through expert slots, speculatively when a draft is given."""
-    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k)
+    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k, profile=profile)
     try:
         toks = s.tokenize(prompt)
         stream = None if json_out else _Streamer(s.target)
@@ -375,12 +381,13 @@ def chat(
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    profile: ProfileOpt = None,
 ) -> None:
     """Chat with a model. /stats shows speed and cache figures, /reset forgets the conversation, /quit leaves;
     Ctrl-C stops the current answer."""
     from pyspecter.session import apply_chat_template
 
-    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads)
+    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, profile=profile)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     print(f"pyspecter chat: {s.layout.name} — /stats /reset /quit", file=sys.stderr)

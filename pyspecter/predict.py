@@ -9,6 +9,7 @@ draft's numbers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from pyspecter import native
 from pyspecter.errors import SpecterError
@@ -63,3 +64,25 @@ class DraftRouting:
             err, self.error = self.error, None
             raise err
         return self.window
+
+
+def routing_profile(trace_path: str | Path, layout: ModelLayout) -> dict[int, list[int]]:
+    """Experts of each MoE layer, hottest first, from a trace's target routing (``pyspecter trace``): what a
+    fresh session should load before its first token instead of starting with a burst of misses."""
+    import numpy as np
+
+    from pyspecter.trace import load_trace
+
+    tr = load_trace(trace_path)
+    if tr.n_expert != layout.n_expert or len(tr.meta["moe_layers"]) != len(layout.layers):
+        raise SpecterError(f"{trace_path}: profile is for a model with {tr.n_expert} experts in "
+                           f"{len(tr.meta['moe_layers'])} MoE layers, this one has {layout.n_expert} in "
+                           f"{len(layout.layers)}")
+    ids = tr["target_ids"]  # [T, L, U], -1 for none
+    out = {}
+    for j, il in enumerate(tr.meta["moe_layers"]):
+        col = ids[:, j, :].ravel()
+        counts = np.bincount(col[col >= 0], minlength=layout.n_expert)
+        # stable: ties keep expert order, so the profile is deterministic
+        out[int(il)] = [int(e) for e in np.argsort(-counts, kind="stable")]
+    return out

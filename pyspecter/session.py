@@ -35,6 +35,7 @@ class SessionConfig:
     n_threads: int = 2
     min_confidence: float = 0.0
     draft_counts_in_budget: bool = True  # equal total fast memory: the draft's bytes come out of the slot budget
+    profile: Path | None = None  # a trace (pyspecter trace): warm the slots with its hottest experts
 
 
 class Session:
@@ -57,6 +58,10 @@ class Session:
         self.target = native.Model(cfg.model)
         self.cache = ExpertCache(self.target, self.layout, self.n_slots, policy=cfg.policy, miss=cfg.miss,
                                  tier=self.tier)
+        if cfg.profile is not None:
+            from pyspecter.predict import routing_profile
+
+            self.cache.warm(routing_profile(cfg.profile, self.layout))
         self.tctx = native.Context(self.target, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
         self.decoder: SpeculativeDecoder | None = None
         self.draft = None

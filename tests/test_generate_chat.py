@@ -78,3 +78,32 @@ def test_ctrl_c_stops_the_answer_not_the_repl() -> None:
         _interruptible(fake_generate)
     assert seen == [1, 2]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_profile_warm_start(tmp_path: Path) -> None:
+    # a routing profile from a trace fills every layer's slots before the first token, hottest experts first,
+    # and changes nothing about the output
+    import numpy as np
+
+    from pyspecter.layout import read_layout
+    from pyspecter.predict import routing_profile
+    from pyspecter.trace import load_trace, record_trace
+
+    path = build_tiny("tiny-qwen3moe")
+    tr_path = tmp_path / "t.npz"
+    record_trace(path, tr_path, prompts=["warm me up", "and again"], n=6, progress=False, n_threads=1,
+                 gate_lookahead=0)
+    lay = read_layout(path)
+    prof = routing_profile(tr_path, lay)
+    ids = load_trace(tr_path)["target_ids"]
+    counts = np.bincount(ids[:, 0, :].ravel(), minlength=lay.n_expert)
+    assert counts[prof[lay.layers[0].index][0]] == counts.max()
+    plain = run_cli("generate", "tiny-qwen3moe", "-p", "warm start", "-n", "8", "--budget", "25%", "--json")
+    warm = run_cli("generate", "tiny-qwen3moe", "-p", "warm start", "-n", "8", "--budget", "25%", "--json",
+                   "--profile", str(tr_path))
+    assert plain.returncode == 0 and warm.returncode == 0, warm.stderr
+    a, b = json.loads(plain.stdout), json.loads(warm.stdout)
+    assert a["tokens"] == b["tokens"]
+    assert b["stats"]["uploads"] >= len(lay.layers) * b["stats"]["slots_per_layer"]
+    bad = run_cli("generate", "tiny-mixtral", "-p", "x", "--profile", str(tr_path))
+    assert bad.returncode == 2 and "profile is for a model" in bad.stderr
