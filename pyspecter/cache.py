@@ -17,6 +17,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -131,6 +132,7 @@ class DiskTier(Tier):
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specter-disk")
         self.read_bytes = 0
+        self.busy_ns = 0  # time spent reading + writing slots: with read_bytes, the measured link speed
 
     def _probe(self) -> None:
         mm = mmap.mmap(-1, self.ALIGN)
@@ -147,6 +149,13 @@ class DiskTier(Tier):
         return self._local.mm, self._local.addr
 
     def _read_into_slot(self, il: int, expert: int, slot: int) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            self._read_into_slot_timed(il, expert, slot)
+        finally:
+            self.busy_ns += time.perf_counter_ns() - t0
+
+    def _read_into_slot_timed(self, il: int, expert: int, slot: int) -> None:
         mm, addr = self._buffer()
         for kind, t in self.layout.layer(il).tensors.items():
             off = t.expert_offset(expert)
@@ -440,6 +449,13 @@ class ExpertCache:
             "route_us_per_call": c["route_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
             "hook_us_per_call": c["hook_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
         }
+
+    def link_gbps(self) -> float | None:
+        """The slow tier's speed as measured on this session's uploads so far (None before any)."""
+        if isinstance(self.tier, DiskTier):
+            return self.tier.read_bytes / self.tier.busy_ns if self.tier.busy_ns else None
+        c = self.api.stats(self.model.ptr)
+        return c["upload_bytes"] / c["upload_ns"] if c["upload_ns"] else None
 
     def reset_counters(self) -> None:
         self.stats = CacheStats()

@@ -27,8 +27,10 @@ class Prefetcher:
 
     def start_window(self, time_until_verify_s: float | None) -> None:
         self.cache.unprotect_all()
-        if self.link_gbps and time_until_verify_s is not None:
-            self.budget_bytes = self.link_gbps * 1e9 * time_until_verify_s
+        # a given link speed, else the one measured online on this session's uploads
+        gbps = self.link_gbps or self.cache.link_gbps()
+        if gbps and time_until_verify_s is not None:
+            self.budget_bytes = gbps * 1e9 * time_until_verify_s
         else:
             self.budget_bytes = math.inf
 
