@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import time
 from pathlib import Path
 
@@ -148,71 +147,28 @@ def test_completion_api(built: dict[str, tuple[Path, int]]) -> None:
     assert res["choices"][0]["text"]
 
 
-def _load_ggml_base() -> ctypes.CDLL:
-    libs = sorted(Path(llama_cpp.llama_cpp._base_path).glob("libggml-base.*"))
-    if not libs:
-        pytest.skip("libggml-base not found next to the llama_cpp bindings")
-    lib = ctypes.CDLL(str(libs[0]))
-    lib.ggml_get_name.restype = ctypes.c_char_p
-    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_nbytes.restype = ctypes.c_size_t
-    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_tensor_get.restype = None
-    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    return lib
-
-
-class _TensorHead(ctypes.Structure):
-    # Only the leading fields of struct ggml_tensor (type, buffer, ne[4], nb[4]), which have been stable for years;
-    # everything else goes through exported ggml functions.
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-    ]
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_routing_varies(name: str, built: dict[str, tuple[Path, int]]) -> None:
     """Different tokens must select different experts, or the fixtures would not exercise expert movement."""
     spec = TINY_MODELS[name]
-    ggml = _load_ggml_base()
-    selected: dict[str, np.ndarray] = {}
+    from pyspecter import native
 
-    @llama_cpp.ggml_backend_sched_eval_callback
-    def on_eval(tensor: int, ask: bool, _user: int) -> bool:
-        if not ggml.ggml_get_name(tensor).decode().startswith("ffn_moe_topk-"):
-            return False if ask else True
-        if ask:
-            return True  # yes, show us this tensor's data once computed
-        head = _TensorHead.from_address(tensor)
-        k, n_tok, row_stride = head.ne[0], head.ne[1], head.nb[1]
-        buf = (ctypes.c_uint8 * ggml.ggml_nbytes(tensor))()
-        ggml.ggml_backend_tensor_get(tensor, buf, 0, len(buf))
-        raw = np.frombuffer(bytes(buf), dtype=np.uint8)
-        # topk is a strided view of the argsort: take the first k ids of each token's row
-        rows = [raw[j * row_stride : j * row_stride + 4 * k].view(np.int32) for j in range(n_tok)]
-        selected[ggml.ggml_get_name(tensor).decode()] = np.stack(rows)
-        return True
+    # read the routing through pyspecter's per-layer hook (patch 0003): top-k slots, nothing resident, so every
+    # expert runs on the host path exactly as in stock llama.cpp
+    api = native.slots()
+    selected: dict[int, np.ndarray] = {}
 
-    mparams = llama_cpp.llama_model_default_params()
-    model = llama_cpp.llama_model_load_from_file(str(built[name][0]).encode(), mparams)
-    assert model
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = 128
-    cparams.n_threads = cparams.n_threads_batch = 1
-    cparams.cb_eval = on_eval
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
-    try:
-        ids = np.random.default_rng(0).integers(0, spec.n_vocab, 32).tolist()
-        toks = (llama_cpp.llama_token * len(ids))(*ids)
-        assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(toks, len(ids))) == 0
-    finally:
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
+    def on_route(_ud, il, n_tok, n_used, ids_p, _w) -> None:
+        selected[il] = np.array(ids_p[: n_tok * n_used], dtype=np.int32).reshape(n_tok, n_used)
 
-    layer0 = selected["ffn_moe_topk-0"]
+    cb = native.ROUTE_CB(on_route)
+    with native.Model(built[name][0]) as model:
+        assert api.slots_init(model.ptr, spec.n_expert_used) == 0
+        api.set_route_cb(model.ptr, cb, None)
+        with native.Context(model, n_ctx=128, n_threads=1) as ctx:
+            ctx.decode(np.random.default_rng(0).integers(0, spec.n_vocab, 32).tolist())
+
+    layer0 = selected[0]
     assert layer0.shape == (32, spec.n_expert_used)
     assert ((layer0 >= 0) & (layer0 < spec.n_expert)).all()
     distinct_sets = {tuple(sorted(row)) for row in layer0}
