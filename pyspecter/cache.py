@@ -47,6 +47,11 @@ class Tier:
     def upload_async(self, il: int, expert: int, slot: int):
         raise NotImplementedError
 
+    def upload_many(self, il: int, loads: list[tuple[int, int]]) -> None:
+        """Upload [(expert, slot)] of one layer and return when all are in."""
+        for e, slot in loads:
+            self.upload(il, e, slot)
+
     def close(self) -> None:
         pass
 
@@ -103,12 +108,36 @@ class _Done:
         pass
 
 
+class _Group:
+    """Handle over the parallel reads of one expert's tensors."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self.futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def started(self) -> bool:
+        return any(f.running() or f.done() for f in self.futures)
+
+    def wait(self) -> None:
+        for f in self.futures:
+            f.result()
+
+
 class DiskTier(Tier):
     """The GGUF file itself, read with O_DIRECT so the page cache holds nothing of the experts: the
-    bigger-than-RAM case on CPU boxes. Falls back to buffered reads (with a warning) where O_DIRECT is refused."""
+    bigger-than-RAM case on CPU boxes. Falls back to buffered reads (with a warning) where O_DIRECT is refused.
+
+    Reads go through a small pool, one tensor of one expert per read: an SSD serves one read at a time at about
+    half its speed (measured here: 0.65 GB/s at queue depth 1, 1.14 at 2, 1.29 at 4), so an expert's tensors and
+    a layer's misses are read side by side."""
 
     name = "disk"
     ALIGN = 4096
+
+    def __init__(self, queue_depth: int = 4) -> None:
+        self.queue_depth = max(1, queue_depth)
 
     def bind(self, model: native.Model, layout: ModelLayout) -> None:
         super().bind(model, layout)
@@ -130,9 +159,13 @@ class DiskTier(Tier):
         biggest = max(t.expert_bytes for layer in layout.layers for t in layer.tensors.values())
         self.buf_size = (biggest + 2 * self.ALIGN) // self.ALIGN * self.ALIGN
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specter-disk")
+        self._pool = ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="specter-disk")
+        self._lock = threading.Lock()
+        self._active = 0
+        self._busy_since = 0
         self.read_bytes = 0
-        self.busy_ns = 0  # time spent reading + writing slots: with read_bytes, the measured link speed
+        # wall time with at least one read in flight: with read_bytes, the link speed as the engine sees it
+        self.busy_ns = 0
 
     def _probe(self) -> None:
         mm = mmap.mmap(-1, self.ALIGN)
@@ -148,16 +181,14 @@ class DiskTier(Tier):
             self._local.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._local.mm))
         return self._local.mm, self._local.addr
 
-    def _read_into_slot(self, il: int, expert: int, slot: int) -> None:
-        t0 = time.perf_counter_ns()
+    def _read_tensor(self, il: int, kind: str, expert: int, slot: int) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._busy_since = time.perf_counter_ns()
+            self._active += 1
+        t = self.layout.layer(il).tensors[kind]
         try:
-            self._read_into_slot_timed(il, expert, slot)
-        finally:
-            self.busy_ns += time.perf_counter_ns() - t0
-
-    def _read_into_slot_timed(self, il: int, expert: int, slot: int) -> None:
-        mm, addr = self._buffer()
-        for kind, t in self.layout.layer(il).tensors.items():
+            mm, addr = self._buffer()
             off = t.expert_offset(expert)
             start = off // self.ALIGN * self.ALIGN
             end = -(-(off + t.expert_bytes) // self.ALIGN) * self.ALIGN
@@ -168,20 +199,27 @@ class DiskTier(Tier):
                 raise SpecterError(f"{self.layout.path}: short read of {t.name} expert {expert}")
             if not self.direct:
                 os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
-            self.read_bytes += t.expert_bytes
             rc = self.api.write_slot(self.model.ptr, il, native.KIND_NAMES[kind], slot,
                                      ctypes.c_void_p(addr + off - start), t.expert_bytes)
             if rc != 0:
                 raise SpecterError(f"write into slot {slot} of layer {il} failed ({rc})")
+        finally:
+            with self._lock:
+                self.read_bytes += t.expert_bytes
+                self._active -= 1
+                if self._active == 0:
+                    self.busy_ns += time.perf_counter_ns() - self._busy_since
 
     def upload(self, il: int, expert: int, slot: int) -> None:
-        self._read_into_slot(il, expert, slot)
+        self.upload_async(il, expert, slot).wait()
 
-    def upload_async(self, il: int, expert: int, slot: int) -> Future:
-        fut = self._pool.submit(self._read_into_slot, il, expert, slot)
-        fut.wait = fut.result  # type: ignore[attr-defined]
-        fut.started = lambda: fut.running() or fut.done()  # type: ignore[attr-defined]
-        return fut
+    def upload_many(self, il: int, loads: list[tuple[int, int]]) -> None:
+        for h in [self.upload_async(il, e, slot) for e, slot in loads]:
+            h.wait()
+
+    def upload_async(self, il: int, expert: int, slot: int) -> _Group:
+        return _Group([self._pool.submit(self._read_tensor, il, kind, expert, slot)
+                       for kind in self.layout.layer(il).tensors])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -287,12 +325,13 @@ class ExpertCache:
             st.owner[slot] = -1
             self.api.set_slot(self.model.ptr, il, prev, -1)
 
-    def _victim(self, il: int, protected: set[int]) -> int:
-        """A slot to reuse: a free one, else by policy among slots not holding an expert needed right now."""
+    def _victim(self, il: int, protected: set[int], taken: frozenset[int] | set[int] = frozenset()) -> int:
+        """A slot to reuse: a free one, else by policy among slots not holding an expert needed right now (and
+        not in ``taken``: slots already chosen for this batch of uploads)."""
         st = self.layers[il]
         best, best_key = -1, None
         for s in range(self.n_slots):
-            if s in st.pending:
+            if s in st.pending or s in taken:
                 continue
             e = st.owner[s]
             if e < 0:
@@ -348,15 +387,18 @@ class ExpertCache:
             if self.miss == "wait":
                 self._reap(il, block_for=set(inflight) & set(missing))
                 self.stats.waited += len(set(inflight) & set(missing))
+                loads = []
                 for e in missing:
                     if st.where[e] >= 0:
                         continue
-                    slot = self._victim(il, needed)
+                    slot = self._victim(il, needed, {s for _, s in loads})
                     if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
                         self.stats.overflow_rows += 1
                         continue
                     self._evict(il, slot)
-                    self.tier.upload(il, e, slot)
+                    loads.append((e, slot))
+                self.tier.upload_many(il, loads)  # side by side where the tier serves parallel reads faster
+                for e, slot in loads:
                     self._count_upload(il)
                     self._assign(il, e, slot)
             else:
