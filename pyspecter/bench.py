@@ -61,7 +61,7 @@ def _run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, 
     from pyspecter.session import Session, SessionConfig
 
     proc = psutil.Process()
-    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, miss="cpu", k=k,
+    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k,
                               n_ctx=prompt_len + n + 16, n_threads=n_threads, draft_counts_in_budget=count_draft))
     try:
         prompt = _prompt_tokens(s.target, prompt_len)
@@ -302,7 +302,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         }
         if p.startswith("specter"):
             out["policies"][p].update(acceptance=c["acceptance"], mean_k=c["mean_k"], slots_per_layer=c["slots"],
-                                      k_start=k, miss="cpu")
+                                      k_start=k, miss="wait" if tier == "disk" else "cpu")
     # oracle bound: Belady-optimal uploads for the routing the on-demand runs saw, perfectly overlapped
     trace = next((r.trace for p in policies if p.startswith("on-demand") for r in runs[p] if r.trace), None)
     if trace is not None and "all-resident" in out["policies"]:

@@ -59,7 +59,9 @@ def _interruptible(fn, *args, **kwargs):
 DraftOpt = Annotated[str | None, typer.Option(help="draft GGUF (or built-in name): speculative decoding + prefetch")]
 BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: all")]
 TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
-MissOpt = Annotated[str, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first)")]
+MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first); "
+                                                    "default: wait on the disk tier (its host copy is on disk too), "
+                                                    "else cpu")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
                                                       "hottest experts before the first token")]
 
@@ -293,7 +295,7 @@ def bench(
               f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}")
 
 
-def _session(model: str, draft: str | None, budget: str | None, tier: str, miss: str, k: int, temp: float,
+def _session(model: str, draft: str | None, budget: str | None, tier: str, miss: str | None, k: int, temp: float,
              seed: int, threads: int, adaptive: bool = True, profile: Path | None = None):
     from pyspecter.session import Session, SessionConfig
 
@@ -332,7 +334,7 @@ def generate(
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
     tier: TierOpt = "ram",
-    miss: MissOpt = "cpu",
+    miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (the start value when adaptive)")] = 4,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="do not adapt K")] = False,
     n: Annotated[int, typer.Option("-n", help="max tokens to generate")] = 128,
@@ -374,7 +376,7 @@ def chat(
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
     tier: TierOpt = "ram",
-    miss: MissOpt = "cpu",
+    miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (start value)")] = 4,
     n: Annotated[int, typer.Option("-n", help="max tokens per answer")] = 256,
     temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,

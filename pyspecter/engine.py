@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pyspecter.native import Context
-from pyspecter.plan import KGovernor, Prefetcher
+from pyspecter.plan import OFF, KGovernor, Prefetcher
 from pyspecter.predict import DraftRouting
 
 
@@ -88,7 +88,12 @@ class SpecStats:
 
     @property
     def mean_k(self) -> float:
-        return sum(k * c for k, c in self.k_hist.items()) / self.steps if self.steps else 0.0
+        return sum(max(k, 0) * c for k, c in self.k_hist.items()) / self.steps if self.steps else 0.0
+
+    @property
+    def draft_off(self) -> float:
+        """Fraction of steps the governor ran without the draft at all."""
+        return self.k_hist.get(OFF, 0) / self.steps if self.steps else 0.0
 
 
 class SpeculativeDecoder:
@@ -97,13 +102,17 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
                  routing: DraftRouting | None = None, prefetcher: Prefetcher | None = None,
-                 temperature: float = 0.0, seed: int = 0, batch_verify: bool = False) -> None:
+                 temperature: float = 0.0, seed: int = 0, batch_verify: bool = False,
+                 predict_at_k0: bool = False) -> None:
         if target.model.n_vocab != draft.model.n_vocab:
             raise ValueError("draft and target must share a vocabulary")
         self.target, self.draft = target, draft
         self.k, self.adaptive = k, adaptive
-        self.governor = KGovernor(k_max=k_max, k=k)
         self.routing, self.prefetcher = routing, prefetcher
+        # K=0 still runs the draft on the current token, one step ahead of the target, when its routing is what
+        # fills the slots (not all experts resident); with nothing to prefetch, K=0 is plain target decoding
+        self.predict_at_k0 = predict_at_k0 and routing is not None and prefetcher is not None
+        self.governor = KGovernor(k_max=k_max, k=k, draft_at_k0=self.predict_at_k0)
         if routing is not None and prefetcher is not None:
             routing.on_layer = prefetcher.on_draft_layer
         self.temperature = temperature
@@ -160,26 +169,35 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         drafts: list[int] = []
         qs: list[np.ndarray] = []
-        if k > 0:
+        if k > 0 or (k == 0 and self.predict_at_k0):
+            if self._draft_lag:  # catch up on tokens of steps run without the draft; their routing is stale
+                dft.decode(self._draft_lag, logits=False)
+                self._draft_lag = []
+                # not this step's cost: keep it out of the governor's per-K measurements
+                self.stats.draft_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
             if self.routing is not None:
                 self.routing.start()
             if self.prefetcher is not None:
                 # the verification pass starts after K+1 draft tokens; uploads must land before it needs them
                 self.prefetcher.start_window(self.governor.t_draft * (k + 1) if self.governor.t_draft else None)
-            logits = dft.decode([*self._draft_lag, cur])
-            self._draft_lag = []
-            for _ in range(k):
+            # The draft's last token of a step is run for its routing only (it predicts the last verified
+            # position): no logits, so llama.cpp skips the output head and the last layer's FFN, ~15-30% of a
+            # draft token here, at the price of that one layer's prediction for that one position.
+            logits = dft.decode([cur], logits=k > 0)
+            for i in range(k):
                 q = _softmax(logits, self.temperature) if self.temperature > 0 else None
                 d = int(np.argmax(logits)) if q is None else int(self.rng.choice(len(q), p=q))
                 drafts.append(d)
                 if q is not None:
                     qs.append(q)
-                # the draft also runs its last token: its routing there predicts the last verified position
-                logits = dft.decode([d])
+                logits = dft.decode([d], logits=i < k - 1)
             if self.routing is not None:
                 self.routing.stop()
         else:
             self._draft_lag.append(cur)
+            if self.prefetcher is not None:  # no window in flight: nothing may stay pinned in the slots
+                self.prefetcher.cache.unprotect_all()
         t1 = time.perf_counter()
         if self.batch_verify:
             rows = tgt.decode([cur, *drafts], logits_all=True)
@@ -199,11 +217,11 @@ class SpeculativeDecoder:
         # roll both caches back to the accepted prefix: cur + accepted drafts
         keep = base + 1 + accepted
         tgt.truncate(keep)
-        if k > 0:
+        if dft.n_past > keep:
             dft.truncate(keep)
         s = self.stats
         s.steps += 1
-        s.drafted += k
+        s.drafted += max(k, 0)
         s.accepted += accepted
         s.emitted += accepted + 1
         s.k_hist[k] = s.k_hist.get(k, 0) + 1

@@ -212,8 +212,10 @@ class Context:
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_past = 0
 
-    def decode(self, tokens: list[int], *, logits_all: bool = False):
-        """Append tokens to sequence 0; return the logits of the last token (or of every token), float32."""
+    def decode(self, tokens: list[int], *, logits_all: bool = False, logits: bool = True):
+        """Append tokens to sequence 0; return the logits of the last token (or of every token), float32.
+        logits=False asks for none and returns None: llama.cpp then skips the output head (and the last layer's
+        FFN, which only feeds it)."""
         import llama_cpp
         import numpy as np
 
@@ -229,7 +231,7 @@ class Context:
                 b.pos[i] = self.n_past + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = 0
-                b.logits[i] = logits_all or i == len(chunk) - 1
+                b.logits[i] = logits_all or (logits and i == len(chunk) - 1)
             rc = llama_cpp.llama_decode(self.ptr, b)
             if rc != 0:
                 raise SpecterError(f"llama_decode failed ({rc})")
@@ -239,9 +241,11 @@ class Context:
                 for i in range(len(chunk)):
                     p = llama_cpp.llama_get_logits_ith(self.ptr, i)
                     rows.append(np.ctypeslib.as_array(p, shape=(n_vocab,)).copy())
-            elif start + self.n_batch >= len(tokens):
+            elif logits and start + self.n_batch >= len(tokens):
                 p = llama_cpp.llama_get_logits_ith(self.ptr, -1)
                 rows.append(np.ctypeslib.as_array(p, shape=(n_vocab,)).copy())
+        if not logits and not logits_all:
+            return None
         return np.stack(rows) if logits_all else rows[-1]
 
     def warmup(self) -> None:

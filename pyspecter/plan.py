@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from pyspecter.cache import ExpertCache
 
+OFF = -1  # a "K" for the governor: no draft this step (plain decoding)
+
 
 class Prefetcher:
     def __init__(self, cache: ExpertCache, min_confidence: float = 0.0, link_gbps: float | None = None) -> None:
@@ -52,7 +54,8 @@ class Prefetcher:
 
 @dataclass
 class KGovernor:
-    """Chooses K from an EMA of the per-token acceptance rate and of measured step costs."""
+    """Chooses K: by the tokens per second measured at that K where it has been tried, else by a cost model from
+    an EMA of the per-token acceptance rate and of measured step costs."""
 
     k_max: int = 6
     k: int = 3
@@ -61,13 +64,25 @@ class KGovernor:
     t_verify: dict[int, float] = field(default_factory=dict)  # K -> seconds for the target pass over K+1 tokens
     decay: float = 0.8
     steps: int = 0
+    # K=0 steps run the draft too (for its routing), so they pay one draft token; K=OFF (-1) is then also a
+    # choice: plain target decoding with no draft at all, for when prediction does not pay for the draft
+    draft_at_k0: bool = False
+    # K -> EMA of tokens emitted per second over whole steps (draft + verify). Once a K has been tried this is
+    # what counts: it includes what the cost model leaves out, such as prefetch bandwidth wasted on the
+    # routing of drafts that get rejected, which on a slow tier can make speculation slower than K=0.
+    seen_rate: dict[int, float] = field(default_factory=dict)
 
     def observe(self, k: int, accepted: int, t_draft_total: float, t_verify: float) -> None:
         self.steps += 1
-        if k > 0:
-            # accepted tokens follow a truncated geometric law; a simple unbiased-enough update of alpha
-            rate = accepted / k
-            self.alpha = self.decay * self.alpha + (1 - self.decay) * rate
+        rate = (accepted + 1) / max(t_draft_total + t_verify, 1e-9)
+        old = self.seen_rate.get(k)
+        self.seen_rate[k] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        if k == OFF:
+            return
+        if k > 0 or self.draft_at_k0:
+            if k > 0:
+                # accepted tokens follow a truncated geometric law; a simple unbiased-enough update of alpha
+                self.alpha = self.decay * self.alpha + (1 - self.decay) * accepted / k
             per = t_draft_total / (k + 1)
             self.t_draft = per if self.t_draft == 0 else self.decay * self.t_draft + (1 - self.decay) * per
         old = self.t_verify.get(k)
@@ -94,15 +109,27 @@ class KGovernor:
         if self.steps < 3:
             return self.k
         best, best_rate = self.k, -1.0
-        for k in range(0, self.k_max + 1):
-            tv = self._verify_cost(k)
-            if tv is None:
-                continue
-            rate = self.expected_tokens(k) / (tv + k * self.t_draft + (self.t_draft if k else 0.0))
+        choices = range(OFF if self.draft_at_k0 else 0, self.k_max + 1)
+        for k in choices:
+            if k in self.seen_rate:
+                rate = self.seen_rate[k]
+            else:  # not tried yet: the cost model's estimate
+                tv = self._verify_cost(max(k, 0))
+                if tv is None:
+                    continue
+                extra = self.t_draft if k > 0 or (k == 0 and self.draft_at_k0) else 0.0
+                rate = self.expected_tokens(max(k, 0)) / (tv + max(k, 0) * self.t_draft + extra)
             if rate > best_rate:
                 best, best_rate = k, rate
-        # explore one step towards unmeasured K now and then, so the estimates stay honest
-        if self.steps % 16 == 0:
-            best = min(self.k_max, best + 1) if best + 1 not in self.t_verify else max(0, best - 1)
+        # explore now and then, so the measurements stay honest: an untried K first (the lowest: K=0 is the safe
+        # fallback and cheap to try), else a neighbour of the best, alternating down and up
+        if self.steps == 3 or self.steps % 32 == 0:
+            untried = [k for k in choices if k not in self.seen_rate]
+            if untried:
+                best = untried[0]
+            elif (self.steps // 32) % 2 and best > choices[0]:
+                best -= 1
+            else:
+                best = min(self.k_max, best + 1)
         self.k = best
         return best

@@ -25,7 +25,7 @@ class SessionConfig:
     draft: Path | None = None
     budget: str | None = None  # fast-tier bytes for target expert slots; None: all experts resident
     tier: str = "ram"
-    miss: str = "cpu"
+    miss: str | None = None  # None: "wait" on the disk tier (the host copy is on disk too), else "cpu"
     policy: str = "lru"
     k: int = 4
     adaptive: bool = True
@@ -55,8 +55,9 @@ class Session:
         if self.n_slots < self.layout.n_expert_used:
             raise SpecterError(f"budget {cfg.budget} buys {self.n_slots} expert slots per layer, below "
                                f"top-{self.layout.n_expert_used}" + (" once the draft is counted" if cfg.draft else ""))
+        self.miss = cfg.miss or ("wait" if self.tier.name == "disk" else "cpu")
         self.target = native.Model(cfg.model)
-        self.cache = ExpertCache(self.target, self.layout, self.n_slots, policy=cfg.policy, miss=cfg.miss,
+        self.cache = ExpertCache(self.target, self.layout, self.n_slots, policy=cfg.policy, miss=self.miss,
                                  tier=self.tier)
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
@@ -75,7 +76,7 @@ class Session:
             pf = Prefetcher(self.cache, cfg.min_confidence) if routing else None
             self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
                                               routing=routing, prefetcher=pf, temperature=cfg.temperature,
-                                              seed=cfg.seed)
+                                              seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert)
         self.tctx.warmup()
         if self.draft:
             self.dctx.warmup()
@@ -135,7 +136,7 @@ class Session:
         c = self.cache.counters()
         out = {"tokens": self.tokens_out, "tok_s": self.tokens_out / self.decode_s if self.decode_s else 0.0,
                "slots_per_layer": self.n_slots, "n_expert": self.layout.n_expert, "tier": self.tier.name,
-               "miss": self.cfg.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],
+               "miss": self.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
                "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20}
         if self.decoder is not None:

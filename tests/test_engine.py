@@ -4,7 +4,6 @@ preserves the target's distribution."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -14,51 +13,50 @@ from pyspecter import native
 from pyspecter.cache import ExpertCache
 from pyspecter.engine import SpeculativeDecoder, greedy, speculative_accept
 from pyspecter.layout import read_layout
+from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
 from pyspecter.plan import KGovernor, Prefetcher
 from pyspecter.predict import DraftRouting
 
 
 @pytest.fixture(scope="session")
-def tiny_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    import llama_cpp
-
+def tiny_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, float], Path]:
+    """Drafts made the way `pyspecter draft` makes them: experts at Q4_0, full width and narrowed to half."""
     out = {}
     d = tmp_path_factory.mktemp("drafts")
     native.quiet_logs()
     for name in TINY_MODELS:
-        p = d / f"{name}-q4_0.gguf"
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
-        params.allow_requantize = True
-        assert llama_cpp.llama_model_quantize(str(build_tiny(name)).encode(), str(p).encode(),
-                                              ctypes.byref(params)) == 0
-        out[name] = p
+        for keep in (1.0, 0.5):
+            out[name, keep] = make_draft(build_tiny(name), d / f"{name}-q4_0-{keep}.gguf", experts_type="Q4_0",
+                                         ffn_keep=keep, progress=False)
     return out
 
 
 PROMPTS = ["hello there, speculative world", "def fib(n): return n if n < 2 else fib(n-1) + fib(n-2)"]
 
 
+@pytest.mark.parametrize("keep", [1.0, 0.5])
 @pytest.mark.parametrize("adaptive,batch_verify", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
-def test_greedy_identical_to_target(name: str, adaptive: bool, batch_verify: bool,
-                                    tiny_drafts: dict[str, Path]) -> None:
+def test_greedy_identical_to_target(name: str, adaptive: bool, batch_verify: bool, keep: float,
+                                    tiny_drafts: dict[tuple[str, float], Path]) -> None:
     # batch_verify is exact on these fixtures (F16/F32/Q8_0/MXFP4 give the same numbers for 1 or K+1 rows); on
     # smol-moe it is not, which is why sequential verification is the default (see test_smol)
     path = build_tiny(name)
-    lay, dlay = read_layout(path), read_layout(tiny_drafts[name])
+    draft = tiny_drafts[name, keep]
+    lay, dlay = read_layout(path), read_layout(draft)
     refs = []
     with native.Model(path) as m, native.Context(m) as ctx:
         for text in PROMPTS:
             ctx.clear()
             refs.append((m.tokenize(text), greedy(ctx, m.tokenize(text), 32)[0]))
-    with native.Model(path) as tm, native.Model(tiny_drafts[name]) as dm:
+    with native.Model(path) as tm, native.Model(draft) as dm:
         cache = ExpertCache(tm, lay, lay.n_expert // 2, miss="cpu")
         routing = DraftRouting(dm, dlay)
         with native.Context(tm) as tctx, native.Context(dm) as dctx:
+            # adaptive runs also predict at K=0 (the draft runs one token ahead for its routing only)
             eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=adaptive, routing=routing, prefetcher=Prefetcher(cache),
-                                     batch_verify=batch_verify)
+                                     batch_verify=batch_verify, predict_at_k0=adaptive)
             for toks, ref in refs:
                 out = eng.generate(toks, 32, stop_at_eog=False)
                 cache.check()
@@ -75,7 +73,7 @@ def test_sampling_is_seeded(tiny_drafts: dict[str, Path]) -> None:
     path = build_tiny("tiny-mixtral")
     outs = []
     for _ in range(2):
-        with native.Model(path) as tm, native.Model(tiny_drafts["tiny-mixtral"]) as dm:
+        with native.Model(path) as tm, native.Model(tiny_drafts["tiny-mixtral", 1.0]) as dm:
             with native.Context(tm) as tctx, native.Context(dm) as dctx:
                 eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, temperature=0.8, seed=7)
                 outs.append(eng.generate(tm.tokenize("sample me"), 24, stop_at_eog=False))
@@ -108,9 +106,40 @@ def test_governor_turns_speculation_off_when_it_does_not_pay() -> None:
         k = g.choose()
         # nothing is ever accepted and drafting costs as much as verifying
         g.observe(k, 0, 0.01 * (k + 1), 0.01 + 0.001 * k)
-    assert g.choose() == 0 or g.steps % 16 == 0
+    assert g.choose() == 0 or g.steps % 32 == 0
     g2 = KGovernor(k_max=6, k=1)
     for _ in range(20):
         k = g2.choose()
         g2.observe(k, k, 0.001 * (k + 1), 0.01 + 0.0005 * k)  # everything accepted, drafting cheap
     assert g2.k >= 3
+
+
+def test_governor_trusts_measured_speed_over_its_model() -> None:
+    # the cost model alone would speculate (cheap draft, everything accepted), but every K > 0 step is measured
+    # slow (e.g. prefetch bandwidth wasted on drafts' routing): the governor must settle on K = 0
+    g = KGovernor(k_max=4, k=2, draft_at_k0=True)
+    for _ in range(40):
+        k = g.choose()
+        g.observe(k, k, 0.001 * (k + 1), 0.01 if k == 0 else 0.2)
+    assert g.k == 0
+    assert g.seen_rate[0] > max(v for kk, v in g.seen_rate.items() if kk > 0)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_narrow_draft(name: str, tiny_drafts: dict[tuple[str, float], Path]) -> None:
+    """Narrowed experts: half the hidden neurons (whole 32-blocks), everything else as in the full draft; the
+    draft still routes well above chance on these random-weight experts, which share nothing."""
+    import gguf
+
+    from pyspecter.models.draft import routing_agreement
+
+    full, narrow = read_layout(tiny_drafts[name, 1.0]), read_layout(tiny_drafts[name, 0.5])
+    assert narrow.n_expert == full.n_expert and len(narrow.layers) == len(full.layers)
+    assert 0.4 < narrow.expert_total_bytes / full.expert_total_bytes < 0.6
+    r = gguf.GGUFReader(tiny_drafts[name, 0.5])
+    n_ff = [int(t.shape[1]) for t in r.tensors if t.name.endswith("ffn_up_exps.weight")]
+    n_ff_full = [int(t.shape[1]) for t in gguf.GGUFReader(tiny_drafts[name, 1.0]).tensors
+                 if t.name.endswith("ffn_up_exps.weight")]
+    assert all(a * 2 == b for a, b in zip(n_ff, n_ff_full, strict=True)) and n_ff[0] % 32 == 0
+    agree = routing_agreement(build_tiny(name), tiny_drafts[name, 0.5])
+    assert agree["overall"] > 2 * agree["chance"], agree

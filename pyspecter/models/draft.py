@@ -53,23 +53,39 @@ def _ggml_type(name: str) -> int:
 
 
 def make_draft(model: Path, out: Path, experts_type: str = "Q2_K", rest_type: str | None = None,
-               progress: bool = True) -> Path:
+               ffn_keep: float = 1.0, progress: bool = True) -> Path:
     """Write a draft of MoE ``model`` to ``out``: routed-expert weights re-quantized to ``experts_type``; every
     other tensor kept byte-for-byte (``rest_type=None``) or quantized to ``rest_type`` (norms, routers and other
-    1-D tensors always stay as they are). Returns ``out``.
+    1-D tensors always stay as they are). ``ffn_keep`` < 1 first narrows every expert to that fraction of its
+    most important hidden neurons (prune_experts). Returns ``out``.
 
     Where a row is not a whole number of the type's blocks (e.g. SmolLM2's 576-wide gate/up rows and Q2_K's
     256-blocks), llama.cpp falls back to a compatible type (Q2_K/Q3_K -> Q4_0); read the result with read_layout.
     """
+    model, out = Path(model), Path(out)
+    exp_t = _ggml_type(experts_type)
+    rest_t = _ggml_type(rest_type) if rest_type is not None else None
+    if ffn_keep >= 1:
+        return _quantize_draft(model, model, out, experts_type, exp_t, rest_t, "", progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, narrow_name = tempfile.mkstemp(prefix=f".{out.stem}-narrow-", suffix=".gguf.tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        narrow = prune_experts(model, Path(narrow_name), ffn_keep, progress=progress)
+        return _quantize_draft(narrow, model, out, experts_type, exp_t, rest_t, f", {ffn_keep:g} width", progress)
+    finally:
+        Path(narrow_name).unlink(missing_ok=True)
+
+
+def _quantize_draft(model: Path, target: Path, out: Path, experts_type: str, exp_t: int, rest_t: int | None,
+                    label: str, progress: bool) -> Path:
     import gguf
     import llama_cpp
 
     from pyspecter.native import llama_lib, quiet_logs
 
-    model, out = Path(model), Path(out)
     lay = read_layout(model).require_moe()
-    exp_t = _ggml_type(experts_type)
-    rest_t = _ggml_type(rest_type) if rest_type is not None else None
+    tgt = read_layout(target) if target != model else lay
 
     reader = gguf.GGUFReader(model)
     ftype = reader.fields.get("general.file_type")
@@ -102,7 +118,7 @@ def make_draft(model: Path, out: Path, experts_type: str = "Q2_K", rest_type: st
     kv[0].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR
     kv[0].key = b"general.name"
     # general.name holds at most 127 bytes here; the distinguishing part goes first in case the tail is cut
-    name = f"draft (experts {experts_type.upper()}) of {lay.name}".encode()[:127]
+    name = f"draft (experts {experts_type.upper()}{label}) of {tgt.name}".encode()[:127]
     kv[0].value.val_str = name.decode("utf-8", errors="ignore").encode()
     kv[1].key = b""  # terminator
 
@@ -132,8 +148,170 @@ def make_draft(model: Path, out: Path, experts_type: str = "Q2_K", rest_type: st
     if progress:
         d = read_layout(out)
         print(f"draft: wrote {out} ({out.stat().st_size / 2**20:.0f} MiB, expert bytes "
-              f"{d.expert_total_bytes / max(lay.expert_total_bytes, 1):.0%} of the target's) "
+              f"{d.expert_total_bytes / max(tgt.expert_total_bytes, 1):.0%} of the target's) "
               f"in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+    return out
+
+
+# --- narrow experts ---------------------------------------------------------------------------------------------
+
+# the key that sizes routed experts, per arch; llama (Mixtral layout) sizes them with the dense width
+_EXPERT_FF_KEYS = ("{arch}.expert_feed_forward_length", "{arch}.feed_forward_length")
+_SWIGLU_KINDS = ("gate", "up", "down")
+
+
+def _calibration_tokens(model_path: Path, n: int) -> list[int]:
+    """Text the importance of each expert neuron is measured on: the packaged calibration prompts for models with
+    a real tokenizer; seeded random ids for the random fixtures, whose 'text' is noise anyway."""
+    import llama_cpp
+
+    from pyspecter import native
+    from pyspecter.models.smol import calibration_prompts
+
+    with native.Model(model_path) as m:
+        if llama_cpp.llama_model_chat_template(m.ptr, None):
+            toks: list[int] = []
+            for line in calibration_prompts():
+                toks += m.tokenize(line + "\n", add_special=not toks)
+                if len(toks) >= n:
+                    break
+            return toks[:n]
+        rng = np.random.default_rng(0)
+        return [int(x) for x in rng.integers(1, m.n_vocab, size=n)]
+
+
+def _ffn_inputs(model_path: Path, tokens: list[int]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Each MoE layer's expert input (its normalised FFN input) and router logits for ``tokens``, by layer index,
+    read from llama.cpp's own forward pass."""
+    from pyspecter import native
+    from pyspecter.trace import _RouterInputTap
+
+    lay = read_layout(model_path).require_moe()
+    tap = _RouterInputTap(lay)
+    with native.Model(model_path) as m, \
+            native.Context(m, n_ctx=len(tokens) + 8, n_batch=512, n_threads=N_THREADS, cb_eval=tap.cb) as ctx:
+        tap.active = True
+        ctx.decode(tokens, logits_all=True)
+        tap.active = False
+    if tap.error:
+        raise SpecterError(f"{model_path}: could not read the FFN inputs ({tap.error})")
+    x, logits = tap.take()
+    return ({L.index: x[j] for j, L in enumerate(lay.layers) if j in x},
+            {L.index: logits[j] for j, L in enumerate(lay.layers) if j in logits})
+
+
+def _neuron_importance(w: dict[str, np.ndarray], x: np.ndarray, routed: list[np.ndarray]) -> np.ndarray:
+    """[n_expert, n_ff] score of each hidden neuron of each expert: mean |activation| on the tokens routed to
+    that expert (all of the layer's tokens when fewer than 16 were) times the norm of its output column. Like
+    Wanda's |W|·||x||, measured on the neuron's real inputs rather than assumed from the weights alone."""
+    gate, up, down = w["gate"], w["up"], w["down"]  # [E, ff, d], [E, ff, d], [E, d, ff]
+    out = np.empty(gate.shape[:2], np.float32)
+    for e in range(gate.shape[0]):
+        xe = x[routed[e]] if len(routed[e]) >= 16 else x
+        g, u = xe @ gate[e].T, xe @ up[e].T
+        act = g / (1.0 + np.exp(-np.clip(g, -60, 60))) * u  # SiLU(gate)·up; a score, so gpt-oss's clamp is moot
+        out[e] = np.abs(act).mean(axis=0) * np.linalg.norm(down[e], axis=0)
+    return out
+
+
+def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progress: bool = True) -> Path:
+    """Write ``model`` with every routed expert narrowed to its ``keep`` most important hidden neurons (measured
+    per expert on calibration text, see _neuron_importance), as F32; every other tensor byte-for-byte. The
+    router, attention and shared experts are untouched, so routing still reads the full model's signals.
+
+    This is the draft's second size lever after bits: at 4.5 bits an expert can shrink no further (SmolLM2's
+    576-wide rows rule out the 256-block K- and IQ-quants), but a quarter of its neurons costs a quarter of
+    the bytes. Narrowing uses nothing about how a model's experts relate to each other."""
+    import gguf
+    from gguf.quants import dequantize
+
+    model, out = Path(model), Path(out)
+    lay = read_layout(model).require_moe()
+    if not 0 < keep <= 1:
+        raise SpecterError(f"--ffn-keep must be in (0, 1], got {keep}")
+    reader = gguf.GGUFReader(model)
+    arch = lay.arch
+    ff_key = next((k.format(arch=arch) for k in _EXPERT_FF_KEYS if k.format(arch=arch) in reader.fields), None)
+    by_name = {t.name: t for t in reader.tensors}
+    n_ff = int(by_name[f"blk.{lay.layers[0].index}.ffn_gate_exps.weight"].shape[1]) \
+        if f"blk.{lay.layers[0].index}.ffn_gate_exps.weight" in by_name else 0
+    if ff_key is None or n_ff == 0 or any(set(L.tensors) != set(_SWIGLU_KINDS) for L in lay.layers):
+        raise SpecterError(f"{model}: narrowing needs separate gate/up/down expert tensors and an expert width key")
+    if ff_key.endswith(".feed_forward_length") and len(lay.layers) != int(reader.fields[f"{arch}.block_count"]
+                                                                            .contents()):
+        raise SpecterError(f"{model}: its experts share feed_forward_length with dense layers; cannot narrow them")
+    # whole 32-blocks, so the quantizer keeps every row type it would use for the full width
+    n_keep = max(32, int(round(n_ff * keep / 32)) * 32)
+    n_keep = min(n_keep, n_ff)
+
+    tokens = _calibration_tokens(model, n_calib)
+    if progress:
+        print(f"draft: measuring {lay.n_expert}x{n_ff} expert neurons per layer on {len(tokens)} tokens, keeping "
+              f"{n_keep} ...", file=sys.stderr, flush=True)
+    xs, logits = _ffn_inputs(model, tokens)
+
+    def dense(name: str) -> np.ndarray:
+        t = by_name[name]
+        return dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False)
+
+    w = gguf.GGUFWriter(out, arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the reader's header pseudo-keys; the writer sets the architecture itself
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        val = n_keep if key == ff_key else f.contents()
+        w.add_key_value(key, val, f.types[0], sub_type=sub)
+
+    expert_re = {f"blk.{L.index}.ffn_{k}_exps.{s}": (L.index, k, s) for L in lay.layers for k in _SWIGLU_KINDS
+                 for s in ("weight", "bias")}
+    for t in reader.tensors:
+        hit = expert_re.get(t.name)
+        if hit is None:
+            a = np.asarray(t.data)
+            w.add_tensor_info(t.name, a.shape, a.dtype, int(t.n_bytes), raw_dtype=t.tensor_type)
+            continue
+        _, kind, suffix = hit
+        ne = [int(v) for v in t.shape]  # ggml order: ne0 first
+        if suffix == "weight":
+            ne[0 if kind == "down" else 1] = n_keep
+        elif kind != "down":
+            ne[0] = n_keep  # gate/up bias [n_ff, E]; the down bias [n_embd, E] keeps its size
+        shape = tuple(reversed(ne))
+        w.add_tensor_info(t.name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        done: dict[str, np.ndarray] = {}
+        for t in reader.tensors:
+            hit = expert_re.get(t.name)
+            if hit is None:
+                w.write_tensor_data(np.asarray(t.data))
+                continue
+            il, kind, suffix = hit
+            if not done or done.get("layer") != il:  # first expert tensor of a layer: narrow all of them
+                p = f"blk.{il}.ffn_"
+                full = {k: dense(p + k + "_exps.weight") for k in _SWIGLU_KINDS}
+                ids = np.argsort(-logits[il], axis=1)[:, : lay.n_expert_used]
+                routed = [np.nonzero((ids == e).any(axis=1))[0] for e in range(lay.n_expert)]
+                top = np.sort(np.argsort(-_neuron_importance(full, xs[il], routed), axis=1)[:, :n_keep], axis=1)
+                take = np.arange(lay.n_expert)[:, None]
+                done = {"layer": il, "top": top,
+                        "gate": full["gate"][take, top], "up": full["up"][take, top],
+                        "down": np.take_along_axis(full["down"], top[:, None, :], axis=2)}
+                if progress:
+                    print(f"\rdraft: narrowed layer {il + 1}/{len(lay.layers)}", end="", file=sys.stderr, flush=True)
+            if suffix == "weight":
+                a = done[kind]
+            else:
+                b = dense(t.name)  # [E, n_ff] for gate/up, [E, n_embd] for down
+                a = b if kind == "down" else np.take_along_axis(b, done["top"], axis=1)
+            w.write_tensor_data(np.ascontiguousarray(a, dtype=np.float32))
+        if progress:
+            print(file=sys.stderr)
+    finally:
+        w.close()
     return out
 
 
