@@ -57,12 +57,13 @@ def _prompt_tokens(model: Model, n: int, seed: int = 0) -> list[int]:
 
 
 def _run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, tier: str, prompt_len: int,
-                 n: int, n_threads: int, k: int) -> Run:
+                 n: int, n_threads: int, k: int, adaptive: bool = True, cutoff: bool = True) -> Run:
     from pyspecter.session import Session, SessionConfig
 
     proc = psutil.Process()
-    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k,
-                              n_ctx=prompt_len + n + 16, n_threads=n_threads, draft_counts_in_budget=count_draft))
+    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k, adaptive=adaptive,
+                              n_ctx=prompt_len + n + 16, n_threads=n_threads, draft_counts_in_budget=count_draft,
+                              prefetch_cutoff=cutoff))
     try:
         prompt = _prompt_tokens(s.target, prompt_len)
         stamps: list[float] = []
@@ -74,7 +75,8 @@ def _run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, 
         tpot = (stamps[-1] - stamps[0]) / max(len(out) - 1, 1)
         c = s.cache.counters()
         ds = s.decoder.stats
-        c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, slots=s.n_slots)
+        c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off, slots=s.n_slots,
+                 skipped_late=s.decoder.prefetcher.skipped_late if s.decoder.prefetcher else 0)
         return Run(prefill, [tpot] * (len(out) - 1), c, proc.memory_info().rss)
     finally:
         s.close()
@@ -156,7 +158,7 @@ def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, str]:
             "from pyspecter.layout import read_layout; a=json.loads(sys.argv[1]); p=Path(a['path']); "
             "r=(bench._run(a['policy'], p, read_layout(p), a['slots'], 'disk', a['prompt_len'], a['n'], "
             "a['n_threads']) if a['fn'] == 'run' else bench._run_specter(p, Path(a['draft']), a['budget_bytes'], "
-            "a['count_draft'], 'disk', a['prompt_len'], a['n'], a['n_threads'], a['k'])); "
+            "a['count_draft'], 'disk', a['prompt_len'], a['n'], a['n_threads'], a['k'], a['adaptive'], a['cutoff'])); "
             "print(json.dumps(dataclasses.asdict(r)))")
     try:
         # the child joins the cgroup before it imports llama.cpp or touches the model
@@ -220,7 +222,8 @@ def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int) -> int:
 
 def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None, slots: int | None = None,
               policies: list[str] | None = None, prompt_len: int = 64, n: int = 32, repeat: int = 3,
-              n_threads: int = 2, draft: str | Path | None = None, k: int = 4) -> dict:
+              n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
+              cutoff: bool = True) -> dict:
     from pyspecter.layout import parse_budget, slots_for_budget
 
     path = Path(path)
@@ -256,7 +259,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                     if p.startswith("specter"):
                         extra = 0 if p == "specter" else Path(draft).stat().st_size
                         call = {"fn": "specter", "draft": str(draft), "budget_bytes": budget_bytes,
-                                "count_draft": p == "specter", "k": k, **common}
+                                "count_draft": p == "specter", "k": k, "adaptive": adaptive, "cutoff": cutoff,
+                                **common}
                         run, capped_how = _run_capped(call, path, cap + extra)
                     else:
                         run, capped_how = _run_capped({"fn": "run", "policy": p, "slots": slots, **common}, path, cap)
@@ -265,7 +269,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                     # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
                     # headline); "specter-equal-slots": same slots as the others, draft on top
                     runs[p].append(_run_specter(path, Path(draft), budget_bytes, p == "specter", tier, prompt_len,
-                                                n, n_threads, k))
+                                                n, n_threads, k, adaptive, cutoff))
                 else:
                     runs[p].append(_run(p, path, layout, slots, tier, prompt_len, n, n_threads))
             except SpecterError as e:  # e.g. the draft alone is bigger than the budget
@@ -302,7 +306,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         }
         if p.startswith("specter"):
             out["policies"][p].update(acceptance=c["acceptance"], mean_k=c["mean_k"], slots_per_layer=c["slots"],
-                                      k_start=k, miss="wait" if tier == "disk" else "cpu")
+                                      draft_off=c["draft_off"], skipped_late=c["skipped_late"], k_start=k,
+                                      adaptive=adaptive, cutoff=cutoff, miss="wait" if tier == "disk" else "cpu")
     # oracle bound: Belady-optimal uploads for the routing the on-demand runs saw, perfectly overlapped
     trace = next((r.trace for p in policies if p.startswith("on-demand") for r in runs[p] if r.trace), None)
     if trace is not None and "all-resident" in out["policies"]:
@@ -321,8 +326,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
 
 CSV_FIELDS = ("model", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer", "policy", "tpot_ms",
               "tpot_p10_ms", "tpot_p90_ms", "decode_tok_s", "prefill_tok_s", "hit_rate", "coverage",
-              "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "vs_on_demand_lru",
-              "vs_all_resident", "vs_oracle_bound")
+              "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "draft_off",
+              "vs_on_demand_lru", "vs_all_resident", "vs_oracle_bound")
 
 
 def to_csv_rows(result: dict) -> list[dict]:

@@ -175,9 +175,12 @@ def draft(
     out: Annotated[Path, typer.Option("--out", "-o", help="draft GGUF to write")],
     experts: Annotated[str, typer.Option(help="type for the expert tensors: Q4_0, Q3_K, Q2_K, ...")] = "Q2_K",
     rest: Annotated[str | None, typer.Option(help="type for everything else (default: keep the target's)")] = None,
+    ffn_keep: Annotated[float, typer.Option(help="narrow every expert to this fraction of its hidden neurons, the "
+                                                  "most important ones measured on calibration text (1 = keep all)")]
+    = 1.0,
 ) -> None:
-    """Make a hybrid-precision draft: experts at low bits, attention/router/norms/embeddings/shared experts kept,
-    through llama.cpp's own quantizer with per-tensor type overrides."""
+    """Make a hybrid-precision draft: experts at low bits (and optionally narrowed), attention/router/norms/
+    embeddings/shared experts kept, through llama.cpp's own quantizer with per-tensor type overrides."""
     from pyspecter.layout import read_layout
     from pyspecter.models.draft import make_draft
 
@@ -185,7 +188,9 @@ def draft(
     tgt = read_layout(src).require_moe()
     if out.exists() and out.resolve() == src.resolve():
         raise SpecterError("the draft must not overwrite its target")
-    path = make_draft(src, out, experts_type=experts, rest_type=rest)
+    if not 0 < ffn_keep <= 1:
+        raise SpecterError(f"--ffn-keep must be in (0, 1], got {ffn_keep}")
+    path = make_draft(src, out, experts_type=experts, rest_type=rest, ffn_keep=ffn_keep)
     d = read_layout(path)
     types = sorted({t.ggml_type for L in d.layers for t in L.tensors.values()})
     print(f"{path}: {path.stat().st_size / 2**20:.1f} MiB; experts {', '.join(types)} "
@@ -256,6 +261,10 @@ def bench(
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
     draft: DraftOpt = None,
     k: Annotated[int, typer.Option("-k", help="specter: draft tokens per step (start value)")] = 4,
+    fixed_k: Annotated[bool, typer.Option("--fixed-k", help="specter: do not adapt K (e.g. -k 0 --fixed-k: "
+                                                            "the draft only predicts experts)")] = False,
+    no_cutoff: Annotated[bool, typer.Option("--no-cutoff", help="specter: prefetch every prediction, even ones "
+                                                                "the link cannot deliver in time")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy (with a header)")] = False,
 ) -> None:
@@ -268,7 +277,7 @@ def bench(
     r = run_bench(resolve_model(model), tier=tier, budget=budget,
                   policies=[p.strip() for p in policies.split(",") if p.strip()] or None,
                   prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=threads,
-                  draft=resolve_model(draft) if draft else None, k=k)
+                  draft=resolve_model(draft) if draft else None, k=k, adaptive=not fixed_k, cutoff=not no_cutoff)
     if json_out:
         print(json.dumps(r, indent=1))
         return

@@ -19,10 +19,12 @@ OFF = -1  # a "K" for the governor: no draft this step (plain decoding)
 
 
 class Prefetcher:
-    def __init__(self, cache: ExpertCache, min_confidence: float = 0.0, link_gbps: float | None = None) -> None:
+    def __init__(self, cache: ExpertCache, min_confidence: float = 0.0, link_gbps: float | None = None,
+                 cutoff: bool = True) -> None:
         self.cache = cache
         self.min_confidence = min_confidence
-        self.link_gbps = link_gbps  # None: no cut-off (uploads overlap everything that follows)
+        self.link_gbps = link_gbps  # None: the link speed measured online on the cache's own uploads
+        self.cutoff = cutoff  # False: upload every prediction, however late (what the cut-off is measured against)
         self.budget_bytes: float = math.inf  # bytes the link can still deliver before verification needs them
         self.issued = 0
         self.skipped_late = 0
@@ -31,7 +33,7 @@ class Prefetcher:
         self.cache.unprotect_all()
         # a given link speed, else the one measured online on this session's uploads
         gbps = self.link_gbps or self.cache.link_gbps()
-        if gbps and time_until_verify_s is not None:
+        if self.cutoff and gbps and time_until_verify_s is not None:
             self.budget_bytes = gbps * 1e9 * time_until_verify_s
         else:
             self.budget_bytes = math.inf

@@ -36,6 +36,7 @@ class SessionConfig:
     min_confidence: float = 0.0
     draft_counts_in_budget: bool = True  # equal total fast memory: the draft's bytes come out of the slot budget
     profile: Path | None = None  # a trace (pyspecter trace): warm the slots with its hottest experts
+    prefetch_cutoff: bool = True  # skip uploads the link cannot deliver before the verification pass needs them
 
 
 class Session:
@@ -73,7 +74,7 @@ class Session:
                 raise SpecterError(f"{cfg.draft}: draft vocabulary ({self.draft.n_vocab}) differs from the target's")
             routing = DraftRouting(self.draft, dlay) if dlay.is_moe else None
             self.dctx = native.Context(self.draft, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
-            pf = Prefetcher(self.cache, cfg.min_confidence) if routing else None
+            pf = Prefetcher(self.cache, cfg.min_confidence, cutoff=cfg.prefetch_cutoff) if routing else None
             self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
                                               routing=routing, prefetcher=pf, temperature=cfg.temperature,
                                               seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert)

@@ -284,6 +284,7 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         done: dict[str, np.ndarray] = {}
+        n_done = 0
         for t in reader.tensors:
             hit = expert_re.get(t.name)
             if hit is None:
@@ -300,8 +301,9 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
                 done = {"layer": il, "top": top,
                         "gate": full["gate"][take, top], "up": full["up"][take, top],
                         "down": np.take_along_axis(full["down"], top[:, None, :], axis=2)}
+                n_done += 1
                 if progress:
-                    print(f"\rdraft: narrowed layer {il + 1}/{len(lay.layers)}", end="", file=sys.stderr, flush=True)
+                    print(f"\rdraft: narrowed {n_done}/{len(lay.layers)} layers", end="", file=sys.stderr, flush=True)
             if suffix == "weight":
                 a = done[kind]
             else:
@@ -315,19 +317,22 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
     return out
 
 
-def build_smol_moe_draft(experts_type: str = "Q2_K", progress: bool = True) -> Path:
-    """The default draft of smol-moe (built first if needed): experts at ``experts_type``, the rest unchanged.
-    Cached by content key (the target file's key, the type, this file's source, the llama.cpp version)."""
+def build_smol_moe_draft(experts_type: str = "Q2_K", ffn_keep: float = 1.0, progress: bool = True) -> Path:
+    """A draft of smol-moe (built first if needed): experts at ``experts_type``, narrowed to ``ffn_keep`` of
+    their neurons, the rest unchanged. Cached by content key (the target file's key, the options, this file's
+    source, the llama.cpp version)."""
     import llama_cpp
 
     from pyspecter.models.smol import build_smol_moe
 
     target = build_smol_moe(progress=progress)
-    key = content_key(target.name, experts_type.upper(), Path(__file__).read_bytes(), llama_cpp.__version__)
-    out = models_dir() / f"smol-moe-draft-{experts_type.upper()}-{key}.gguf"
+    t = experts_type.upper()
+    key = content_key(target.name, t, f"{ffn_keep:g}", Path(__file__).read_bytes(), llama_cpp.__version__)
+    width = "" if ffn_keep >= 1 else f"-w{ffn_keep:g}"
+    out = models_dir() / f"smol-moe-draft-{t}{width}-{key}.gguf"
     if out.exists():
         return out
-    return make_draft(target, out, experts_type=experts_type, progress=progress)
+    return make_draft(target, out, experts_type=experts_type, ffn_keep=ffn_keep, progress=progress)
 
 
 # --- routing -------------------------------------------------------------------------------------------------------
