@@ -324,7 +324,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     return out
 
 
-CSV_FIELDS = ("model", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer", "policy", "tpot_ms",
+CSV_FIELDS = ("model", "draft", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer", "policy", "tpot_ms",
               "tpot_p10_ms", "tpot_p90_ms", "decode_tok_s", "prefill_tok_s", "hit_rate", "coverage",
               "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "draft_off",
               "vs_on_demand_lru", "vs_all_resident", "vs_oracle_bound")
@@ -338,6 +338,7 @@ def to_csv_rows(result: dict) -> list[dict]:
             continue
         row = {k: result.get(k) for k in ("model", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer")}
         row["model"] = Path(row["model"]).name
+        row["draft"] = Path(result["draft"]).name if result.get("draft") and name.startswith("specter") else ""
         row["policy"] = name
         row.update({k: p.get(k) for k in CSV_FIELDS if k in p})
         rows.append({k: row.get(k, "") for k in CSV_FIELDS})

@@ -6,8 +6,11 @@ expert still not resident when the hook returns is computed exactly on the host,
 change the model's output, only its speed.
 
 Miss modes:
-  wait  upload the missing experts now (the compute thread waits), then compute them from the slots;
-  cpu   compute misses on the host now, and upload them in the background for next time.
+  wait       upload the missing experts now (the compute thread waits), then compute them from the slots;
+  cpu        compute misses on the host now, and upload them in the background for next time;
+  surrogate  APPROXIMATE, opt-in: compute a single-token miss with the expert's surrogate (its most important
+             neurons, kept in RAM; see surrogate.py) from one of top-k reserved slots, and upload the full expert
+             in the background for next time. Multi-token ubatches (prefill) wait, as in ``wait``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
 
 POLICIES = ("lru", "lfu")
-MISS_MODES = ("wait", "cpu")
+MISS_MODES = ("wait", "cpu", "surrogate")
 
 
 # --- slow tiers: where an expert's bytes come from -----------------------------------------------------------
@@ -254,6 +257,8 @@ class _Layer:
     freq: list[int]  # expert -> times selected
     pending: dict = field(default_factory=dict)  # slot -> (expert, handle): uploads in flight
     protected: set = field(default_factory=set)  # experts predicted for the window in flight: never evicted
+    sur_in: dict = field(default_factory=dict)  # reserved slot -> expert whose surrogate it holds
+    sur_mapped: set = field(default_factory=set)  # experts routed to a reserved slot for the current ubatch
 
 
 @dataclass
@@ -263,6 +268,7 @@ class CacheStats:
     overflow_rows: int = 0  # wait mode: rows left to the host because one ubatch needed more experts than slots
     hook_calls: int = 0
     prefetches: int = 0  # uploads issued ahead of need (from a prediction)
+    surrogate_uses: int = 0  # misses served approximately by a surrogate (miss="surrogate")
     waited: int = 0  # misses that waited for an upload already in flight
     needed: int = 0  # distinct experts asked for, summed over (layer, ubatch)
     resident_at_need: int = 0  # ... of which already resident when the layer asked: the cache's hit rate
@@ -272,7 +278,8 @@ class ExpertCache:
     """Budgeted expert slots for one model. Create it after loading the model and before its context."""
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
-                 miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False) -> None:
+                 miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
+                 surrogates=None) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN)."""
         layout.require_moe()
@@ -283,7 +290,16 @@ class ExpertCache:
         if n_slots < layout.n_expert_used:
             raise SpecterError(f"{n_slots} slots per layer is below top-{layout.n_expert_used}: one token's experts "
                                "would not fit")
+        if (miss == "surrogate") != (surrogates is not None):
+            raise SpecterError("miss mode 'surrogate' needs surrogates (and they are used by no other mode)")
         n_slots = min(n_slots, layout.n_expert)
+        # surrogate mode reserves top-k slots per layer to expand surrogates into; the rest cache full experts
+        self.n_reserved = layout.n_expert_used if surrogates is not None else 0
+        self.n_regular = n_slots - self.n_reserved
+        if self.n_regular < layout.n_expert_used:
+            raise SpecterError(f"{n_slots} slots per layer: surrogate mode needs {2 * layout.n_expert_used} "
+                               f"(top-{layout.n_expert_used} for full experts, as many for surrogates)")
+        self.surrogates = surrogates
         self.model, self.layout, self.n_slots = model, layout, n_slots
         self.policy, self.miss = policy, miss
         self.api = native.slots()
@@ -330,7 +346,7 @@ class ExpertCache:
         not in ``taken``: slots already chosen for this batch of uploads)."""
         st = self.layers[il]
         best, best_key = -1, None
-        for s in range(self.n_slots):
+        for s in range(self.n_regular):
             if s in st.pending or s in taken:
                 continue
             e = st.owner[s]
@@ -370,6 +386,11 @@ class ExpertCache:
                 self.trace.append((il, tuple(sorted(needed))))
             for e in needed:
                 st.freq[e] += 1
+            if st.sur_mapped:  # last ubatch's surrogate routing must not outlive it
+                for e in st.sur_mapped:
+                    if st.where[e] < 0:
+                        self.api.set_slot(self.model.ptr, il, e, -1)
+                st.sur_mapped.clear()
             if st.pending:
                 self._reap(il)
             missing = []
@@ -384,7 +405,9 @@ class ExpertCache:
             if not missing:
                 return
             inflight = {e: h for e, h in st.pending.values()}
-            if self.miss == "wait":
+            if self.miss == "surrogate" and n_tokens == 1:
+                self._serve_surrogates(il, st, needed, missing, inflight)
+            elif self.miss in ("wait", "surrogate"):
                 self._reap(il, block_for=set(inflight) & set(missing))
                 self.stats.waited += len(set(inflight) & set(missing))
                 loads = []
@@ -419,6 +442,32 @@ class ExpertCache:
                     self._count_upload(il)
         except BaseException as e:  # noqa: BLE001
             self.error = e
+
+    def _serve_surrogates(self, il: int, st: _Layer, needed: set[int], missing: list[int], inflight: dict) -> None:
+        due = {e for e in missing if e in inflight and inflight[e].started()}
+        if due:  # an upload already on the wire is due soon: the exact expert is worth the short wait
+            self._reap(il, block_for=due)
+            self.stats.waited += len(due)
+        free = list(range(self.n_regular, self.n_slots))
+        for e in missing:
+            if st.where[e] >= 0:
+                continue
+            if e not in inflight:  # the full expert, in the background, for next time
+                slot = self._victim(il, needed)
+                if slot >= 0:
+                    self._evict(il, slot)
+                    st.pending[slot] = (e, self.tier.upload_async(il, e, slot))
+                    self._count_upload(il)
+            if not free:
+                continue  # more misses than reserved slots: the host path computes this one exactly
+            r = next((x for x in free if st.sur_in.get(x) == e), free[0])
+            free.remove(r)
+            if st.sur_in.get(r) != e:
+                self.surrogates.write(self.api, self.model.ptr, il, e, r)
+                st.sur_in[r] = e
+            self.api.set_slot(self.model.ptr, il, e, r)
+            st.sur_mapped.add(e)
+            self.stats.surrogate_uses += 1
 
     # --- prediction-driven residency (the speculative engine) ---------------------------------------------------
 
@@ -467,7 +516,7 @@ class ExpertCache:
     def warm(self, experts_by_layer: dict[int, list[int]]) -> None:
         """Fill slots before the first token (e.g. from a routing profile), hottest first."""
         for il, experts in experts_by_layer.items():
-            for slot, e in enumerate(experts[: self.n_slots]):
+            for slot, e in enumerate(experts[: self.n_regular]):
                 self.tier.upload(il, e, slot)
                 self._count_upload(il)
                 self._assign(il, e, slot)
@@ -487,7 +536,7 @@ class ExpertCache:
             "hook_ms": c["hook_ns"] / 1e6, "upload_ns": c["upload_ns"],
             "uploads": self.stats.uploads, "upload_bytes": self.stats.upload_bytes,
             "overflow_rows": self.stats.overflow_rows, "prefetches": self.stats.prefetches,
-            "waited": self.stats.waited,
+            "waited": self.stats.waited, "surrogate_uses": self.stats.surrogate_uses,
             "route_us_per_call": c["route_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
             "hook_us_per_call": c["hook_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
         }

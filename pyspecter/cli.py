@@ -7,6 +7,7 @@ error and exit code 2.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -79,17 +80,21 @@ def resolve_model(spec: str) -> Path:
         from pyspecter.models.smol import build_smol_moe
 
         return build_smol_moe()
-    if spec == "smol-moe-draft":
+    m = re.fullmatch(r"smol-moe-draft(?:-(Q\w+))?(?:-w([0-9.]+))?", spec)
+    if m:  # smol-moe-draft, or e.g. smol-moe-draft-Q4_0-w0.25: experts Q4_0, narrowed to a quarter
         from pyspecter.models.draft import build_smol_moe_draft
 
-        return build_smol_moe_draft()
+        keep = float(m.group(2)) if m.group(2) else 1.0
+        if not 0 < keep <= 1:
+            raise SpecterError(f"{spec}: the width after -w must be in (0, 1]")
+        return build_smol_moe_draft(m.group(1) or "Q2_K", ffn_keep=keep)
     raise SpecterError(f"{spec}: no such file, and not a built-in model ({', '.join(_builtin_names())})")
 
 
 def _builtin_names() -> list[str]:
     from pyspecter.models import tiny
 
-    return ["smol-moe", "smol-moe-draft", *tiny.TINY_MODELS, *tiny.BENCH_MODELS]
+    return ["smol-moe", "smol-moe-draft", "smol-moe-draft-TYPE-wKEEP", *tiny.TINY_MODELS, *tiny.BENCH_MODELS]
 
 
 def _fmt_bytes(n: float) -> str:

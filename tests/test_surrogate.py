@@ -1,0 +1,63 @@
+"""Surrogate misses (approximate, opt-in): the expansion into reserved slots is right (all neurons kept gives the
+target's exact numbers), a narrow surrogate really is used and really changes the numbers, and the perplexity
+cost is measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyspecter.cache import ExpertCache
+from pyspecter.engine import greedy
+from pyspecter.errors import SpecterError
+from pyspecter.layout import read_layout
+from pyspecter.models.tiny import build_tiny
+from pyspecter.native import Context, Model
+from pyspecter.surrogate import Surrogates, select_neurons
+
+ARCHS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-mixtral"]
+
+
+def _run(path, slots: int, surrogates=None, n: int = 12):
+    lay = read_layout(path)
+    with Model(path) as m:
+        cache = ExpertCache(m, lay, slots, miss="surrogate" if surrogates else "wait", surrogates=surrogates)
+        with Context(m, n_threads=2) as ctx:
+            toks, logits = greedy(ctx, m.tokenize("surrogate experts, please"), n)
+            cache.check()
+        c = cache.counters()
+        cache.close()
+    return toks, logits, c
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_full_width_surrogate_is_exact(name: str) -> None:
+    path = build_tiny(name)
+    lay = read_layout(path)
+    sur = Surrogates(lay, select_neurons(path, 1.0, n_calib=64, progress=False))
+    ref, ref_logits, _ = _run(path, lay.n_expert)
+    got, got_logits, c = _run(path, 2 * lay.n_expert_used, sur)
+    assert c["surrogate_uses"] > 0
+    assert got == ref
+    assert np.abs(got_logits - ref_logits).max() == 0.0
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_narrow_surrogate_is_used_and_approximate(name: str) -> None:
+    path = build_tiny(name)
+    lay = read_layout(path)
+    sur = Surrogates(lay, select_neurons(path, 0.5, n_calib=64, progress=False))
+    assert 0.4 < sur.nbytes / lay.expert_total_bytes < 0.6
+    _, ref_logits, _ = _run(path, lay.n_expert)
+    _, got_logits, c = _run(path, 2 * lay.n_expert_used, sur)
+    assert c["surrogate_uses"] > 0
+    assert np.isfinite(got_logits).all()
+    assert np.abs(got_logits[1:] - ref_logits[1:len(got_logits)]).max() > 0  # decode steps used surrogates
+
+
+def test_surrogate_mode_needs_room() -> None:
+    path = build_tiny("tiny-mixtral")
+    lay = read_layout(path)
+    sur = Surrogates(lay, select_neurons(path, 0.5, n_calib=64, progress=False))
+    with Model(path) as m, pytest.raises(SpecterError, match="surrogate mode needs"):
+        ExpertCache(m, lay, lay.n_expert_used, miss="surrogate", surrogates=sur)
