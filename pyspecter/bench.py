@@ -25,7 +25,8 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.native import Context, Model
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
-            "specter", "specter-equal-slots")
+            "specter", "specter-equal-slots", "surrogate")
+APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their quality cost is measured apart)
 DEFAULT_POLICIES = ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
 
 
@@ -83,7 +84,7 @@ def _run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, 
 
 
 def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompt_len: int, n: int,
-         n_threads: int) -> Run:
+         n_threads: int, surrogate_width: float = 0.25) -> Run:
     proc = psutil.Process()
     stock = policy == "stock"
     # stock is llama.cpp as users run it (repacked weights where the CPU has kernels for them)
@@ -99,6 +100,12 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
             kind = policy.removeprefix("on-demand-")
             cache = ExpertCache(model, layout, slots, policy="lru" if kind == "cpu" else kind,
                                 miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True)
+        elif policy == "surrogate":
+            # approximate: single-token misses computed by the expert's surrogate; `slots` already paid for them
+            from pyspecter.surrogate import Surrogates, select_neurons
+
+            sur = Surrogates(layout, select_neurons(path, surrogate_width, progress=False))
+            cache = ExpertCache(model, layout, slots, miss="surrogate", surrogates=sur, tier=make_tier(tier))
         elif not stock:
             raise SpecterError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
         with Context(model, n_threads=n_threads, n_ctx=prompt_len + n + 8) as ctx:
@@ -157,8 +164,9 @@ def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, str]:
     code = ("import json,sys,dataclasses; from pathlib import Path; from pyspecter import bench; "
             "from pyspecter.layout import read_layout; a=json.loads(sys.argv[1]); p=Path(a['path']); "
             "r=(bench._run(a['policy'], p, read_layout(p), a['slots'], 'disk', a['prompt_len'], a['n'], "
-            "a['n_threads']) if a['fn'] == 'run' else bench._run_specter(p, Path(a['draft']), a['budget_bytes'], "
-            "a['count_draft'], 'disk', a['prompt_len'], a['n'], a['n_threads'], a['k'], a['adaptive'], a['cutoff'])); "
+            "a['n_threads'], a['surrogate_width']) if a['fn'] == 'run' else "
+            "bench._run_specter(p, Path(a['draft']), a['budget_bytes'], a['count_draft'], 'disk', a['prompt_len'], "
+            "a['n'], a['n_threads'], a['k'], a['adaptive'], a['cutoff'])); "
             "print(json.dumps(dataclasses.asdict(r)))")
     try:
         # the child joins the cgroup before it imports llama.cpp or touches the model
@@ -223,7 +231,7 @@ def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int) -> int:
 def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None, slots: int | None = None,
               policies: list[str] | None = None, prompt_len: int = 64, n: int = 32, repeat: int = 3,
               n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
-              cutoff: bool = True) -> dict:
+              cutoff: bool = True, surrogate_width: float = 0.25) -> dict:
     from pyspecter.layout import parse_budget, slots_for_budget
 
     path = Path(path)
@@ -242,6 +250,15 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     if slots < layout.n_expert_used:
         raise SpecterError(f"budget gives {slots} slots per layer, below top-{layout.n_expert_used}")
     make_tier(tier)  # validate early
+    sur_slots = slots
+    if "surrogate" in policies:  # the surrogates live in fast memory too: fewer slots for the same budget
+        from pyspecter.surrogate import Surrogates, select_neurons
+
+        sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
+        sur_slots = slots_for_budget(layout, budget_bytes - sur_bytes) if budget_bytes > sur_bytes else 0
+        if sur_slots < 2 * layout.n_expert_used:
+            raise SpecterError(f"the surrogates ({sur_bytes / 2**20:.0f} MiB) leave {sur_slots} slots per layer; "
+                               f"surrogate mode needs {2 * layout.n_expert_used}")
     link_gbps = measure_link(path, tier)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
     _run("stock", path, layout, slots, tier, min(prompt_len, 8), 2, n_threads)
@@ -254,6 +271,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                 continue
             cap = budget_bytes + layout.nonexpert_bytes + RUNTIME_HEADROOM
             common = {"prompt_len": prompt_len, "n": n, "n_threads": n_threads}
+            p_slots = sur_slots if p == "surrogate" else slots
             try:
                 if tier == "disk" and p != "all-resident":  # all-resident is the no-stall limit: no cap
                     if p.startswith("specter"):
@@ -263,7 +281,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                 **common}
                         run, capped_how = _run_capped(call, path, cap + extra)
                     else:
-                        run, capped_how = _run_capped({"fn": "run", "policy": p, "slots": slots, **common}, path, cap)
+                        run, capped_how = _run_capped({"fn": "run", "policy": p, "slots": p_slots,
+                                                       "surrogate_width": surrogate_width, **common}, path, cap)
                     runs[p].append(run)
                 elif p.startswith("specter"):
                     # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
@@ -271,7 +290,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                     runs[p].append(_run_specter(path, Path(draft), budget_bytes, p == "specter", tier, prompt_len,
                                                 n, n_threads, k, adaptive, cutoff))
                 else:
-                    runs[p].append(_run(p, path, layout, slots, tier, prompt_len, n, n_threads))
+                    runs[p].append(_run(p, path, layout, p_slots, tier, prompt_len, n, n_threads, surrogate_width))
             except SpecterError as e:  # e.g. the draft alone is bigger than the budget
                 skipped[p] = str(e)
 
@@ -304,6 +323,9 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             "hook_us_per_call": c.get("hook_us_per_call", 0.0),
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
         }
+        if p == "surrogate":
+            out["policies"][p].update(slots_per_layer=sur_slots, surrogate_width=surrogate_width, approximate=True,
+                                      surrogate_uses=c["surrogate_uses"])
         if p.startswith("specter"):
             out["policies"][p].update(acceptance=c["acceptance"], mean_k=c["mean_k"], slots_per_layer=c["slots"],
                                       draft_off=c["draft_off"], skipped_late=c["skipped_late"], k_start=k,

@@ -309,6 +309,7 @@ class ExpertCache:
         self.tier = tier or RamTier()
         self.tier.bind(model, layout)
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
+        self.layer_pos = {L.index: j for j, L in enumerate(layout.layers)}  # order in the forward pass
         E = layout.n_expert
         self.layers = {
             L.index: _Layer(owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E)

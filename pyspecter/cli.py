@@ -62,7 +62,10 @@ BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts
 TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
 MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first); "
                                                     "default: wait on the disk tier (its host copy is on disk too), "
-                                                    "else cpu")]
+                                                    "else cpu. surrogate: APPROXIMATE, computes single-token misses "
+                                                    "with a narrow copy of the expert kept in RAM and prints its "
+                                                    "measured perplexity cost")]
+SurrogateOpt = Annotated[float, typer.Option(help="--miss surrogate: fraction of each expert's neurons kept")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
                                                       "hottest experts before the first token")]
 
@@ -203,6 +206,35 @@ def draft(
           f"the target's {tgt.expert_total_bytes / 2**20:.1f} MiB)")
 
 
+@app.command()
+def surrogate(
+    model: ModelArg,
+    width: Annotated[float, typer.Option(help="fraction of each expert's neurons its surrogate keeps")] = 0.25,
+    budget: Annotated[str, typer.Option(help="fast-tier bytes (slots + surrogates), e.g. 50% or 256MiB")] = "50%",
+    tier: TierOpt = "ram",
+    n: Annotated[int, typer.Option("-n", help="held-out tokens to score")] = 256,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Measure what --miss surrogate costs in quality: perplexity on held-out text, exact misses vs surrogate
+    misses, at the slots a budget leaves once the surrogates are paid for."""
+    from pyspecter.layout import parse_budget, read_layout, slots_for_budget
+    from pyspecter.surrogate import Surrogates, describe, perplexity_delta, select_neurons
+
+    path = resolve_model(model)
+    lay = read_layout(path).require_moe()
+    if not 0 < width <= 1:
+        raise SpecterError(f"--width must be in (0, 1], got {width}")
+    sur = Surrogates(lay, select_neurons(path, width))
+    left = parse_budget(budget, lay.expert_total_bytes) - sur.nbytes
+    slots = slots_for_budget(lay, left) if left > 0 else 0
+    if slots < 2 * lay.n_expert_used:
+        raise SpecterError(f"budget {budget} leaves {max(slots, 0)} slots per layer after "
+                           f"{sur.nbytes / 2**20:.0f} MiB of surrogates; surrogate mode needs "
+                           f"{2 * lay.n_expert_used}")
+    r = perplexity_delta(path, width, slots, tier, n_tokens=n)
+    print(json.dumps(r, indent=1) if json_out else describe(r))
+
+
 @models_app.command("list")
 def models_list() -> None:
     """List the models the project can build."""
@@ -259,7 +291,7 @@ def bench(
     budget: Annotated[str, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%")] = "50%",
     policies: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(
         ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
-         "specter", "specter-equal-slots")))] = "",
+         "specter", "specter-equal-slots", "surrogate (approximate)")))] = "",
     prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill")] = 64,
     n: Annotated[int, typer.Option("-n", help="decode tokens per run")] = 32,
     repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,
@@ -270,6 +302,7 @@ def bench(
                                                             "the draft only predicts experts)")] = False,
     no_cutoff: Annotated[bool, typer.Option("--no-cutoff", help="specter: prefetch every prediction, even ones "
                                                                 "the link cannot deliver in time")] = False,
+    surrogate_width: SurrogateOpt = 0.25,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy (with a header)")] = False,
 ) -> None:
@@ -282,7 +315,8 @@ def bench(
     r = run_bench(resolve_model(model), tier=tier, budget=budget,
                   policies=[p.strip() for p in policies.split(",") if p.strip()] or None,
                   prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=threads,
-                  draft=resolve_model(draft) if draft else None, k=k, adaptive=not fixed_k, cutoff=not no_cutoff)
+                  draft=resolve_model(draft) if draft else None, k=k, adaptive=not fixed_k, cutoff=not no_cutoff,
+                  surrogate_width=surrogate_width)
     if json_out:
         print(json.dumps(r, indent=1))
         return
@@ -310,16 +344,24 @@ def bench(
 
 
 def _session(model: str, draft: str | None, budget: str | None, tier: str, miss: str | None, k: int, temp: float,
-             seed: int, threads: int, adaptive: bool = True, profile: Path | None = None):
+             seed: int, threads: int, adaptive: bool = True, profile: Path | None = None,
+             surrogate_width: float = 0.25):
     from pyspecter.session import Session, SessionConfig
 
     path = resolve_model(model)
     dpath = resolve_model(draft) if draft else None
     if profile is not None and not profile.exists():
         raise SpecterError(f"{profile}: no such file")
-    return Session(SessionConfig(model=path, draft=dpath, budget=budget, tier=tier, miss=miss, k=k,
-                                 adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
-                                 profile=profile))
+    if not 0 < surrogate_width <= 1:
+        raise SpecterError(f"--surrogate-width must be in (0, 1], got {surrogate_width}")
+    s = Session(SessionConfig(model=path, draft=dpath, budget=budget, tier=tier, miss=miss, k=k,
+                              adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
+                              profile=profile, surrogate_width=surrogate_width))
+    if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
+        from pyspecter.surrogate import describe, perplexity_delta
+
+        print(describe(perplexity_delta(path, surrogate_width, s.n_slots, tier)), file=sys.stderr)
+    return s
 
 
 class _Streamer:
@@ -356,10 +398,12 @@ def generate(
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
     profile: ProfileOpt = None,
+    surrogate_width: SurrogateOpt = 0.25,
     json_out: Annotated[bool, typer.Option("--json", help="print the text and stats as JSON")] = False,
 ) -> None:
     """Generate text through expert slots, speculatively when a draft is given."""
-    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k, profile=profile)
+    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k, profile=profile,
+                 surrogate_width=surrogate_width)
     try:
         toks = s.tokenize(prompt)
         stream = None if json_out else _Streamer(s.target)
@@ -398,12 +442,14 @@ def chat(
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
     profile: ProfileOpt = None,
+    surrogate_width: SurrogateOpt = 0.25,
 ) -> None:
     """Chat with a model. /stats shows speed and cache figures, /reset forgets the conversation, /quit leaves;
     Ctrl-C stops the current answer."""
     from pyspecter.session import apply_chat_template
 
-    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, profile=profile)
+    s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, profile=profile,
+                 surrogate_width=surrogate_width)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     print(f"pyspecter chat: {s.layout.name} — /stats /reset /quit", file=sys.stderr)

@@ -125,6 +125,7 @@ class SpeculativeDecoder:
         self.rng = np.random.default_rng(seed)
         self.stats = SpecStats()
         self._draft_lag: list[int] = []  # accepted tokens the draft has not processed yet (K=0 steps skip it)
+        self._t_token: float | None = None  # EMA of one target token's decode time (the prefetch deadlines)
 
     def _pick(self, logits: np.ndarray) -> int:
         if self.temperature <= 0:
@@ -180,7 +181,8 @@ class SpeculativeDecoder:
                 self.routing.start()
             if self.prefetcher is not None:
                 # the verification pass starts after K+1 draft tokens; uploads must land before it needs them
-                self.prefetcher.start_window(self.governor.t_draft * (k + 1) if self.governor.t_draft else None)
+                self.prefetcher.start_window(self.governor.t_draft * (k + 1) if self.governor.t_draft else None,
+                                             self._t_token)
             # The draft's last token of a step is run for its routing only (it predicts the last verified
             # position): no logits, so llama.cpp skips the output head and the last layer's FFN, ~15-30% of a
             # draft token here, at the price of that one layer's prediction for that one position.
@@ -213,6 +215,9 @@ class SpeculativeDecoder:
                     break
                 accepted += 1
         t2 = time.perf_counter()
+        if not self.batch_verify:
+            per = (t2 - t1) / (accepted + 1)
+            self._t_token = per if self._t_token is None else 0.8 * self._t_token + 0.2 * per
 
         # roll both caches back to the accepted prefix: cur + accepted drafts
         keep = base + 1 + accepted

@@ -37,6 +37,7 @@ class SessionConfig:
     draft_counts_in_budget: bool = True  # equal total fast memory: the draft's bytes come out of the slot budget
     profile: Path | None = None  # a trace (pyspecter trace): warm the slots with its hottest experts
     prefetch_cutoff: bool = True  # skip uploads the link cannot deliver before the verification pass needs them
+    surrogate_width: float = 0.25  # miss="surrogate" only: fraction of each expert's neurons its surrogate keeps
 
 
 class Session:
@@ -51,15 +52,25 @@ class Session:
             if budget_bytes <= 0:
                 raise SpecterError(f"the draft ({self.draft_bytes / 2**20:.0f} MiB) does not fit in budget "
                                    f"{cfg.budget}")
+        self.miss = cfg.miss or ("wait" if self.tier.name == "disk" else "cpu")
+        self.surrogates = None
+        if self.miss == "surrogate":
+            from pyspecter.surrogate import Surrogates, select_neurons
+
+            self.surrogates = Surrogates(self.layout, select_neurons(cfg.model, cfg.surrogate_width))
+            if budget_bytes is not None:  # they live in fast memory too
+                budget_bytes -= self.surrogates.nbytes
+                if budget_bytes <= 0:
+                    raise SpecterError(f"the surrogates ({self.surrogates.nbytes / 2**20:.0f} MiB) do not fit in "
+                                       f"budget {cfg.budget}")
         self.n_slots = (slots_for_budget(self.layout, budget_bytes) if budget_bytes is not None
                         else self.layout.n_expert)
         if self.n_slots < self.layout.n_expert_used:
             raise SpecterError(f"budget {cfg.budget} buys {self.n_slots} expert slots per layer, below "
                                f"top-{self.layout.n_expert_used}" + (" once the draft is counted" if cfg.draft else ""))
-        self.miss = cfg.miss or ("wait" if self.tier.name == "disk" else "cpu")
         self.target = native.Model(cfg.model)
         self.cache = ExpertCache(self.target, self.layout, self.n_slots, policy=cfg.policy, miss=self.miss,
-                                 tier=self.tier)
+                                 tier=self.tier, surrogates=self.surrogates)
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
@@ -139,7 +150,8 @@ class Session:
                "slots_per_layer": self.n_slots, "n_expert": self.layout.n_expert, "tier": self.tier.name,
                "miss": self.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
-               "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20}
+               "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20,
+               "surrogate_uses": c["surrogate_uses"]}
         if self.decoder is not None:
             s = self.decoder.stats
             out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps)

@@ -134,19 +134,32 @@ class Surrogates:
                 raise SpecterError(f"write of a surrogate into slot {slot} of layer {il} failed ({rc})")
 
 
-def perplexity_delta(path: Path, keep: float, n_slots: int, n_tokens: int = 256, progress: bool = True) -> dict:
-    """Perplexity of held-out text decoded one token at a time through ``n_slots`` slots per layer: exact misses
-    (wait) against surrogate misses. The surrogate mode's price, measured."""
-    from pyspecter.cache import ExpertCache
+def perplexity_delta(path: Path, keep: float, n_slots: int, tier: str = "ram", n_tokens: int = 256,
+                     progress: bool = True) -> dict:
+    """Perplexity of held-out text decoded one token at a time through ``n_slots`` slots per layer on ``tier``:
+    exact misses (wait) against surrogate misses. The surrogate mode's price, measured; cached by the model
+    file's identity and the options (the tier matters: on a slow one fewer uploads land in time)."""
+    from pyspecter.cache import ExpertCache, make_tier
     from pyspecter.models.smol import heldout_text
 
+    path = Path(path)
+    st = path.stat()
+    key = content_key(str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), f"{keep:g}", str(n_slots), tier,
+                      str(n_tokens), Path(__file__).read_bytes())
+    cached = models_dir() / f"surrogate-ppl-{path.stem}-{key}.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
     lay = read_layout(path).require_moe()
     sur = Surrogates(lay, select_neurons(path, keep, progress=progress))
+    if progress:
+        print(f"surrogate: measuring its perplexity cost on {n_tokens} held-out tokens ...", file=sys.stderr,
+              flush=True)
     res = {}
     for mode in ("wait", "surrogate"):
         with native.Model(path) as m:
             toks = m.tokenize(heldout_text(), add_special=True)[:n_tokens]
-            cache = ExpertCache(m, lay, n_slots, miss=mode, surrogates=sur if mode == "surrogate" else None)
+            cache = ExpertCache(m, lay, n_slots, miss=mode, tier=make_tier(tier),
+                                surrogates=sur if mode == "surrogate" else None)
             nll = 0.0
             with native.Context(m, n_ctx=len(toks) + 8, n_threads=2) as ctx:
                 for i in range(len(toks) - 1):
@@ -157,18 +170,20 @@ def perplexity_delta(path: Path, keep: float, n_slots: int, n_tokens: int = 256,
             c = cache.counters()
             cache.close()
         res[mode] = {"ppl": math.exp(nll / (len(toks) - 1)), "hit_rate": c["hit_rate"],
-                     "surrogate_uses": c.get("surrogate_uses", 0)}
+                     "surrogate_uses": c["surrogate_uses"], "needed": c["needed"]}
     res["keep"], res["slots"], res["tokens"] = keep, n_slots, n_tokens
     res["surrogate_mib"] = sur.nbytes / 2**20
     res["ppl_delta"] = res["surrogate"]["ppl"] - res["wait"]["ppl"]
+    res["tier"] = tier
+    cached.write_text(json.dumps(res))
     return res
 
 
 def describe(res: dict) -> str:
     return (f"surrogate mode (approximate): perplexity {res['surrogate']['ppl']:.3f} vs exact {res['wait']['ppl']:.3f} "
-            f"({res['ppl_delta']:+.3f}) on {res['tokens']} held-out tokens at {res['slots']} slots/layer, "
-            f"width {res['keep']:g}, {res['surrogate_mib']:.0f} MiB of surrogates")
+            f"({res['ppl_delta']:+.3f}) on {res['tokens']} held-out tokens at {res['slots']} slots/layer on "
+            f"{res['tier']}, width {res['keep']:g}, {res['surrogate_mib']:.0f} MiB of surrogates, "
+            f"{100 * res['surrogate']['surrogate_uses'] / max(res['surrogate']['needed'], 1):.1f}% of experts "
+            "served by one")
 
 
-if __name__ == "__main__":  # python -m pyspecter.surrogate MODEL KEEP SLOTS
-    print(json.dumps(perplexity_delta(Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])), indent=1))

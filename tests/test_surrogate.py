@@ -61,3 +61,21 @@ def test_surrogate_mode_needs_room() -> None:
     sur = Surrogates(lay, select_neurons(path, 0.5, n_calib=64, progress=False))
     with Model(path) as m, pytest.raises(SpecterError, match="surrogate mode needs"):
         ExpertCache(m, lay, lay.n_expert_used, miss="surrogate", surrogates=sur)
+
+
+def test_cli_measures_the_cost() -> None:
+    import json
+
+    from conftest import run_cli
+
+    r = run_cli("surrogate", "tiny-mixtral", "--width", "0.5", "--budget", "100%", "-n", "48", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["surrogate"]["surrogate_uses"] > 0 and res["wait"]["surrogate_uses"] == 0
+    assert res["ppl_delta"] == res["surrogate"]["ppl"] - res["wait"]["ppl"]
+    r = run_cli("surrogate", "tiny-mixtral", "--width", "0.5", "--budget", "30%")
+    assert r.returncode == 2 and "surrogate mode needs" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("generate", "tiny-mixtral", "-p", "ab", "-n", "4", "--budget", "100%", "--miss", "surrogate",
+                "--surrogate-width", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert "surrogate mode (approximate): perplexity" in r.stderr
