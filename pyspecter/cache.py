@@ -342,22 +342,32 @@ class ExpertCache:
             st.owner[slot] = -1
             self.api.set_slot(self.model.ptr, il, prev, -1)
 
-    def _victim(self, il: int, protected: set[int], taken: frozenset[int] | set[int] = frozenset()) -> int:
+    def _victim(self, il: int, protected: set[int], taken: frozenset[int] | set[int] = frozenset(),
+                need: bool = False) -> int:
         """A slot to reuse: a free one, else by policy among slots not holding an expert needed right now (and
-        not in ``taken``: slots already chosen for this batch of uploads)."""
+        not in ``taken``: slots already chosen for this batch of uploads). Experts predicted for the window in
+        flight are spared too, unless ``need``: an expert needed now outranks a prediction, which only ever
+        advises (without this, a window predicting more experts than there are slots starved the current token
+        and sent it to the host path)."""
         st = self.layers[il]
-        best, best_key = -1, None
+        best, best_key, spared = -1, None, -1
         for s in range(self.n_regular):
             if s in st.pending or s in taken:
                 continue
             e = st.owner[s]
             if e < 0:
                 return s
-            if e in protected or e in st.protected:
+            if e in protected:
+                continue
+            if e in st.protected:
+                spared = s
                 continue
             key = (st.last_use[s],) if self.policy == "lru" else (st.freq[e], st.last_use[s])
             if best_key is None or key < best_key:
                 best, best_key = s, key
+        if best < 0 and need and spared >= 0:
+            st.protected.discard(st.owner[spared])
+            return spared
         return best
 
     def _reap(self, il: int, block_for: set[int] | None = None) -> None:
@@ -415,7 +425,11 @@ class ExpertCache:
                 for e in missing:
                     if st.where[e] >= 0:
                         continue
-                    slot = self._victim(il, needed, {s for _, s in loads})
+                    taken = {s for _, s in loads}
+                    slot = self._victim(il, needed, taken, need=True)
+                    if slot < 0 and st.pending:  # every free slot is still being filled: let those land first
+                        self._reap(il, block_for={x for x, _ in st.pending.values()})
+                        slot = self._victim(il, needed, taken, need=True)
                     if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
                         self.stats.overflow_rows += 1
                         continue
@@ -435,7 +449,7 @@ class ExpertCache:
                 for e in missing:
                     if e in inflight:
                         continue
-                    slot = self._victim(il, needed)
+                    slot = self._victim(il, needed, need=True)
                     if slot < 0:
                         break
                     self._evict(il, slot)
@@ -454,7 +468,7 @@ class ExpertCache:
             if st.where[e] >= 0:
                 continue
             if e not in inflight:  # the full expert, in the background, for next time
-                slot = self._victim(il, needed)
+                slot = self._victim(il, needed, need=True)
                 if slot >= 0:
                     self._evict(il, slot)
                     st.pending[slot] = (e, self.tier.upload_async(il, e, slot))

@@ -70,6 +70,9 @@ ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter tra
                                                       "hottest experts before the first token")]
 
 
+_DRAFT_NAME = re.compile(r"smol-moe-draft(?:-(Q\w+))?(?:-w([0-9.]+))?")  # smol-moe-draft[-TYPE][-wWIDTH]
+
+
 def resolve_model(spec: str) -> Path:
     """A path as given, or a built-in model name built (or found in the cache) on demand."""
     p = Path(spec)
@@ -83,7 +86,7 @@ def resolve_model(spec: str) -> Path:
         from pyspecter.models.smol import build_smol_moe
 
         return build_smol_moe()
-    m = re.fullmatch(r"smol-moe-draft(?:-(Q\w+))?(?:-w([0-9.]+))?", spec)
+    m = _DRAFT_NAME.fullmatch(spec)
     if m:  # smol-moe-draft, or e.g. smol-moe-draft-Q4_0-w0.25: experts Q4_0, narrowed to a quarter
         from pyspecter.models.draft import build_smol_moe_draft
 
@@ -156,7 +159,8 @@ def inspect(
 
 @models_app.command("build")
 def models_build(
-    name: Annotated[str, typer.Argument(help="smol-moe, smol-moe-draft, tiny-qwen3moe, tiny-qwen2moe, "
+    name: Annotated[str, typer.Argument(help="smol-moe, smol-moe-draft (or e.g. smol-moe-draft-Q4_0-w0.25: "
+                                             "experts Q4_0, narrowed to a quarter), tiny-qwen3moe, tiny-qwen2moe, "
                                              "tiny-mixtral, tiny-gptoss or bench-qwen3moe")],
     experts: Annotated[int, typer.Option("--experts", help="smol-moe: experts per layer")] = 16,
     top_k: Annotated[int, typer.Option("--top-k", help="smol-moe: experts used per token")] = 2,
@@ -167,7 +171,7 @@ def models_build(
     every expert is the dense FFN with its neurons permuted in whole quantization blocks, so it computes the
     dense model's function for any routing; the routers are fitted on real hidden states. A faithful testbed
     for expert caching, not a trained MoE."""
-    if name not in _builtin_names():
+    if name not in _builtin_names() and not _DRAFT_NAME.fullmatch(name):
         raise SpecterError(f"unknown model {name!r}; known: {', '.join(_builtin_names())}")
     if name == "smol-moe" and (experts, top_k) != (16, 2):
         from pyspecter.models.smol import build_smol_moe

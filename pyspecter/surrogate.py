@@ -111,16 +111,19 @@ class Surrogates:
                 self.nbytes += per[kind].nbytes
             self.data[L.index] = per
         del mm
-        self._scratch: dict[tuple[int, str], np.ndarray] = {}
+        self._scratch: dict[str, np.ndarray] = {}
 
     def write(self, api: native.SlotAPI, model_ptr, il: int, expert: int, slot: int) -> None:
         """Expand expert ``expert`` of layer ``il`` into ``slot`` (dropped neurons zero)."""
         L = self.layout.layer(il)
         for kind, t in L.tensors.items():
             E, n_rows, _ = t.shape
-            buf = self._scratch.get((il, kind))
-            if buf is None:
-                buf = self._scratch[il, kind] = np.zeros(t.expert_bytes, np.uint8)
+            # one scratch buffer per tensor kind, shared by all layers (their experts have the same size here;
+            # a bigger one is allocated when not)
+            buf = self._scratch.get(kind)
+            if buf is None or buf.size < t.expert_bytes:
+                buf = self._scratch[kind] = np.zeros(t.expert_bytes, np.uint8)
+            buf = buf[: t.expert_bytes]
             buf[:] = 0
             if kind == "down":
                 g = _group(self.layout)

@@ -157,3 +157,28 @@ def test_disk_tier_releases_expert_pages() -> None:
         cache.close()
     r = verify(path, slots=lay.n_expert_used, miss="cpu", tier="disk", n_tokens=8)
     assert r["identical_tokens"] and r["max_abs_logit_diff"] <= TOL
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_predictions_never_starve_the_current_token(tier: str) -> None:
+    """Bug: with every slot holding a protected (predicted) expert or an upload in flight, wait mode found no
+    victim and sent the current token's experts to the host path (on the disk tier: page faults)."""
+    from pyspecter.cache import ExpertCache, make_tier
+    from pyspecter.layout import read_layout
+    from pyspecter.native import Context, Model
+
+    path = build_tiny("tiny-mixtral")
+    lay = read_layout(path)
+    with Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert_used + 1, miss="wait", tier=make_tier(tier))
+        with Context(m, n_threads=2) as ctx:
+            logits = ctx.decode(m.tokenize("starve me not"))
+            for _ in range(8):
+                for L in lay.layers:  # a window predicting every expert, and uploads in flight into free slots
+                    cache.protect(L.index, range(lay.n_expert))
+                    cache.prefetch(L.index, [e for e in range(lay.n_expert) if cache.layers[L.index].where[e] < 0])
+                cache.reset_counters()
+                logits = ctx.decode([int(logits.argmax())])
+                cache.check()
+                assert cache.counters()["slot_row_rate"] == 1.0
+        cache.close()
