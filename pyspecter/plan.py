@@ -84,10 +84,12 @@ class KGovernor:
     # what counts: it includes what the cost model leaves out, such as prefetch bandwidth wasted on the
     # routing of drafts that get rejected, which on a slow tier can make speculation slower than K=0.
     seen_rate: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)  # K -> steps measured
 
     def observe(self, k: int, accepted: int, t_draft_total: float, t_verify: float) -> None:
         self.steps += 1
         rate = (accepted + 1) / max(t_draft_total + t_verify, 1e-9)
+        self.samples[k] = self.samples.get(k, 0) + 1
         old = self.seen_rate.get(k)
         self.seen_rate[k] = rate if old is None else self.decay * old + (1 - self.decay) * rate
         if k == OFF:
@@ -134,10 +136,11 @@ class KGovernor:
                 rate = self.expected_tokens(max(k, 0)) / (tv + max(k, 0) * self.t_draft + extra)
             if rate > best_rate:
                 best, best_rate = k, rate
-        # explore now and then, so the measurements stay honest: an untried K first (the lowest: K=0 is the safe
-        # fallback and cheap to try), else a neighbour of the best, alternating down and up
-        if self.steps == 3 or self.steps % 32 == 0:
-            untried = [k for k in choices if k not in self.seen_rate]
+        # explore now and then, so the measurements stay honest: K=0, OFF and 1 until each has two samples (one
+        # step is noisy: a disk read can take twice as long as the next), else a neighbour of the best,
+        # alternating down and up
+        if 3 <= self.steps < 9 or self.steps % 32 == 0:
+            untried = [k for k in (0, OFF, 1) if k in choices and self.samples.get(k, 0) < 2]
             if untried:
                 best = untried[0]
             elif (self.steps // 32) % 2 and best > choices[0]:
