@@ -68,10 +68,15 @@ def _run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, 
     try:
         prompt = _prompt_tokens(s.target, prompt_len)
         stamps: list[float] = []
+
+        def on_token(_t: int) -> None:
+            stamps.append(time.perf_counter())
+            if len(stamps) == 1:  # decode counters only, as for the other policies
+                s.cache.reset_counters()
+
         t0 = time.perf_counter()
         # the first token comes straight from the target's prefill; the rest are decode
-        out = s.generate(prompt, n + 1, stop_at_eog=False,
-                         on_token=lambda _t: stamps.append(time.perf_counter()))
+        out = s.generate(prompt, n + 1, stop_at_eog=False, on_token=on_token)
         prefill = stamps[0] - t0
         tpot = (stamps[-1] - stamps[0]) / max(len(out) - 1, 1)
         c = s.cache.counters()

@@ -66,6 +66,9 @@ class _Ticket:
     def done(self) -> bool:
         return bool(self.api.upload_done(self.model_ptr, self.ticket))
 
+    def cancel(self) -> bool:  # the C upload thread's queue has no take-back
+        return False
+
     def started(self) -> bool:
         # uploads complete in FIFO order: once the previous one is done, this one is on the wire
         return bool(self.api.upload_done(self.model_ptr, self.ticket - 1))
@@ -103,19 +106,11 @@ class EmulatedTier(RamTier):
         self.api.set_link_gbps(model.ptr, self.gbps)
 
 
-class _Done:
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
-
-
 class _Group:
     """Handle over the parallel reads of one expert's tensors."""
 
-    def __init__(self, futures: list[Future]) -> None:
-        self.futures = futures
+    def __init__(self, futures: list[Future], jobs: list[tuple], retry: ThreadPoolExecutor) -> None:
+        self.futures, self.jobs, self.retry = futures, jobs, retry
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
@@ -126,6 +121,16 @@ class _Group:
     def wait(self) -> None:
         for f in self.futures:
             f.result()
+
+    def cancel(self) -> bool:
+        """Take back reads not started yet. True if all were taken back (the slot was never touched); else the
+        ones taken back are resubmitted to ``retry``, so the expert still arrives whole."""
+        taken = [i for i, f in enumerate(self.futures) if f.cancel()]
+        if len(taken) == len(self.futures):
+            return True
+        for i in taken:
+            self.futures[i] = self.retry.submit(*self.jobs[i])
+        return False
 
 
 class DiskTier(Tier):
@@ -163,6 +168,9 @@ class DiskTier(Tier):
         self.buf_size = (biggest + 2 * self.ALIGN) // self.ALIGN * self.ALIGN
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="specter-disk")
+        # Misses the compute thread is waiting for get their own readers: in the prefetch pool they would queue
+        # behind every prediction already issued (for later layers too) — a demand read must not wait for those.
+        self._demand = ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="specter-disk-miss")
         self._lock = threading.Lock()
         self._active = 0
         self._busy_since = 0
@@ -213,19 +221,23 @@ class DiskTier(Tier):
                 if self._active == 0:
                     self.busy_ns += time.perf_counter_ns() - self._busy_since
 
-    def upload(self, il: int, expert: int, slot: int) -> None:
-        self.upload_async(il, expert, slot).wait()
-
     def upload_many(self, il: int, loads: list[tuple[int, int]]) -> None:
-        for h in [self.upload_async(il, e, slot) for e, slot in loads]:
+        for h in [self._submit(self._demand, il, e, slot) for e, slot in loads]:
             h.wait()
 
+    def upload(self, il: int, expert: int, slot: int) -> None:
+        self._submit(self._demand, il, expert, slot).wait()
+
     def upload_async(self, il: int, expert: int, slot: int) -> _Group:
-        return _Group([self._pool.submit(self._read_tensor, il, kind, expert, slot)
-                       for kind in self.layout.layer(il).tensors])
+        return self._submit(self._pool, il, expert, slot)
+
+    def _submit(self, pool: ThreadPoolExecutor, il: int, expert: int, slot: int) -> _Group:
+        jobs = [(self._read_tensor, il, kind, expert, slot) for kind in self.layout.layer(il).tensors]
+        return _Group([pool.submit(*j) for j in jobs], jobs, self._demand)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._demand.shutdown(wait=True)
         os.close(self.fd)
 
 
@@ -419,6 +431,11 @@ class ExpertCache:
             if self.miss == "surrogate" and n_tokens == 1:
                 self._serve_surrogates(il, st, needed, missing, inflight)
             elif self.miss in ("wait", "surrogate"):
+                # a prefetch still queued behind others is taken back and read now as a demand read
+                for slot, (e, h) in list(st.pending.items()):
+                    if e in inflight and e in missing and h.cancel():
+                        del st.pending[slot]
+                        del inflight[e]
                 self._reap(il, block_for=set(inflight) & set(missing))
                 self.stats.waited += len(set(inflight) & set(missing))
                 loads = []
