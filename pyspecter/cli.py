@@ -427,8 +427,11 @@ def _stats_line(st: dict) -> str:
             f"tier {st['tier']}, miss {st['miss']} | hit {100 * st['hit_rate']:.1f}%, "
             f"from slots {100 * st['coverage']:.1f}%, uploads {st['uploads']} ({st['upload_mib']:.1f} MiB), "
             f"stall {st['stall_ms']:.1f} ms")
+    if st.get("surrogate_uses"):
+        line += f", {st['surrogate_uses']} misses served by surrogates (approximate)"
     if "acceptance" in st:
-        line += f" | acceptance {100 * st['acceptance']:.0f}%, mean K {st['mean_k']:.2f}"
+        line += (f" | acceptance {100 * st['acceptance']:.0f}%, mean K {st['mean_k']:.2f}, "
+                 f"draft off {100 * st['draft_off']:.0f}% of steps")
     return line + "]"
 
 

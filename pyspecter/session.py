@@ -154,7 +154,7 @@ class Session:
                "surrogate_uses": c["surrogate_uses"]}
         if self.decoder is not None:
             s = self.decoder.stats
-            out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps)
+            out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps, draft_off=s.draft_off)
         return out
 
     def reset_stats(self) -> None:
