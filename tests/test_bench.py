@@ -36,3 +36,21 @@ def test_bench_json_keys() -> None:
             assert key in p, (name, key)
     assert out["policies"]["all-resident"]["hit_rate"] == 1.0
     assert "oracle-bound" in out["policies"]
+
+
+def test_bench_engine_and_surrogate_policies_on_the_disk_tier(tmp_path) -> None:
+    """The capped child-process path, the speculative policies and the approximate one, end to end."""
+    draft = tmp_path / "draft.gguf"
+    r = run_cli("draft", "tiny-mixtral", "-o", str(draft), "--experts", "Q4_0", "--ffn-keep", "0.5")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("bench", "tiny-mixtral", "--tier", "disk", "--budget", "75%", "--draft", str(draft),
+                "--policies", "on-demand-lru,specter,specter-equal-slots,surrogate", "--surrogate-width", "0.5",
+                "--fixed-k", "-k", "0", "--no-cutoff", "--repeat", "1", "-n", "6", "--prompt-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    lru, spec, sur = (out["policies"][p] for p in ("on-demand-lru", "specter-equal-slots", "surrogate"))
+    assert spec["slots_per_layer"] == out["slots_per_layer"] == 12 and lru["hit_rate"] < 1
+    assert spec["mean_k"] == 0 and spec["draft_off"] == 0 and spec["cutoff"] is False and spec["adaptive"] is False
+    assert spec["miss"] == "wait"
+    assert sur["approximate"] is True and sur["surrogate_uses"] > 0 and sur["slots_per_layer"] == 4
+    assert "tpot_ms" in out["policies"]["specter"] or "skipped" in out["policies"]["specter"]
