@@ -25,7 +25,7 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.native import Context, Model
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
-            "specter", "specter-equal-slots", "surrogate")
+            "on-demand-lru-ordered", "specter", "specter-equal-slots", "surrogate")
 APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their quality cost is measured apart)
 DEFAULT_POLICIES = ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
 
@@ -101,6 +101,10 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
             cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"),
                                 hook=policy.endswith("hooked"))
             cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
+        elif policy == "on-demand-lru-ordered":
+            # wait mode, but a layer's misses are computed after its resident experts, while they land (0005)
+            cache = ExpertCache(model, layout, slots, policy="lru", miss="wait", tier=make_tier(tier), record=True,
+                                ordered=True)
         elif policy.startswith("on-demand-"):
             kind = policy.removeprefix("on-demand-")
             cache = ExpertCache(model, layout, slots, policy="lru" if kind == "cpu" else kind,

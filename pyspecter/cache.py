@@ -50,6 +50,11 @@ class Tier:
     def upload_async(self, il: int, expert: int, slot: int):
         raise NotImplementedError
 
+    def upload_now(self, il: int, expert: int, slot: int):
+        """An async upload the compute thread will wait for soon (a miss): ahead of prefetches where the tier
+        can do that."""
+        return self.upload_async(il, expert, slot)
+
     def upload_many(self, il: int, loads: list[tuple[int, int]]) -> None:
         """Upload [(expert, slot)] of one layer and return when all are in."""
         for e, slot in loads:
@@ -231,6 +236,9 @@ class DiskTier(Tier):
     def upload_async(self, il: int, expert: int, slot: int) -> _Group:
         return self._submit(self._pool, il, expert, slot)
 
+    def upload_now(self, il: int, expert: int, slot: int) -> _Group:
+        return self._submit(self._demand, il, expert, slot)
+
     def _submit(self, pool: ThreadPoolExecutor, il: int, expert: int, slot: int) -> _Group:
         jobs = [(self._read_tensor, il, kind, expert, slot) for kind in self.layout.layer(il).tensors]
         return _Group([pool.submit(*j) for j in jobs], jobs, self._demand)
@@ -271,6 +279,7 @@ class _Layer:
     protected: set = field(default_factory=set)  # experts predicted for the window in flight: never evicted
     sur_in: dict = field(default_factory=dict)  # reserved slot -> expert whose surrogate it holds
     sur_mapped: set = field(default_factory=set)  # experts routed to a reserved slot for the current ubatch
+    late: set = field(default_factory=set)  # ordered mode: experts of this ubatch computed after the resident ones
 
 
 @dataclass
@@ -281,6 +290,7 @@ class CacheStats:
     hook_calls: int = 0
     prefetches: int = 0  # uploads issued ahead of need (from a prediction)
     surrogate_uses: int = 0  # misses served approximately by a surrogate (miss="surrogate")
+    late: int = 0  # ordered wait mode: misses computed after the layer's resident experts
     waited: int = 0  # misses that waited for an upload already in flight
     needed: int = 0  # distinct experts asked for, summed over (layer, ubatch)
     resident_at_need: int = 0  # ... of which already resident when the layer asked: the cache's hit rate
@@ -291,7 +301,7 @@ class ExpertCache:
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
-                 surrogates=None) -> None:
+                 surrogates=None, ordered: bool = False) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN)."""
         layout.require_moe()
@@ -302,6 +312,8 @@ class ExpertCache:
         if n_slots < layout.n_expert_used:
             raise SpecterError(f"{n_slots} slots per layer is below top-{layout.n_expert_used}: one token's experts "
                                "would not fit")
+        if ordered and miss != "wait":
+            raise SpecterError("ordered (late experts after resident ones) is a refinement of miss mode 'wait'")
         if (miss == "surrogate") != (surrogates is not None):
             raise SpecterError("miss mode 'surrogate' needs surrogates (and they are used by no other mode)")
         n_slots = min(n_slots, layout.n_expert)
@@ -334,6 +346,13 @@ class ExpertCache:
         self._cb = native.ROUTE_CB(self._on_route)  # keep a reference: C holds the pointer
         if hook:
             self.api.set_route_cb(model.ptr, self._cb, None)
+        # ordered: a miss is not waited for in the routing hook; its upload starts, it is marked late, and the
+        # layer's resident experts (and the host path) are computed while it lands (patch 0005); the wait hook
+        # then blocks until it has
+        self.ordered = ordered
+        self._wcb = native.WAIT_CB(self._on_wait)
+        if ordered:
+            self.api.set_wait_cb(model.ptr, self._wcb, None)
 
     # residency bookkeeping mirrored on both sides
     def _assign(self, il: int, expert: int, slot: int) -> None:
@@ -436,6 +455,9 @@ class ExpertCache:
                     if e in inflight and e in missing and h.cancel():
                         del st.pending[slot]
                         del inflight[e]
+                if self.ordered:
+                    self._mark_late(il, st, needed, missing)
+                    return
                 self._reap(il, block_for=set(inflight) & set(missing))
                 self.stats.waited += len(set(inflight) & set(missing))
                 loads = []
@@ -473,6 +495,38 @@ class ExpertCache:
                     st.pending[slot] = (e, self.tier.upload_async(il, e, slot))
                     self._count_upload(il)
         except BaseException as e:  # noqa: BLE001
+            self.error = e
+
+    def _mark_late(self, il: int, st: _Layer, needed: set[int], missing: list[int]) -> None:
+        slot_of = {e: slot for slot, (e, _) in st.pending.items()}
+        for e in missing:
+            slot = slot_of.get(e)
+            if slot is None:
+                slot = self._victim(il, needed, need=True)
+                if slot < 0 and st.pending:  # every free slot is still being filled: let those land first
+                    self._reap(il, block_for={x for x, _ in st.pending.values()})
+                    slot = self._victim(il, needed, need=True)
+                if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
+                    self.stats.overflow_rows += 1
+                    continue
+                self._evict(il, slot)
+                st.pending[slot] = (e, self.tier.upload_now(il, e, slot))
+                self._count_upload(il)
+            else:
+                self.stats.waited += 1
+            if self.api.set_late(self.model.ptr, il, e, slot) != 0:
+                raise SpecterError(f"could not mark expert {e} of layer {il} late (no wait hook?)")
+            st.late.add(e)
+            self.stats.late += 1
+
+    def _on_wait(self, _ud, il) -> None:
+        # Runs on the compute thread after layer il's resident and host matmuls, before the late ones.
+        try:
+            st = self.layers.get(il)
+            if st is not None and st.late:
+                self._reap(il, block_for=st.late)
+                st.late.clear()
+        except BaseException as e:  # noqa: BLE001 - never unwind into C
             self.error = e
 
     def _serve_surrogates(self, il: int, st: _Layer, needed: set[int], missing: list[int], inflight: dict) -> None:
@@ -568,7 +622,7 @@ class ExpertCache:
             "hook_ms": c["hook_ns"] / 1e6, "upload_ns": c["upload_ns"],
             "uploads": self.stats.uploads, "upload_bytes": self.stats.upload_bytes,
             "overflow_rows": self.stats.overflow_rows, "prefetches": self.stats.prefetches,
-            "waited": self.stats.waited, "surrogate_uses": self.stats.surrogate_uses,
+            "waited": self.stats.waited, "surrogate_uses": self.stats.surrogate_uses, "late": self.stats.late,
             "route_us_per_call": c["route_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
             "hook_us_per_call": c["hook_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
         }
@@ -587,4 +641,6 @@ class ExpertCache:
     def close(self) -> None:
         self.drain()
         self.api.set_route_cb(self.model.ptr, native.ROUTE_CB(), None)
+        if self.ordered:
+            self.api.set_wait_cb(self.model.ptr, native.WAIT_CB(), None)
         self.tier.close()

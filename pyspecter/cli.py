@@ -295,7 +295,7 @@ def bench(
     budget: Annotated[str, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%")] = "50%",
     policies: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(
         ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
-         "specter", "specter-equal-slots", "surrogate (approximate)")))] = "",
+         "on-demand-lru-ordered", "specter", "specter-equal-slots", "surrogate (approximate)")))] = "",
     prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill")] = 64,
     n: Annotated[int, typer.Option("-n", help="decode tokens per run")] = 32,
     repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,

@@ -11,7 +11,7 @@ import os
 
 from pyspecter.errors import SpecterError
 
-PATCH_SERIES_VERSION = 3
+PATCH_SERIES_VERSION = 4
 
 
 def llama_lib() -> ctypes.CDLL:
@@ -57,6 +57,7 @@ KIND_NAMES = {"gate": KIND_GATE, "up": KIND_UP, "down": KIND_DOWN, "gate_up": KI
 
 ROUTE_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
                             ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float))
+WAIT_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)  # (user_data, layer): late uploads must land
 
 _SIGNATURES = {
     "llama_pyspecter_slots_init": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
@@ -79,6 +80,8 @@ _SIGNATURES = {
     "llama_pyspecter_upload_wait": (None, [ctypes.c_void_p, ctypes.c_int64]),
     "llama_pyspecter_set_link_gbps": (None, [ctypes.c_void_p, ctypes.c_double]),
     "llama_pyspecter_set_route_cb": (None, [ctypes.c_void_p, ROUTE_CB, ctypes.c_void_p]),
+    "llama_pyspecter_set_wait_cb": (None, [ctypes.c_void_p, WAIT_CB, ctypes.c_void_p]),
+    "llama_pyspecter_set_late": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]),
     "llama_pyspecter_stats": (None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]),
     "llama_pyspecter_stats_reset": (None, [ctypes.c_void_p]),
     "llama_pyspecter_release_host_experts": (ctypes.c_size_t, [ctypes.c_void_p]),

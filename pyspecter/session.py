@@ -69,8 +69,10 @@ class Session:
             raise SpecterError(f"budget {cfg.budget} buys {self.n_slots} expert slots per layer, below "
                                f"top-{self.layout.n_expert_used}" + (" once the draft is counted" if cfg.draft else ""))
         self.target = native.Model(cfg.model)
+        # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
+        # the disk tier, level at 50%; exact either way)
         self.cache = ExpertCache(self.target, self.layout, self.n_slots, policy=cfg.policy, miss=self.miss,
-                                 tier=self.tier, surrogates=self.surrogates)
+                                 tier=self.tier, surrogates=self.surrogates, ordered=self.miss == "wait")
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 

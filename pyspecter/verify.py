@@ -15,7 +15,8 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the s
 
 
 def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram", policy: str = "lru",
-           prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512) -> dict:
+           prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512,
+           ordered: bool = False) -> dict:
     """Greedy tokens and logits of stock vs slot path. Attention and batching settings are identical in both
     (DESIGN §4: routing near-ties make any difference there look like a slot bug)."""
     layout = read_layout(path).require_moe()
@@ -25,7 +26,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         ref_tokens, ref_logits = greedy(ctx, toks, n_tokens)
 
     with Model(path) as model:
-        cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier)
+        cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered)
         try:
             with Context(model, n_threads=n_threads, n_batch=n_batch) as ctx:
                 got_tokens, got_logits = greedy(ctx, toks, n_tokens)
@@ -46,7 +47,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         "identical_tokens": ref_tokens == got_tokens, "max_abs_logit_diff": diff, "n_tokens": len(got_tokens),
         "n_prompt_tokens": len(toks), "hit_rate": counters["hit_rate"],
         "slot_row_rate": counters["slot_row_rate"], "uploads": counters["uploads"],
-        "upload_bytes": counters["upload_bytes"], "overflow_rows": counters["overflow_rows"],
+        "upload_bytes": counters["upload_bytes"], "overflow_rows": counters["overflow_rows"], "late": counters["late"],
         "hook_us_per_call": counters["hook_us_per_call"], "route_us_per_call": counters["route_us_per_call"],
         "stock_tokens": ref_tokens, "slot_tokens": got_tokens,
     }

@@ -143,3 +143,27 @@ def test_narrow_draft(name: str, tiny_drafts: dict[tuple[str, float], Path]) -> 
     assert all(a * 2 == b for a, b in zip(n_ff, n_ff_full, strict=True)) and n_ff[0] % 32 == 0
     agree = routing_agreement(build_tiny(name), tiny_drafts[name, 0.5])
     assert agree["overall"] > 2 * agree["chance"], agree
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_engine_exact_with_ordered_waits_on_disk(name: str, tiny_drafts: dict[tuple[str, float], Path]) -> None:
+    """The session default on the disk tier: wait mode with late experts after resident ones (patch 0005), with
+    the draft's prefetches in flight, K=0 prediction and speculation mixed by the governor."""
+    from pyspecter.cache import make_tier
+
+    path = build_tiny(name)
+    draft = tiny_drafts[name, 0.5]
+    lay, dlay = read_layout(path), read_layout(draft)
+    with native.Model(path) as m, native.Context(m) as ctx:
+        toks = m.tokenize(PROMPTS[1])
+        ref = greedy(ctx, toks, 24)[0]
+    with native.Model(path) as tm, native.Model(draft) as dm:
+        cache = ExpertCache(tm, lay, lay.n_expert_used + 1, miss="wait", ordered=True, tier=make_tier("disk"))
+        routing = DraftRouting(dm, dlay)
+        with native.Context(tm) as tctx, native.Context(dm) as dctx:
+            eng = SpeculativeDecoder(tctx, dctx, k=2, adaptive=True, routing=routing, prefetcher=Prefetcher(cache),
+                                     predict_at_k0=True)
+            assert eng.generate(toks, 24, stop_at_eog=False) == ref
+            cache.check()
+        assert cache.counters()["late"] > 0
+        cache.close()

@@ -182,3 +182,15 @@ def test_predictions_never_starve_the_current_token(tier: str) -> None:
                 cache.check()
                 assert cache.counters()["slot_row_rate"] == 1.0
         cache.close()
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+@pytest.mark.parametrize("name", ARCHS)
+def test_ordered_late_experts_are_exact(name: str, tier: str) -> None:
+    """Patch 0005: misses marked late are computed from their slots after the resident experts, by a third
+    matmul. Same tokens and bit-identical logits as stock, and the late path is really taken."""
+    for slots in _slot_counts(name):
+        r = verify(build_tiny(name), slots=slots, miss="wait", tier=tier, n_tokens=12, ordered=True)
+        assert r["identical_tokens"], (slots, r["stock_tokens"], r["slot_tokens"])
+        assert r["max_abs_logit_diff"] == 0.0, (slots, r["max_abs_logit_diff"])
+        assert r["uploads"] > 0 and r["late"] > 0
