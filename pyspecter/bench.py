@@ -266,7 +266,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
         sur_slots = slots_for_budget(layout, budget_bytes - sur_bytes) if budget_bytes > sur_bytes else 0
         if sur_slots < 2 * layout.n_expert_used:
-            raise SpecterError(f"the surrogates ({sur_bytes / 2**20:.0f} MiB) leave {sur_slots} slots per layer; "
+            raise SpecterError(f"the surrogates ({sur_bytes / 2**20:.1f} MiB) leave {sur_slots} slots per layer; "
                                f"surrogate mode needs {2 * layout.n_expert_used}")
     link_gbps = measure_link(path, tier)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one

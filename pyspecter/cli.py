@@ -233,7 +233,7 @@ def surrogate(
     slots = slots_for_budget(lay, left) if left > 0 else 0
     if slots < 2 * lay.n_expert_used:
         raise SpecterError(f"budget {budget} leaves {max(slots, 0)} slots per layer after "
-                           f"{sur.nbytes / 2**20:.0f} MiB of surrogates; surrogate mode needs "
+                           f"{sur.nbytes / 2**20:.1f} MiB of surrogates; surrogate mode needs "
                            f"{2 * lay.n_expert_used}")
     r = perplexity_delta(path, width, slots, tier, n_tokens=n)
     print(json.dumps(r, indent=1) if json_out else describe(r))

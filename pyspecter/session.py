@@ -61,7 +61,7 @@ class Session:
             if budget_bytes is not None:  # they live in fast memory too
                 budget_bytes -= self.surrogates.nbytes
                 if budget_bytes <= 0:
-                    raise SpecterError(f"the surrogates ({self.surrogates.nbytes / 2**20:.0f} MiB) do not fit in "
+                    raise SpecterError(f"the surrogates ({self.surrogates.nbytes / 2**20:.1f} MiB) do not fit in "
                                        f"budget {cfg.budget}")
         self.n_slots = (slots_for_budget(self.layout, budget_bytes) if budget_bytes is not None
                         else self.layout.n_expert)
