@@ -401,6 +401,16 @@ class ExpertCache:
             return spared
         return best
 
+    def _slot_for_miss(self, il: int, needed: set[int], taken: frozenset[int] | set[int] = frozenset()) -> int:
+        """A slot for an expert the compute thread is about to wait for; when every candidate is still being
+        filled, let those uploads land first. -1: more distinct experts in this ubatch than slots."""
+        slot = self._victim(il, needed, taken, need=True)
+        st = self.layers[il]
+        if slot < 0 and st.pending:
+            self._reap(il, block_for={x for x, _ in st.pending.values()})
+            slot = self._victim(il, needed, taken, need=True)
+        return slot
+
     def _reap(self, il: int, block_for: set[int] | None = None) -> None:
         st = self.layers[il]
         for slot, (expert, handle) in list(st.pending.items()):
@@ -464,11 +474,7 @@ class ExpertCache:
                 for e in missing:
                     if st.where[e] >= 0:
                         continue
-                    taken = {s for _, s in loads}
-                    slot = self._victim(il, needed, taken, need=True)
-                    if slot < 0 and st.pending:  # every free slot is still being filled: let those land first
-                        self._reap(il, block_for={x for x, _ in st.pending.values()})
-                        slot = self._victim(il, needed, taken, need=True)
+                    slot = self._slot_for_miss(il, needed, {s for _, s in loads})
                     if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
                         self.stats.overflow_rows += 1
                         continue
@@ -502,10 +508,7 @@ class ExpertCache:
         for e in missing:
             slot = slot_of.get(e)
             if slot is None:
-                slot = self._victim(il, needed, need=True)
-                if slot < 0 and st.pending:  # every free slot is still being filled: let those land first
-                    self._reap(il, block_for={x for x, _ in st.pending.values()})
-                    slot = self._victim(il, needed, need=True)
+                slot = self._slot_for_miss(il, needed)
                 if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
                     self.stats.overflow_rows += 1
                     continue

@@ -89,7 +89,7 @@ class Surrogates:
 
     def __init__(self, layout: ModelLayout, groups: dict[int, np.ndarray]) -> None:
         self.layout = layout
-        g = _group(layout)
+        self.group = g = _group(layout)
         self.data: dict[int, dict[str, np.ndarray]] = {}  # layer -> kind -> [E, ...kept bytes]
         self.rows: dict[int, np.ndarray] = {}  # layer -> [E, kept neurons]
         self.groups = groups
@@ -126,8 +126,7 @@ class Surrogates:
             buf = buf[: t.expert_bytes]
             buf[:] = 0
             if kind == "down":
-                g = _group(self.layout)
-                view = buf.reshape(n_rows, t.shape[2] // g, -1)
+                view = buf.reshape(n_rows, t.shape[2] // self.group, -1)
                 view[:, self.groups[il][expert], :] = self.data[il][kind][expert]
             else:
                 view = buf.reshape(n_rows, -1)

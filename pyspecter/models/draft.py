@@ -283,7 +283,7 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        done: dict[str, np.ndarray] = {}
+        done: dict = {}  # the layer being written: its index, kept neuron ids and narrowed tensors
         n_done = 0
         for t in reader.tensors:
             hit = expert_re.get(t.name)
