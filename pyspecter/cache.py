@@ -60,6 +60,19 @@ class Tier:
         for e, slot in loads:
             self.upload(il, e, slot)
 
+    def readahead(self, il: int, experts) -> None:
+        """The host path will read these experts soon (from the model's own mapping): start fetching them where
+        that is slow. RAM is not."""
+
+    def from_page_cache(self, il: int, expert: int, slot: int) -> bool:
+        """Copy an expert into a slot only if RAM holds it already (the loader's pre-fault left it there), never
+        touching the slow tier. False: it is not (or this tier has no such shortcut)."""
+        return False
+
+    def release(self) -> None:
+        """Called once the cache took what it wanted from the loaded model: drop the host copy where this tier
+        keeps experts elsewhere."""
+
     def close(self) -> None:
         pass
 
@@ -163,12 +176,8 @@ class DiskTier(Tier):
             self.fd = os.open(layout.path, os.O_RDONLY)
             print(f"pyspecter: warning: {layout.path}: filesystem refuses O_DIRECT; disk tier reads go through "
                   "the page cache (dropped after each read)", file=sys.stderr)
-        # mmap loading pre-faulted the whole file: drop the experts from this process and from the page cache,
-        # so they really live on disk (and in slots) from here on
-        self.released = self.api.release_host_experts(model.ptr)
-        for L in layout.layers:
-            for t in L.tensors.values():
-                os.posix_fadvise(self.fd, t.offset, t.expert_bytes * layout.n_expert, os.POSIX_FADV_DONTNEED)
+        self.released = 0
+        self._cached_fd = -1
         biggest = max(t.expert_bytes for layer in layout.layers for t in layer.tensors.values())
         self.buf_size = (biggest + 2 * self.ALIGN) // self.ALIGN * self.ALIGN
         self._local = threading.local()
@@ -176,12 +185,44 @@ class DiskTier(Tier):
         # Misses the compute thread is waiting for get their own readers: in the prefetch pool they would queue
         # behind every prediction already issued (for later layers too) — a demand read must not wait for those.
         self._demand = ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="specter-disk-miss")
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specter-disk-ahead")
         self._lock = threading.Lock()
         self._active = 0
         self._busy_since = 0
         self.read_bytes = 0
         # wall time with at least one read in flight: with read_bytes, the link speed as the engine sees it
         self.busy_ns = 0
+
+    def from_page_cache(self, il: int, expert: int, slot: int) -> bool:
+        # RWF_NOWAIT: a read that would have to wait for the disk fails at once instead
+        if self._cached_fd < 0:
+            self._cached_fd = os.open(self.layout.path, os.O_RDONLY)
+        mm, addr = self._buffer()
+        for kind, t in self.layout.layer(il).tensors.items():
+            view = memoryview(mm)[: t.expert_bytes]
+            try:
+                got = os.preadv(self._cached_fd, [view], t.expert_offset(expert), os.RWF_NOWAIT)
+            except OSError:  # EAGAIN (not cached), or a kernel without RWF_NOWAIT for buffered reads
+                got = -1
+            finally:
+                view.release()
+            if got != t.expert_bytes:
+                return False
+            if self.api.write_slot(self.model.ptr, il, native.KIND_NAMES[kind], slot, ctypes.c_void_p(addr),
+                                   t.expert_bytes) != 0:
+                return False
+        return True
+
+    def release(self) -> None:
+        # mmap loading pre-faulted the whole file: drop the experts from this process and from the page cache,
+        # so they really live on disk (and in slots) from here on
+        if self._cached_fd >= 0:
+            os.close(self._cached_fd)
+            self._cached_fd = -1
+        self.released = self.api.release_host_experts(self.model.ptr)
+        for L in self.layout.layers:
+            for t in L.tensors.values():
+                os.posix_fadvise(self.fd, t.offset, t.expert_bytes * self.layout.n_expert, os.POSIX_FADV_DONTNEED)
 
     def _probe(self) -> None:
         mm = mmap.mmap(-1, self.ALIGN)
@@ -239,6 +280,20 @@ class DiskTier(Tier):
     def upload_now(self, il: int, expert: int, slot: int) -> _Group:
         return self._submit(self._demand, il, expert, slot)
 
+    def readahead(self, il: int, experts) -> None:
+        # the kernel reads the ranges into the page cache; the host path's page faults on llama.cpp's mapping
+        # of the file then find them there instead of reading a little at a time. The advice itself blocks
+        # until the reads are queued (~6 ms a layer here), so it is given on a thread of its own, not the
+        # compute thread
+        ranges = [(t.expert_offset(e), t.expert_bytes) for t in self.layout.layer(il).tensors.values()
+                  for e in experts]
+        if ranges:
+            self._ahead.submit(self._advise, ranges)
+
+    def _advise(self, ranges: list[tuple[int, int]]) -> None:
+        for off, n in ranges:
+            os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+
     def _submit(self, pool: ThreadPoolExecutor, il: int, expert: int, slot: int) -> _Group:
         jobs = [(self._read_tensor, il, kind, expert, slot) for kind in self.layout.layer(il).tensors]
         return _Group([pool.submit(*j) for j in jobs], jobs, self._demand)
@@ -246,6 +301,7 @@ class DiskTier(Tier):
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._demand.shutdown(wait=True)
+        self._ahead.shutdown(wait=True)
         os.close(self.fd)
 
 
@@ -290,6 +346,7 @@ class CacheStats:
     hook_calls: int = 0
     prefetches: int = 0  # uploads issued ahead of need (from a prediction)
     surrogate_uses: int = 0  # misses served approximately by a surrogate (miss="surrogate")
+    lookahead: int = 0  # prefill: next layer's experts uploaded while this layer computes
     late: int = 0  # ordered wait mode: misses computed after the layer's resident experts
     waited: int = 0  # misses that waited for an upload already in flight
     needed: int = 0  # distinct experts asked for, summed over (layer, ubatch)
@@ -301,9 +358,11 @@ class ExpertCache:
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
-                 surrogates=None, ordered: bool = False) -> None:
+                 surrogates=None, ordered: bool = False, lookahead: bool = True, warm_start: bool = False) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
-        record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN)."""
+        record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
+        lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
+        warm_start=True fills the slots with experts the loader left in RAM before the tier drops them."""
         layout.require_moe()
         if policy not in POLICIES:
             raise SpecterError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -340,6 +399,8 @@ class ExpertCache:
             for L in layout.layers
         }
         self.clock = 0
+        self.warmed = self._warm_from_page_cache() if warm_start else 0
+        self.tier.release()
         self.stats = CacheStats()
         self.error: BaseException | None = None
         self.trace: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
@@ -350,9 +411,28 @@ class ExpertCache:
         # layer's resident experts (and the host path) are computed while it lands (patch 0005); the wait hook
         # then blocks until it has
         self.ordered = ordered
+        self.lookahead = lookahead and miss != "cpu"
+        self._next_layer = {a.index: b.index for a, b in zip(layout.layers, layout.layers[1:], strict=False)}
         self._wcb = native.WAIT_CB(self._on_wait)
         if ordered:
             self.api.set_wait_cb(model.ptr, self._wcb, None)
+
+    def _warm_from_page_cache(self) -> int:
+        """llama.cpp's mmap loading pre-faults the whole file, and the disk tier then drops the experts again.
+        Whatever of them is still in RAM at that point (all of it when RAM is big enough) fills the slots first,
+        at memcpy speed: the first prompt then finds its layers half resident instead of reading every expert
+        from disk, the way stock llama.cpp's first prompt profits from the same pre-fault."""
+        n = 0
+        for L in self.layout.layers:
+            slot = 0
+            for e in range(self.layout.n_expert):
+                if slot >= self.n_regular:
+                    break
+                if self.tier.from_page_cache(L.index, e, slot):
+                    self._assign(L.index, e, slot)
+                    slot += 1
+                    n += 1
+        return n
 
     # residency bookkeeping mirrored on both sides
     def _assign(self, il: int, expert: int, slot: int) -> None:
@@ -406,8 +486,11 @@ class ExpertCache:
         filled, let those uploads land first. -1: more distinct experts in this ubatch than slots."""
         slot = self._victim(il, needed, taken, need=True)
         st = self.layers[il]
-        if slot < 0 and st.pending:
-            self._reap(il, block_for={x for x, _ in st.pending.values()})
+        # only an upload of an expert not needed now can free a victim: waiting for a needed one (prefill's
+        # lookahead fills every slot with those) would stall the hook and gain no slot
+        landing = {x for x, _ in st.pending.values() if x not in needed}
+        if slot < 0 and landing:
+            self._reap(il, block_for=landing)
             slot = self._victim(il, needed, taken, need=True)
         return slot
 
@@ -454,6 +537,8 @@ class ExpertCache:
                     missing.append(e)
             self.stats.needed += len(needed)
             self.stats.resident_at_need += len(needed) - len(missing)
+            if n_tokens > 1 and self.lookahead:
+                self._prefill_lookahead(il, len(needed))
             if not missing:
                 return
             inflight = {e: h for e, h in st.pending.values()}
@@ -502,6 +587,21 @@ class ExpertCache:
                     self._count_upload(il)
         except BaseException as e:  # noqa: BLE001
             self.error = e
+
+    def _prefill_lookahead(self, il: int, n_needed: int) -> None:
+        """A prompt's ubatch routes its many tokens to most experts of every layer, so the next layer will want
+        about as many as this one: start reading them now, while this layer computes. Without this, prefill
+        read each layer's experts only when that layer asked, with nothing to overlap them (0.71x stock's prefill
+        at 50% on disk, where stock's page faults at least overlap with its compute). The most used experts of
+        the next layer go to its free (or unneeded) slots; what does not fit is read ahead for the host path."""
+        nxt = self._next_layer.get(il)
+        if nxt is None:
+            return
+        st = self.layers[nxt]
+        want = sorted(range(self.layout.n_expert), key=lambda e: -st.freq[e])[:n_needed]
+        self.stats.lookahead += self.prefetch(nxt, want, count=False)
+        inflight = {e for e, _ in st.pending.values()}
+        self.tier.readahead(nxt, [e for e in want if st.where[e] < 0 and e not in inflight])
 
     def _mark_late(self, il: int, st: _Layer, needed: set[int], missing: list[int]) -> None:
         slot_of = {e: slot for slot, (e, _) in st.pending.items()}
@@ -570,9 +670,10 @@ class ExpertCache:
         for st in self.layers.values():
             st.protected.clear()
 
-    def prefetch(self, il: int, experts) -> int:
+    def prefetch(self, il: int, experts, count: bool = True) -> int:
         """Start async uploads of predicted experts that are neither resident nor on their way. Victims are never
-        protected or pending. Returns how many uploads were issued."""
+        protected or pending. Returns how many uploads were issued. count=False: not a prediction's prefetch in
+        the stats (prefill's lookahead)."""
         st = self.layers.get(il)
         if st is None:
             return 0
@@ -587,7 +688,7 @@ class ExpertCache:
             self._evict(il, slot)
             st.pending[slot] = (e, self.tier.upload_async(il, e, slot))
             self._count_upload(il)
-            self.stats.prefetches += 1
+            self.stats.prefetches += count
             issued += 1
         return issued
 
@@ -626,6 +727,7 @@ class ExpertCache:
             "uploads": self.stats.uploads, "upload_bytes": self.stats.upload_bytes,
             "overflow_rows": self.stats.overflow_rows, "prefetches": self.stats.prefetches,
             "waited": self.stats.waited, "surrogate_uses": self.stats.surrogate_uses, "late": self.stats.late,
+            "lookahead": self.stats.lookahead,
             "route_us_per_call": c["route_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
             "hook_us_per_call": c["hook_ns"] / 1e3 / c["route_calls"] if c["route_calls"] else 0.0,
         }

@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli
 
 from pyspecter import native
-from pyspecter.cache import ExpertCache
+from pyspecter.cache import ExpertCache, make_tier
 from pyspecter.layout import read_layout
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
 from pyspecter.verify import verify
@@ -194,3 +194,53 @@ def test_ordered_late_experts_are_exact(name: str, tier: str) -> None:
         assert r["identical_tokens"], (slots, r["stock_tokens"], r["slot_tokens"])
         assert r["max_abs_logit_diff"] == 0.0, (slots, r["max_abs_logit_diff"])
         assert r["uploads"] > 0 and r["late"] > 0
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_prefill_reads_the_next_layer_ahead(ordered: bool) -> None:
+    """A prompt's ubatch starts the next layer's experts (slot uploads, and page-cache readahead for the host
+    path) while the current layer computes. Bit-identical to stock, with and without the lookahead."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    prompt = PROMPTS[4]
+    with native.Model(path) as stock, native.Context(stock) as ctx:
+        ref = ctx.decode(stock.tokenize(prompt), logits_all=True)
+    for lookahead in (True, False):
+        with native.Model(path) as model:
+            cache = ExpertCache(model, lay, lay.n_expert // 2, miss="wait", ordered=ordered,
+                                tier=make_tier("disk"), lookahead=lookahead)
+            with native.Context(model) as ctx:
+                got = ctx.decode(model.tokenize(prompt), logits_all=True)
+            cache.check()
+            c = cache.counters()
+            cache.close()
+        assert abs(ref - got).max() == 0.0, lookahead
+        assert (c["lookahead"] > 0) == lookahead, c
+
+
+class _Landing:
+    """An upload handle that is still in flight and must not be waited for."""
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise AssertionError("waited for an upload that could not free a slot")
+
+
+def test_a_miss_does_not_wait_for_uploads_it_cannot_evict() -> None:
+    """Bug: with every slot receiving an expert the ubatch needs (prefill's lookahead does that), a further miss
+    waited for all of them in the routing hook, though none could become its victim; it belongs to the host
+    path at once."""
+    path = build_tiny("tiny-mixtral")
+    lay = read_layout(path)
+    with native.Model(path) as model:
+        cache = ExpertCache(model, lay, lay.n_expert_used, miss="wait", ordered=True)
+        il = lay.layers[0].index
+        st = cache.layers[il]
+        for slot in range(cache.n_slots):
+            st.pending[slot] = (slot, _Landing())
+        needed = set(range(cache.n_slots + 1))
+        assert cache._slot_for_miss(il, needed) == -1
+        st.pending.clear()
+        cache.close()
