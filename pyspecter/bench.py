@@ -104,19 +104,17 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
         elif policy == "on-demand-lru-ordered":
             # wait mode, but a layer's misses are computed after its resident experts, while they land (0005)
             cache = ExpertCache(model, layout, slots, policy="lru", miss="wait", tier=make_tier(tier), record=True,
-                                ordered=True, warm_start=True)
+                                ordered=True)
         elif policy.startswith("on-demand-"):
             kind = policy.removeprefix("on-demand-")
             cache = ExpertCache(model, layout, slots, policy="lru" if kind == "cpu" else kind,
-                                miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True,
-                                warm_start=True)
+                                miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True)
         elif policy == "surrogate":
             # approximate: single-token misses computed by the expert's surrogate; `slots` already paid for them
             from pyspecter.surrogate import Surrogates, select_neurons
 
             sur = Surrogates(layout, select_neurons(path, surrogate_width, progress=False))
-            cache = ExpertCache(model, layout, slots, miss="surrogate", surrogates=sur, tier=make_tier(tier),
-                                warm_start=True)
+            cache = ExpertCache(model, layout, slots, miss="surrogate", surrogates=sur, tier=make_tier(tier))
         elif not stock:
             raise SpecterError(f"unknown policy {policy!r}: use {', '.join(POLICIES)}")
         with Context(model, n_threads=n_threads, n_ctx=prompt_len + n + 8) as ctx:

@@ -64,15 +64,6 @@ class Tier:
         """The host path will read these experts soon (from the model's own mapping): start fetching them where
         that is slow. RAM is not."""
 
-    def from_page_cache(self, il: int, expert: int, slot: int) -> bool:
-        """Copy an expert into a slot only if RAM holds it already (the loader's pre-fault left it there), never
-        touching the slow tier. False: it is not (or this tier has no such shortcut)."""
-        return False
-
-    def release(self) -> None:
-        """Called once the cache took what it wanted from the loaded model: drop the host copy where this tier
-        keeps experts elsewhere."""
-
     def close(self) -> None:
         pass
 
@@ -176,8 +167,12 @@ class DiskTier(Tier):
             self.fd = os.open(layout.path, os.O_RDONLY)
             print(f"pyspecter: warning: {layout.path}: filesystem refuses O_DIRECT; disk tier reads go through "
                   "the page cache (dropped after each read)", file=sys.stderr)
-        self.released = 0
-        self._cached_fd = -1
+        # mmap loading pre-faulted the whole file: drop the experts from this process and from the page cache,
+        # so they really live on disk (and in slots) from here on
+        self.released = self.api.release_host_experts(model.ptr)
+        for L in layout.layers:
+            for t in L.tensors.values():
+                os.posix_fadvise(self.fd, t.offset, t.expert_bytes * layout.n_expert, os.POSIX_FADV_DONTNEED)
         biggest = max(t.expert_bytes for layer in layout.layers for t in layer.tensors.values())
         self.buf_size = (biggest + 2 * self.ALIGN) // self.ALIGN * self.ALIGN
         self._local = threading.local()
@@ -192,37 +187,6 @@ class DiskTier(Tier):
         self.read_bytes = 0
         # wall time with at least one read in flight: with read_bytes, the link speed as the engine sees it
         self.busy_ns = 0
-
-    def from_page_cache(self, il: int, expert: int, slot: int) -> bool:
-        # RWF_NOWAIT: a read that would have to wait for the disk fails at once instead
-        if self._cached_fd < 0:
-            self._cached_fd = os.open(self.layout.path, os.O_RDONLY)
-        mm, addr = self._buffer()
-        for kind, t in self.layout.layer(il).tensors.items():
-            view = memoryview(mm)[: t.expert_bytes]
-            try:
-                got = os.preadv(self._cached_fd, [view], t.expert_offset(expert), os.RWF_NOWAIT)
-            except OSError:  # EAGAIN (not cached), or a kernel without RWF_NOWAIT for buffered reads
-                got = -1
-            finally:
-                view.release()
-            if got != t.expert_bytes:
-                return False
-            if self.api.write_slot(self.model.ptr, il, native.KIND_NAMES[kind], slot, ctypes.c_void_p(addr),
-                                   t.expert_bytes) != 0:
-                return False
-        return True
-
-    def release(self) -> None:
-        # mmap loading pre-faulted the whole file: drop the experts from this process and from the page cache,
-        # so they really live on disk (and in slots) from here on
-        if self._cached_fd >= 0:
-            os.close(self._cached_fd)
-            self._cached_fd = -1
-        self.released = self.api.release_host_experts(self.model.ptr)
-        for L in self.layout.layers:
-            for t in L.tensors.values():
-                os.posix_fadvise(self.fd, t.offset, t.expert_bytes * self.layout.n_expert, os.POSIX_FADV_DONTNEED)
 
     def _probe(self) -> None:
         mm = mmap.mmap(-1, self.ALIGN)
@@ -358,11 +322,10 @@ class ExpertCache:
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
-                 surrogates=None, ordered: bool = False, lookahead: bool = True, warm_start: bool = False) -> None:
+                 surrogates=None, ordered: bool = False, lookahead: bool = True) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
-        lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
-        warm_start=True fills the slots with experts the loader left in RAM before the tier drops them."""
+        lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill)."""
         layout.require_moe()
         if policy not in POLICIES:
             raise SpecterError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -399,8 +362,6 @@ class ExpertCache:
             for L in layout.layers
         }
         self.clock = 0
-        self.warmed = self._warm_from_page_cache() if warm_start else 0
-        self.tier.release()
         self.stats = CacheStats()
         self.error: BaseException | None = None
         self.trace: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
@@ -416,23 +377,6 @@ class ExpertCache:
         self._wcb = native.WAIT_CB(self._on_wait)
         if ordered:
             self.api.set_wait_cb(model.ptr, self._wcb, None)
-
-    def _warm_from_page_cache(self) -> int:
-        """llama.cpp's mmap loading pre-faults the whole file, and the disk tier then drops the experts again.
-        Whatever of them is still in RAM at that point (all of it when RAM is big enough) fills the slots first,
-        at memcpy speed: the first prompt then finds its layers half resident instead of reading every expert
-        from disk, the way stock llama.cpp's first prompt profits from the same pre-fault."""
-        n = 0
-        for L in self.layout.layers:
-            slot = 0
-            for e in range(self.layout.n_expert):
-                if slot >= self.n_regular:
-                    break
-                if self.tier.from_page_cache(L.index, e, slot):
-                    self._assign(L.index, e, slot)
-                    slot += 1
-                    n += 1
-        return n
 
     # residency bookkeeping mirrored on both sides
     def _assign(self, il: int, expert: int, slot: int) -> None:

@@ -11,7 +11,7 @@ import os
 
 from pyspecter.errors import SpecterError
 
-PATCH_SERIES_VERSION = 4
+PATCH_SERIES_VERSION = 5
 
 
 def llama_lib() -> ctypes.CDLL:

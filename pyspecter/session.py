@@ -71,10 +71,8 @@ class Session:
         self.target = native.Model(cfg.model)
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
         # the disk tier, level at 50%; exact either way)
-        # warm_start: experts the loader left in RAM fill the slots before the disk tier drops them
         self.cache = ExpertCache(self.target, self.layout, self.n_slots, policy=cfg.policy, miss=self.miss,
-                                 tier=self.tier, surrogates=self.surrogates, ordered=self.miss == "wait",
-                                 warm_start=True)
+                                 tier=self.tier, surrogates=self.surrogates, ordered=self.miss == "wait")
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
