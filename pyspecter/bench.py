@@ -82,6 +82,7 @@ def _run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, 
         c = s.cache.counters()
         ds = s.decoder.stats
         c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off, slots=s.n_slots,
+                 draft_dropped_at=ds.dropped_at,
                  skipped_late=s.decoder.prefetcher.skipped_late if s.decoder.prefetcher else 0)
         return Run(prefill, [tpot] * (len(out) - 1), c, proc.memory_info().rss)
     finally:
@@ -338,6 +339,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         if p.startswith("specter"):
             out["policies"][p].update(acceptance=c["acceptance"], mean_k=c["mean_k"], slots_per_layer=c["slots"],
                                       draft_off=c["draft_off"], skipped_late=c["skipped_late"], k_start=k,
+                                      draft_dropped_at=[r.counters.get("draft_dropped_at") for r in rs],
                                       adaptive=adaptive, cutoff=cutoff, miss="wait" if tier == "disk" else "cpu")
     # oracle bound: Belady-optimal uploads for the routing the on-demand runs saw, perfectly overlapped
     trace = next((r.trace for p in policies if p.startswith("on-demand") for r in runs[p] if r.trace), None)

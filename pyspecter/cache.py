@@ -322,10 +322,12 @@ class ExpertCache:
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
-                 surrogates=None, ordered: bool = False, lookahead: bool = True) -> None:
+                 surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
-        lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill)."""
+        lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
+        held=N allocates N more slots per layer than it uses until ``release_held()``: memory that a draft holds
+        now and the slots get once the draft is dropped (CPU slots never written take no memory, patch 0006)."""
         layout.require_moe()
         if policy not in POLICIES:
             raise SpecterError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
@@ -345,6 +347,10 @@ class ExpertCache:
         if self.n_regular < layout.n_expert_used:
             raise SpecterError(f"{n_slots} slots per layer: surrogate mode needs {2 * layout.n_expert_used} "
                                f"(top-{layout.n_expert_used} for full experts, as many for surrogates)")
+        if held and (surrogates is not None or n_slots - held < layout.n_expert_used):
+            raise SpecterError("held slots need a usable top-k without them, and no surrogates")
+        # slots eviction may use now: the regular ones less those held back for later
+        self.n_usable = self.n_regular - held
         self.surrogates = surrogates
         self.model, self.layout, self.n_slots = model, layout, n_slots
         self.policy, self.miss = policy, miss
@@ -406,7 +412,7 @@ class ExpertCache:
         and sent it to the host path)."""
         st = self.layers[il]
         best, best_key, spared = -1, None, -1
-        for s in range(self.n_regular):
+        for s in range(self.n_usable):
             if s in st.pending or s in taken:
                 continue
             e = st.owner[s]
@@ -636,6 +642,10 @@ class ExpertCache:
             issued += 1
         return issued
 
+    def release_held(self) -> None:
+        """The memory held back (a draft's) is free now: every allocated slot may be used from here on."""
+        self.n_usable = self.n_regular
+
     def check(self) -> None:
         """Re-raise an error the hook swallowed (call after each decode)."""
         if self.error is not None:
@@ -650,7 +660,7 @@ class ExpertCache:
     def warm(self, experts_by_layer: dict[int, list[int]]) -> None:
         """Fill slots before the first token (e.g. from a routing profile), hottest first."""
         for il, experts in experts_by_layer.items():
-            for slot, e in enumerate(experts[: self.n_regular]):
+            for slot, e in enumerate(experts[: self.n_usable]):
                 self.tier.upload(il, e, slot)
                 self._count_upload(il)
                 self._assign(il, e, slot)

@@ -432,6 +432,8 @@ def _stats_line(st: dict) -> str:
     if "acceptance" in st:
         line += (f" | acceptance {100 * st['acceptance']:.0f}%, mean K {st['mean_k']:.2f}, "
                  f"draft off {100 * st['draft_off']:.0f}% of steps")
+        if st.get("draft_dropped_at") is not None:
+            line += f"; draft dropped at step {st['draft_dropped_at']} (it did not pay), its memory is slots now"
     return line + "]"
 
 

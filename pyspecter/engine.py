@@ -90,6 +90,8 @@ class SpecStats:
     def mean_k(self) -> float:
         return sum(max(k, 0) * c for k, c in self.k_hist.items()) / self.steps if self.steps else 0.0
 
+    dropped_at: int | None = None  # the step at which the draft was dropped (its memory given to slots)
+
     @property
     def draft_off(self) -> float:
         """Fraction of steps the governor ran without the draft at all."""
@@ -103,7 +105,7 @@ class SpeculativeDecoder:
     def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
                  routing: DraftRouting | None = None, prefetcher: Prefetcher | None = None,
                  temperature: float = 0.0, seed: int = 0, batch_verify: bool = False,
-                 predict_at_k0: bool = False) -> None:
+                 predict_at_k0: bool = False, drop_draft: Callable[[], None] | None = None) -> None:
         if target.model.n_vocab != draft.model.n_vocab:
             raise ValueError("draft and target must share a vocabulary")
         self.target, self.draft = target, draft
@@ -126,6 +128,9 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         self._draft_lag: list[int] = []  # accepted tokens the draft has not processed yet (K=0 steps skip it)
         self._t_token: float | None = None  # EMA of one target token's decode time (the prefetch deadlines)
+        # Called once the governor measures that plain decoding beats every K that runs the draft: the owner
+        # frees the draft and gives its memory to the slots; decoding goes on without a draft for good.
+        self.drop_draft = drop_draft
 
     def _pick(self, logits: np.ndarray) -> int:
         if self.temperature <= 0:
@@ -136,15 +141,18 @@ class SpeculativeDecoder:
                  on_token: Callable[[int], None] | None = None) -> list[int]:
         tgt, dft = self.target, self.draft
         tgt.clear()
-        dft.clear()
         cur = self._pick(tgt.decode(prompt))
-        # the draft reads the prompt up front, so the first token's latency (not decode) pays for it
-        dft.decode(prompt)
+        if dft is not None:
+            # the draft reads the prompt up front, so the first token's latency (not decode) pays for it
+            dft.clear()
+            dft.decode(prompt)
         self._draft_lag = []
         out = [cur]
         if on_token:
             on_token(cur)
         while len(out) < n and not (stop_at_eog and tgt.model.is_eog(cur)):
+            if self.draft is not None and self.drop_draft is not None and self.governor.draft_idle():
+                self._drop()
             k = min(self.governor.choose() if self.adaptive else self.k, n - len(out))
             new = self._step(cur, k)
             for t in new:
@@ -160,9 +168,19 @@ class SpeculativeDecoder:
         keep = len(prompt) + len(out) - 1
         if tgt.n_past > keep:
             tgt.truncate(keep)
-        if dft.n_past > keep:
+        if dft is not None and dft.n_past > keep:
             dft.truncate(keep)
         return out
+
+    def _drop(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.cache.unprotect_all()
+        self.drop_draft()
+        self.draft = self.routing = self.prefetcher = None
+        self.predict_at_k0 = False
+        self._draft_lag = []
+        self.governor.pin(OFF)
+        self.stats.dropped_at = self.stats.steps
 
     def _step(self, cur: int, k: int) -> list[int]:
         tgt, dft = self.target, self.draft
@@ -222,7 +240,7 @@ class SpeculativeDecoder:
         # roll both caches back to the accepted prefix: cur + accepted drafts
         keep = base + 1 + accepted
         tgt.truncate(keep)
-        if dft.n_past > keep:
+        if dft is not None and dft.n_past > keep:
             dft.truncate(keep)
         s = self.stats
         s.steps += 1

@@ -85,6 +85,7 @@ class KGovernor:
     # routing of drafts that get rejected, which on a slow tier can make speculation slower than K=0.
     seen_rate: dict[int, float] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)  # K -> steps measured
+    pinned: int | None = None  # a K chosen for good (OFF once the draft is dropped)
 
     def observe(self, k: int, accepted: int, t_draft_total: float, t_verify: float) -> None:
         self.steps += 1
@@ -120,7 +121,22 @@ class KGovernor:
         a = min(max(self.alpha, 0.0), 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
+    def draft_idle(self, min_steps: int = 16, margin: float = 1.1) -> bool:
+        """Plain decoding (OFF) measured clearly faster than every K that runs the draft, once each has been
+        tried: the draft's memory would do more as expert slots. Only where OFF is a choice (not every expert
+        resident)."""
+        if not self.draft_at_k0 or self.pinned is not None or self.steps < min_steps:
+            return False
+        off = self.seen_rate.get(OFF)
+        others = [r for k, r in self.seen_rate.items() if k != OFF and self.samples.get(k, 0) >= 2]
+        return off is not None and self.samples.get(OFF, 0) >= 2 and bool(others) and off > margin * max(others)
+
+    def pin(self, k: int) -> None:
+        self.pinned = self.k = k
+
     def choose(self) -> int:
+        if self.pinned is not None:
+            return self.pinned
         if self.steps < 3:
             return self.k
         best, best_rate = self.k, -1.0

@@ -47,6 +47,7 @@ class Session:
         self.tier = make_tier(cfg.tier)
         budget_bytes = parse_budget(cfg.budget, self.layout.expert_total_bytes) if cfg.budget else None
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
+        full_budget = budget_bytes
         if budget_bytes is not None and cfg.draft and cfg.draft_counts_in_budget:
             budget_bytes -= self.draft_bytes
             if budget_bytes <= 0:
@@ -68,11 +69,17 @@ class Session:
         if self.n_slots < self.layout.n_expert_used:
             raise SpecterError(f"budget {cfg.budget} buys {self.n_slots} expert slots per layer, below "
                                f"top-{self.layout.n_expert_used}" + (" once the draft is counted" if cfg.draft else ""))
+        # Slots the draft's memory would buy back: allocated now, used once the engine drops a draft that does
+        # not pay (CPU slots never written take no memory, patch 0006)
+        self.held = 0
+        if full_budget is not None and budget_bytes != full_budget and self.surrogates is None:
+            self.held = max(0, min(slots_for_budget(self.layout, full_budget), self.layout.n_expert) - self.n_slots)
         self.target = native.Model(cfg.model)
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
         # the disk tier, level at 50%; exact either way)
-        self.cache = ExpertCache(self.target, self.layout, self.n_slots, policy=cfg.policy, miss=self.miss,
-                                 tier=self.tier, surrogates=self.surrogates, ordered=self.miss == "wait")
+        self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held, policy=cfg.policy,
+                                 miss=self.miss, tier=self.tier, surrogates=self.surrogates,
+                                 ordered=self.miss == "wait", held=self.held)
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
@@ -90,12 +97,22 @@ class Session:
             pf = Prefetcher(self.cache, cfg.min_confidence, cutoff=cfg.prefetch_cutoff) if routing else None
             self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
                                               routing=routing, prefetcher=pf, temperature=cfg.temperature,
-                                              seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert)
+                                              seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert,
+                                              drop_draft=self._drop_draft if self.held else None)
         self.tctx.warmup()
         if self.draft:
             self.dctx.warmup()
         self.tokens_out = 0
         self.decode_s = 0.0
+
+    def _drop_draft(self) -> None:
+        """The engine measured that the draft does not pay: free it, and give its memory to the slots."""
+        self.dctx.close()
+        self.draft.close()
+        self.dctx = self.draft = None
+        self.cache.release_held()
+        self.n_slots += self.held
+        self.held = self.draft_bytes = 0
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.target.tokenize(text, add_special=add_special)
@@ -156,7 +173,8 @@ class Session:
                "surrogate_uses": c["surrogate_uses"]}
         if self.decoder is not None:
             s = self.decoder.stats
-            out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps, draft_off=s.draft_off)
+            out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps, draft_off=s.draft_off,
+                       draft_dropped_at=s.dropped_at)
         return out
 
     def reset_stats(self) -> None:

@@ -15,7 +15,7 @@ from pyspecter.engine import SpeculativeDecoder, greedy, speculative_accept
 from pyspecter.layout import read_layout
 from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
-from pyspecter.plan import KGovernor, Prefetcher
+from pyspecter.plan import OFF, KGovernor, Prefetcher
 from pyspecter.predict import DraftRouting
 
 
@@ -167,3 +167,48 @@ def test_engine_exact_with_ordered_waits_on_disk(name: str, tiny_drafts: dict[tu
             cache.check()
         assert cache.counters()["late"] > 0
         cache.close()
+
+
+def test_governor_calls_the_draft_idle_only_when_plain_decoding_is_measured_faster() -> None:
+    g = KGovernor(k_max=4, k=2, draft_at_k0=True)
+    for _ in range(40):
+        k = g.choose()
+        g.observe(k, 0, 0.01 * (k + 1) if k != OFF else 0.0, 0.01)  # the draft costs, nothing is accepted
+    assert g.draft_idle()
+    g.pin(OFF)
+    assert g.choose() == OFF and not g.draft_idle()
+    g2 = KGovernor(k_max=4, k=2, draft_at_k0=True)
+    for _ in range(40):
+        k = g2.choose()
+        g2.observe(k, k, 0.001 * (k + 1) if k != OFF else 0.0, 0.01)  # a cheap draft, everything accepted
+    assert not g2.draft_idle()
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_dropping_the_draft_gives_its_memory_to_the_slots(tier: str, tiny_drafts: dict[tuple[str, float], Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the draft counted in the budget, the slots it would buy back are allocated but held; when the
+    governor finds the draft idle, the session frees it and the held slots are used. Output stays the target's
+    greedy output across the switch."""
+    from pyspecter.session import Session, SessionConfig
+
+    name = "tiny-qwen3moe"
+    path, draft = build_tiny(name), tiny_drafts[name, 0.5]
+    with native.Model(path) as m, native.Context(m) as ctx:
+        toks = m.tokenize(PROMPTS[1])
+        ref = greedy(ctx, toks, 24)[0]
+    lay = read_layout(path)
+    budget = draft.stat().st_size + 6 * sum(L.expert_bytes for L in lay.layers)  # 6 slots once the draft is paid
+    monkeypatch.setattr(KGovernor, "draft_idle", lambda self: self.pinned is None and self.steps >= 6)
+    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget), tier=tier, k=2))
+    try:
+        assert s.n_slots == 6 and s.held > 0 and s.cache.n_usable == 6
+        held = s.held
+        assert s.generate(toks, 24, stop_at_eog=False) == ref
+        assert s.draft is None and s.decoder.stats.dropped_at == 6
+        assert s.n_slots == 6 + held and s.cache.n_usable == s.cache.n_regular == s.n_slots
+        assert max(max(st.owner) for st in s.cache.layers.values()) >= 6  # the freed slots are in use
+        assert s.stats()["draft_dropped_at"] == 6
+        assert s.generate(toks, 8, stop_at_eog=False) == ref[:8]  # and the next answer runs without it
+    finally:
+        s.close()

@@ -314,3 +314,24 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
                 cache.check()
         assert eng.stats.drafted > 0 and cache.counters()["prefetches"] > 0
         cache.close()
+
+
+def test_slots_never_written_take_no_memory(moe: Path) -> None:
+    """Patch 0006: CPU slot buffers are not cleared, so a slot takes memory only once an expert is written into
+    it. The engine relies on this to hold back the slots a draft's memory would buy until the draft is dropped."""
+    import psutil
+
+    from pyspecter.cache import ExpertCache
+
+    lay = read_layout(moe)
+    one_slot_per_layer = sum(L.expert_bytes for L in lay.layers)
+    proc = psutil.Process()
+    with native.Model(moe) as m:
+        r0 = proc.memory_info().rss
+        cache = ExpertCache(m, lay, lay.n_expert, miss="cpu", hook=False)  # every expert's slot allocated
+        r1 = proc.memory_info().rss
+        cache.warm({L.index: [0, 1] for L in lay.layers})  # two slots per layer written
+        r2 = proc.memory_info().rss
+        cache.close()
+    assert r1 - r0 < one_slot_per_layer / 2, (r1 - r0, lay.n_expert * one_slot_per_layer)
+    assert r2 - r1 > 1.5 * one_slot_per_layer, (r2 - r1, one_slot_per_layer)
