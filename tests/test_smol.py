@@ -330,8 +330,7 @@ def test_slots_never_written_take_no_memory(moe: Path) -> None:
         r0 = proc.memory_info().rss
         cache = ExpertCache(m, lay, lay.n_expert, miss="cpu", hook=False)  # every expert's slot allocated
         r1 = proc.memory_info().rss
-        cache.warm({L.index: [0, 1] for L in lay.layers})  # two slots per layer written
-        r2 = proc.memory_info().rss
         cache.close()
+    # cleared, the 16 slots per layer would add their full size (~760 MB); untouched, next to nothing (how much
+    # a write then commits depends on what the allocator had free, so it is not asserted)
     assert r1 - r0 < one_slot_per_layer / 2, (r1 - r0, lay.n_expert * one_slot_per_layer)
-    assert r2 - r1 > 1.5 * one_slot_per_layer, (r2 - r1, one_slot_per_layer)
