@@ -549,7 +549,7 @@ class ExpertCache:
             return
         st = self.layers[nxt]
         want = sorted(range(self.layout.n_expert), key=lambda e: -st.freq[e])[:n_needed]
-        self.stats.lookahead += self.prefetch(nxt, want, count=False)
+        self.stats.lookahead += self._upload_ahead(nxt, want)
         inflight = {e for e, _ in st.pending.values()}
         self.tier.readahead(nxt, [e for e in want if st.where[e] < 0 and e not in inflight])
 
@@ -620,10 +620,14 @@ class ExpertCache:
         for st in self.layers.values():
             st.protected.clear()
 
-    def prefetch(self, il: int, experts, count: bool = True) -> int:
+    def prefetch(self, il: int, experts) -> int:
         """Start async uploads of predicted experts that are neither resident nor on their way. Victims are never
-        protected or pending. Returns how many uploads were issued. count=False: not a prediction's prefetch in
-        the stats (prefill's lookahead)."""
+        protected or pending. Returns how many uploads were issued."""
+        issued = self._upload_ahead(il, experts)
+        self.stats.prefetches += issued
+        return issued
+
+    def _upload_ahead(self, il: int, experts) -> int:
         st = self.layers.get(il)
         if st is None:
             return 0
@@ -638,7 +642,6 @@ class ExpertCache:
             self._evict(il, slot)
             st.pending[slot] = (e, self.tier.upload_async(il, e, slot))
             self._count_upload(il)
-            self.stats.prefetches += count
             issued += 1
         return issued
 

@@ -72,7 +72,7 @@ class Session:
         # Slots the draft's memory would buy back: allocated now, used once the engine drops a draft that does
         # not pay (CPU slots never written take no memory, patch 0006)
         self.held = 0
-        if full_budget is not None and budget_bytes != full_budget and self.surrogates is None:
+        if full_budget is not None and cfg.draft and cfg.draft_counts_in_budget and self.surrogates is None:
             self.held = max(0, min(slots_for_budget(self.layout, full_budget), self.layout.n_expert) - self.n_slots)
         self.target = native.Model(cfg.model)
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
