@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -300,6 +301,16 @@ class _Layer:
     sur_in: dict = field(default_factory=dict)  # reserved slot -> expert whose surrogate it holds
     sur_mapped: set = field(default_factory=set)  # experts routed to a reserved slot for the current ubatch
     late: set = field(default_factory=set)  # ordered mode: experts of this ubatch computed after the resident ones
+    ghost: OrderedDict | None = None  # held slots: the experts plain LRU would hold with them too (oldest first)
+
+
+@dataclass
+class Totals:
+    """Since the cache was made (reset_counters leaves them): what the engine compares its steps by."""
+
+    misses: int = 0  # experts not resident when their layer asked
+    ghost_misses: int = 0  # misses plain LRU over all allocated slots, held ones included, would have had
+    hook_ns: int = 0  # time in the routing and wait hooks, waits for uploads included
 
 
 @dataclass
@@ -351,6 +362,7 @@ class ExpertCache:
             raise SpecterError("held slots need a usable top-k without them, and no surrogates")
         # slots eviction may use now: the regular ones less those held back for later
         self.n_usable = self.n_regular - held
+        self.totals = Totals()
         self.surrogates = surrogates
         self.model, self.layout, self.n_slots = model, layout, n_slots
         self.policy, self.miss = policy, miss
@@ -364,7 +376,8 @@ class ExpertCache:
         self.layer_pos = {L.index: j for j, L in enumerate(layout.layers)}  # order in the forward pass
         E = layout.n_expert
         self.layers = {
-            L.index: _Layer(owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E)
+            L.index: _Layer(owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E,
+                            ghost=OrderedDict() if held else None)
             for L in layout.layers
         }
         self.clock = 0
@@ -460,6 +473,7 @@ class ExpertCache:
     def _on_route(self, _ud, il, n_tokens, n_used, ids_p, _weights_p) -> None:
         # Runs on llama.cpp's compute thread. An exception must not unwind into C: remember it, and leave the
         # layer to the host path, which is always exact.
+        t0 = time.perf_counter_ns()
         try:
             self.clock += 1
             self.stats.hook_calls += 1
@@ -487,6 +501,9 @@ class ExpertCache:
                     missing.append(e)
             self.stats.needed += len(needed)
             self.stats.resident_at_need += len(needed) - len(missing)
+            self.totals.misses += len(missing)
+            if st.ghost is not None:
+                self._ghost_lru(st, needed)
             if n_tokens > 1 and self.lookahead:
                 self._prefill_lookahead(il, len(needed))
             if not missing:
@@ -537,6 +554,19 @@ class ExpertCache:
                     self._count_upload(il)
         except BaseException as e:  # noqa: BLE001
             self.error = e
+        finally:
+            self.totals.hook_ns += time.perf_counter_ns() - t0
+
+    def _ghost_lru(self, st: _Layer, needed: set[int]) -> None:
+        """Plain LRU over every allocated slot, held ones included, on the same routing, in bookkeeping only:
+        the misses it would have had. What dropping the draft would buy is estimated from it."""
+        g = st.ghost
+        self.totals.ghost_misses += sum(1 for e in needed if e not in g)
+        for e in needed:
+            g[e] = None
+            g.move_to_end(e)
+        while len(g) > self.n_regular:
+            g.popitem(last=False)
 
     def _prefill_lookahead(self, il: int, n_needed: int) -> None:
         """A prompt's ubatch routes its many tokens to most experts of every layer, so the next layer will want
@@ -574,6 +604,7 @@ class ExpertCache:
 
     def _on_wait(self, _ud, il) -> None:
         # Runs on the compute thread after layer il's resident and host matmuls, before the late ones.
+        t0 = time.perf_counter_ns()
         try:
             st = self.layers.get(il)
             if st is not None and st.late:
@@ -581,6 +612,8 @@ class ExpertCache:
                 st.late.clear()
         except BaseException as e:  # noqa: BLE001 - never unwind into C
             self.error = e
+        finally:
+            self.totals.hook_ns += time.perf_counter_ns() - t0
 
     def _serve_surrogates(self, il: int, st: _Layer, needed: set[int], missing: list[int], inflight: dict) -> None:
         due = {e for e in missing if e in inflight and inflight[e].started()}
@@ -648,6 +681,8 @@ class ExpertCache:
     def release_held(self) -> None:
         """The memory held back (a draft's) is free now: every allocated slot may be used from here on."""
         self.n_usable = self.n_regular
+        for st in self.layers.values():
+            st.ghost = None
 
     def check(self) -> None:
         """Re-raise an error the hook swallowed (call after each decode)."""

@@ -131,6 +131,9 @@ class SpeculativeDecoder:
         # Called once the governor measures that plain decoding beats every K that runs the draft: the owner
         # frees the draft and gives its memory to the slots; decoding goes on without a draft for good.
         self.drop_draft = drop_draft
+        # over the OFF steps so far: seconds, seconds in the cache's hooks (stalls), misses, and the misses plain
+        # LRU would have had with the draft's memory as slots too (the cache's ghost LRU)
+        self._off = [0.0, 0.0, 0, 0]
 
     def _pick(self, logits: np.ndarray) -> int:
         if self.temperature <= 0:
@@ -151,7 +154,8 @@ class SpeculativeDecoder:
         if on_token:
             on_token(cur)
         while len(out) < n and not (stop_at_eog and tgt.model.is_eog(cur)):
-            if self.draft is not None and self.drop_draft is not None and self.governor.draft_idle():
+            if (self.draft is not None and self.drop_draft is not None
+                    and self.governor.draft_idle(off_gain=self._off_gain())):
                 self._drop()
             k = min(self.governor.choose() if self.adaptive else self.k, n - len(out))
             new = self._step(cur, k)
@@ -171,6 +175,14 @@ class SpeculativeDecoder:
         if dft is not None and dft.n_past > keep:
             dft.truncate(keep)
         return out
+
+    def _off_gain(self) -> float:
+        """How much faster plain decoding would run once the draft's memory is slots: its stalls scale with its
+        misses, and the ghost LRU tells how many misses are left with the extra slots."""
+        t, stall, misses, ghost = self._off
+        if t <= 0 or misses == 0:
+            return 1.0
+        return t / max(t - stall * (1 - ghost / misses), 1e-9)
 
     def _drop(self) -> None:
         if self.prefetcher is not None:
@@ -219,6 +231,10 @@ class SpeculativeDecoder:
             if self.prefetcher is not None:  # no window in flight: nothing may stay pinned in the slots
                 self.prefetcher.cache.unprotect_all()
         t1 = time.perf_counter()
+        watch = k == OFF and self.draft is not None and self.drop_draft is not None and self.prefetcher is not None
+        if watch:
+            tot = self.prefetcher.cache.totals
+            before = (tot.hook_ns, tot.misses, tot.ghost_misses)
         if self.batch_verify:
             rows = tgt.decode([cur, *drafts], logits_all=True)
             accepted, bonus = speculative_accept(rows, qs, drafts, self.temperature, self.rng)
@@ -233,6 +249,12 @@ class SpeculativeDecoder:
                     break
                 accepted += 1
         t2 = time.perf_counter()
+        if watch:
+            o = self._off
+            o[0] += t2 - t0
+            o[1] += (tot.hook_ns - before[0]) / 1e9
+            o[2] += tot.misses - before[1]
+            o[3] += tot.ghost_misses - before[2]
         if not self.batch_verify:
             per = (t2 - t1) / (accepted + 1)
             self._t_token = per if self._t_token is None else 0.8 * self._t_token + 0.2 * per

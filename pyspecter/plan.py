@@ -121,15 +121,17 @@ class KGovernor:
         a = min(max(self.alpha, 0.0), 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
-    def draft_idle(self, min_steps: int = 16, margin: float = 1.1) -> bool:
-        """Plain decoding (OFF) measured clearly faster than every K that runs the draft, once each has been
-        tried: the draft's memory would do more as expert slots. Only where OFF is a choice (not every expert
-        resident)."""
+    def draft_idle(self, off_gain: float = 1.0, min_steps: int = 16, margin: float = 1.1) -> bool:
+        """Plain decoding (OFF) clearly faster than every K that runs the draft, once each has been tried: the
+        draft's memory would do more as expert slots. ``off_gain``: how much faster OFF would run with the
+        draft's memory as slots too (estimated by the caller; 1 = as measured). Only where OFF is a choice (not
+        every expert resident)."""
         if not self.draft_at_k0 or self.pinned is not None or self.steps < min_steps:
             return False
         off = self.seen_rate.get(OFF)
         others = [r for k, r in self.seen_rate.items() if k != OFF and self.samples.get(k, 0) >= 2]
-        return off is not None and self.samples.get(OFF, 0) >= 2 and bool(others) and off > margin * max(others)
+        return (off is not None and self.samples.get(OFF, 0) >= 2 and bool(others)
+                and off * off_gain > margin * max(others))
 
     def pin(self, k: int) -> None:
         self.pinned = self.k = k

@@ -183,6 +183,43 @@ def test_governor_calls_the_draft_idle_only_when_plain_decoding_is_measured_fast
         g2.observe(k, k, 0.001 * (k + 1) if k != OFF else 0.0, 0.01)  # a cheap draft, everything accepted
     assert not g2.draft_idle()
 
+    # prediction pays a little (K=0 measured 10% faster than OFF), but OFF would have the draft's memory as slots:
+    # idle only when that gain (estimated by the engine) outweighs it
+    g3 = KGovernor(k_max=4, k=0, draft_at_k0=True)
+    for _ in range(40):
+        k = g3.choose()
+        g3.observe(k, 0, 0.0, 0.01 if k == 0 else 0.011 if k == OFF else 0.03)
+    assert not g3.draft_idle() and not g3.draft_idle(off_gain=1.1)
+    assert g3.draft_idle(off_gain=1.5)
+
+
+def test_ghost_lru_counts_what_plain_lru_would_miss_with_the_held_slots() -> None:
+    """The estimate behind dropping a draft: with held slots, the cache also runs plain LRU over all of its
+    slots in bookkeeping. Its misses must be those of an LRU simulated on the routing trace."""
+    path = build_tiny("tiny-mixtral")
+    lay = read_layout(path)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert_used + 3, miss="wait", held=2, record=True)
+        with native.Context(m) as ctx:
+            logits = ctx.decode(m.tokenize(PROMPTS[1]))
+            for _ in range(12):
+                logits = ctx.decode([int(logits.argmax())])
+        cache.check()
+        totals, trace, cap = cache.totals, list(cache.trace), cache.n_regular
+        cache.close()
+    lru: dict[int, list[int]] = {}
+    expect = 0
+    for il, needed in trace:
+        order = lru.setdefault(il, [])
+        expect += sum(1 for e in needed if e not in order)
+        for e in sorted(needed):
+            if e in order:
+                order.remove(e)
+            order.append(e)
+        del order[: max(0, len(order) - cap)]
+    assert totals.ghost_misses == expect > 0
+    assert totals.misses >= totals.ghost_misses  # fewer usable slots miss at least as often
+
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_dropping_the_draft_gives_its_memory_to_the_slots(tier: str, tiny_drafts: dict[tuple[str, float], Path],
@@ -199,7 +236,7 @@ def test_dropping_the_draft_gives_its_memory_to_the_slots(tier: str, tiny_drafts
         ref = greedy(ctx, toks, 24)[0]
     lay = read_layout(path)
     budget = draft.stat().st_size + 6 * sum(L.expert_bytes for L in lay.layers)  # 6 slots once the draft is paid
-    monkeypatch.setattr(KGovernor, "draft_idle", lambda self: self.pinned is None and self.steps >= 6)
+    monkeypatch.setattr(KGovernor, "draft_idle", lambda self, off_gain=1.0: self.pinned is None and self.steps >= 6)
     s = Session(SessionConfig(model=path, draft=draft, budget=str(budget), tier=tier, k=2))
     try:
         assert s.n_slots == 6 and s.held > 0 and s.cache.n_usable == 6
