@@ -126,7 +126,7 @@ class SpeculativeDecoder:
         self.batch_verify = batch_verify
         self.rng = np.random.default_rng(seed)
         self.stats = SpecStats()
-        self._draft_lag: list[int] = []  # accepted tokens the draft has not processed yet (K=0 steps skip it)
+        self._draft_lag: list[int] = []  # tokens the draft has not read yet: the prompt, and steps run without it
         self._t_token: float | None = None  # EMA of one target token's decode time (the prefetch deadlines)
         # Called once the governor measures that plain decoding beats every K that runs the draft: the owner
         # frees the draft and gives its memory to the slots; decoding goes on without a draft for good.
@@ -145,11 +145,12 @@ class SpeculativeDecoder:
         tgt, dft = self.target, self.draft
         tgt.clear()
         cur = self._pick(tgt.decode(prompt))
-        if dft is not None:
-            # the draft reads the prompt up front, so the first token's latency (not decode) pays for it
-            dft.clear()
-            dft.decode(prompt)
+        # The draft reads the prompt only when a step first needs it, as a catch-up: the first token waits for
+        # the target's prefill alone, and a draft that ends up unused (OFF, dropped) never reads it.
         self._draft_lag = []
+        if dft is not None:
+            dft.clear()
+            self._draft_lag = list(prompt)
         out = [cur]
         if on_token:
             on_token(cur)
