@@ -1,17 +1,22 @@
-"""Fetch the pinned llama-cpp-python sdist, apply our patches, build llama.cpp, and link it into the venv.
+"""Fetch the pinned llama-cpp-python sdist, apply our patches, build it with our C++ (csrc/), link it into the venv.
 
-Run by `make` with the venv's Python. Everything it makes lives in the cache (``$SPECTER_CACHE`` or
-``~/.cache/pyspecter``) under a key of its inputs, so a second run is instant and nothing lands in the repo.
+Run by `make` with the venv's Python. The steps: fetch the sdist and check its sha256, unpack it, apply
+``patches/*.patch`` in order, then configure and build the top-level ``CMakeLists.txt``, which compiles the patched
+llama.cpp and links our ``csrc/`` objects into its libllama. Everything it makes lives in the cache
+(``$SPECTER_CACHE`` or ``~/.cache/pyspecter``) under a key of its inputs, so a second run is instant and nothing
+lands in the repo.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -23,7 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PIN = ROOT / "vendor" / "llama-cpp-python.pin"
 PATCHES = ROOT / "patches"
+CSRC = ROOT / "csrc"
+CMAKE_LISTS = ROOT / "CMakeLists.txt"
 PTH_NAME = "pyspecter-llama.pth"
+MIN_CMAKE = (3, 16)
 
 
 def cache_dir() -> Path:
@@ -74,6 +82,8 @@ def fetch_sdist(pin: dict[str, str]) -> Path:
     return dest
 
 
+# --- what the build runs on --------------------------------------------------------------------------------------
+
 def want_cuda() -> bool:
     if os.environ.get("SPECTER_CUDA") in ("0", "1"):
         return os.environ["SPECTER_CUDA"] == "1"
@@ -81,7 +91,122 @@ def want_cuda() -> bool:
     return shutil.which("nvcc") is not None and Path("/dev/nvidia0").exists()
 
 
-def cmake_options(cuda: bool) -> list[str]:
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_signature() -> str:
+    # GGML_NATIVE compiles for this CPU, so the CPU's feature flags are an input of the build.
+    flags = " ".join(sorted(cpu_flags()))
+    return platform.machine() + ":" + hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+SYS_ARCH_PRCTL = 158  # x86-64
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+
+# Executes tile instructions after asking the kernel for the tile state, on the main thread and on a thread that
+# existed before the request, the way ggml's AMX kernels will run on its worker threads.
+AMX_PROBE_C = r"""
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct tile_config { uint8_t palette; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+static void * tiles(void * arg) {
+    static __thread char out[16 * 64];
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.colsb[0] = 64;
+    cfg.rows[0] = 16;
+    _tile_loadconfig(&cfg);
+    _tile_zero(0);
+    _tile_stored(0, out, 64);
+    _tile_release();
+    return arg;
+}
+
+static volatile int go;
+static void * later(void * arg) { while (!go) { } return tiles(arg); }
+
+int main(void) {
+    pthread_t t;
+    if (pthread_create(&t, 0, later, 0) != 0) return 4;
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 3;
+    tiles(0);
+    go = 1;
+    pthread_join(t, 0);
+    return 0;
+}
+"""
+
+
+def _request_tile_state() -> str | None:
+    """None when the kernel grants this process AMX's tile data, else why not."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
+                          ctypes.c_long(XFEATURE_XTILEDATA))
+    except (OSError, AttributeError) as e:
+        return f"cannot call arch_prctl ({e})"
+    if rc != 0:
+        err = ctypes.get_errno()
+        return f"arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) refused: {os.strerror(err) if err else rc}"
+    return None
+
+
+def _run_tile_probe() -> str | None:
+    """None when tile instructions ran in a child process, else why not."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return "no C compiler to probe tile instructions with"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "amx_probe.c", Path(tmp) / "amx_probe"
+        src.write_text(AMX_PROBE_C)
+        r = subprocess.run([cc, "-O1", "-mamx-tile", "-pthread", str(src), "-o", str(exe)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            return "the C compiler cannot build AMX code"
+        try:
+            r = subprocess.run([str(exe)], capture_output=True, timeout=20)
+        except subprocess.TimeoutExpired:
+            return "the tile probe hung"
+    if r.returncode < 0:
+        return f"a tile instruction killed the probe ({signal.Signals(-r.returncode).name})"
+    if r.returncode != 0:
+        return f"the tile probe failed (exit {r.returncode})"
+    return None
+
+
+def amx_decision() -> tuple[bool, str]:
+    """(allowed, why). A native build compiles llama.cpp's AMX kernels whenever cpuid advertises AMX; that is only
+    safe where the OS grants the tile state and the instructions actually run, so ask both, and default to off."""
+    forced = os.environ.get("SPECTER_AMX")
+    if forced in ("0", "1"):
+        return forced == "1", f"SPECTER_AMX={forced}"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"AMX is only probed on x86-64 Linux ({platform.system()} {platform.machine()})"
+    if "amx_tile" not in cpu_flags():
+        return False, "the CPU does not report amx_tile in /proc/cpuinfo"
+    why_not = _request_tile_state() or _run_tile_probe()
+    if why_not:
+        return False, why_not
+    return True, "the kernel grants the tile state and a tile probe ran"
+
+
+def cmake_options(cuda: bool, amx: bool = True) -> list[str]:
+    """The CMake cache options: part of the build key, so no paths here."""
     opts = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
@@ -92,38 +217,67 @@ def cmake_options(cuda: bool) -> list[str]:
         "-DLLAMA_BUILD_COMMON=OFF",
         "-DLLAMA_CURL=OFF",
         "-DGGML_NATIVE=ON",
+        f"-DPYSPECTER_AMX={'ON' if amx else 'OFF'}",
         # all libraries end up in one folder beside the bindings; they find each other there
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
         "-DCMAKE_INSTALL_RPATH=$ORIGIN",
     ]
+    if not amx:
+        opts += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
     if cuda:
         opts += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('CMAKE_CUDA_ARCHITECTURES', 'native')}"]
     return opts
 
 
-def cpu_signature() -> str:
-    # GGML_NATIVE compiles for this CPU, so the CPU's feature flags are an input of the build.
-    flags = ""
+def _cmake_version(exe: str) -> tuple[int, ...] | None:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"version (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def find_cmake() -> tuple[str, str]:
+    """(path, version) of a CMake new enough: the one on PATH, else the pip `cmake` package of this Python."""
+    candidates = [shutil.which("cmake"), str(Path(sys.executable).parent / "cmake")]
+    try:
+        import cmake  # the PyPI package (pyproject's dev extra)
+
+        candidates.append(str(Path(cmake.CMAKE_BIN_DIR) / "cmake"))
+    except (ImportError, AttributeError):
         pass
-    return platform.machine() + ":" + hashlib.sha256(flags.encode()).hexdigest()[:16]
+    for exe in candidates:
+        if exe and Path(exe).is_file() and (v := _cmake_version(exe)) is not None and v >= MIN_CMAKE:
+            return exe, ".".join(map(str, v))
+    fail(f"no CMake >= {'.'.join(map(str, MIN_CMAKE))} found on PATH or in this Python's environment; "
+         f"install one, or run `{sys.executable} -m pip install cmake` (it is in pyproject's dev extra)")
+    raise AssertionError  # fail() exits
 
 
-def build_key(pin: dict[str, str], patches: list[Path], opts: list[str]) -> str:
+# --- the cache key -----------------------------------------------------------------------------------------------
+
+def source_files() -> list[Path]:
+    """Our own inputs of the native build besides the patches: the top-level CMakeLists.txt and csrc/**."""
+    files = sorted(p for p in CSRC.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return [CMAKE_LISTS, *files]
+
+
+def build_key(pin: dict[str, str], patches: list[Path], opts: list[str], sources: list[Path] | None = None) -> str:
     h = hashlib.sha256()
     h.update(pin["sha256"].encode())
     for p in patches:
         h.update(p.name.encode())
         h.update(sha256_file(p).encode())
+    for p in source_files() if sources is None else sources:
+        h.update(str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p.name).encode())
+        h.update(sha256_file(p).encode())
     h.update("\n".join(opts).encode())
     h.update(cpu_signature().encode())
     return h.hexdigest()[:20]
 
+
+# --- the build ---------------------------------------------------------------------------------------------------
 
 def apply_patches(tree: Path, patches: list[Path]) -> None:
     for p in patches:
@@ -134,13 +288,14 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
             fail(f"patch {p.name} does not apply:\n{r.stdout}{r.stderr}")
 
 
-def run_cmake_build(src: Path, bdir: Path, opts: list[str], log: Path) -> None:
+def run_cmake_build(cmake: str, llama_dir: Path, bdir: Path, opts: list[str], log: Path) -> None:
     with open(log, "w") as lf:
-        r = subprocess.run(["cmake", "-S", str(src), "-B", str(bdir), *opts], stdout=lf, stderr=subprocess.STDOUT)
+        configure = [cmake, "-S", str(ROOT), "-B", str(bdir), f"-DPYSPECTER_LLAMA_DIR={llama_dir}", *opts]
+        r = subprocess.run(configure, stdout=lf, stderr=subprocess.STDOUT)
         if r.returncode != 0:
             fail(f"cmake configure failed, see {log}")
         jobs = str(os.cpu_count() or 2)
-        proc = subprocess.Popen(["cmake", "--build", str(bdir), "-j", jobs, "--target", "llama"],
+        proc = subprocess.Popen([cmake, "--build", str(bdir), "-j", jobs, "--target", "llama"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -165,7 +320,8 @@ def main() -> None:
     pin = read_pin()
     patches = sorted(PATCHES.glob("*.patch"))
     cuda = want_cuda()
-    opts = cmake_options(cuda)
+    amx, amx_why = amx_decision()
+    opts = cmake_options(cuda, amx)
     key = build_key(pin, patches, opts)
     out = cache_dir() / "build" / key
     pkg_root = out / "pkg"
@@ -176,6 +332,7 @@ def main() -> None:
         print(f"llama.cpp build {key} cached ({'CUDA' if info['cuda'] else 'CPU'}, built in {info['build_s']:.0f}s)")
         return
 
+    cmake, cmake_version = find_cmake()
     sdist = fetch_sdist(pin)
     t0 = time.time()
     work = out / "work"
@@ -185,9 +342,10 @@ def main() -> None:
         tf.extractall(work, filter="data")
     tree = work / pin["file"].removesuffix(".tar.gz")
     apply_patches(tree, patches)
-    print(f"building llama.cpp ({'CUDA' if cuda else 'CPU'}) into {out} ...", flush=True)
+    print(f"AMX {'allowed' if amx else 'off'}: {amx_why}", flush=True)
+    print(f"building llama.cpp + csrc/ ({'CUDA' if cuda else 'CPU'}) into {out} ...", flush=True)
     bdir = work / "cmake-build"
-    run_cmake_build(tree / "vendor" / "llama.cpp", bdir, opts, out / "build.log")
+    run_cmake_build(cmake, tree / "vendor" / "llama.cpp", bdir, opts, out / "build.log")
 
     staging = out / "pkg.tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -199,12 +357,14 @@ def main() -> None:
             shutil.copy2(so, libdir / so.name)
     build_s = time.time() - t0
     (staging / "BUILD_INFO.json").write_text(json.dumps({
-        "key": key, "sdist_sha256": pin["sha256"], "patches": [p.name for p in patches], "cmake": opts,
-        "cuda": cuda, "build_s": build_s, "cpus": os.cpu_count(),
+        "key": key, "sdist_sha256": pin["sha256"], "patches": [p.name for p in patches],
+        "sources": {str(p.relative_to(ROOT)): sha256_file(p) for p in source_files()},
+        "cmake": opts, "cmake_version": cmake_version, "cuda": cuda, "amx": {"allowed": amx, "why": amx_why},
+        "cpu": cpu_signature(), "build_s": build_s, "cpus": os.cpu_count(),
     }, indent=1))
     shutil.rmtree(pkg_root, ignore_errors=True)
     staging.rename(pkg_root)
-    shutil.rmtree(bdir / "ggml" / "src", ignore_errors=True)  # object files; the libraries are copied out
+    shutil.rmtree(bdir, ignore_errors=True)  # object files; the libraries are copied out and the log is kept
     link_into_venv(pkg_root)
     print(f"llama.cpp built in {build_s:.0f}s (key {key})")
 

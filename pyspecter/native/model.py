@@ -1,8 +1,4 @@
-"""ctypes access to the patched llama.cpp that llama-cpp-python loads.
-
-Our extra ``extern "C"`` functions live in the same libllama the bindings load, so we bind them on that handle
-(as ``llama_cpp/llama_cpp_ext.py`` does) instead of loading a second copy of the library.
-"""
+"""Models and contexts loaded through llama-cpp-python's bindings, with the settings exactness depends on."""
 
 from __future__ import annotations
 
@@ -10,115 +6,8 @@ import ctypes
 import os
 
 from pyspecter.errors import SpecterError
+from pyspecter.native.lib import llama_lib, quiet_logs
 
-PATCH_SERIES_VERSION = 5
-
-
-def llama_lib() -> ctypes.CDLL:
-    """The loaded libllama; refuses a stock or stale build with a clear message."""
-    os.environ.setdefault("GGML_LOG_LEVEL", "error")
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise SpecterError(f"llama_cpp bindings are not installed ({e}); run `make build`") from None
-    lib = llama_cpp.llama_cpp._lib
-    try:
-        fn = lib.llama_pyspecter_version
-    except AttributeError:
-        raise SpecterError("the loaded libllama lacks pyspecter's patches; run `make build`") from None
-    fn.restype = ctypes.c_int32
-    fn.argtypes = []
-    got = fn()
-    if got < PATCH_SERIES_VERSION:
-        raise SpecterError(f"libllama has patch series v{got}, need v{PATCH_SERIES_VERSION}; run `make build`")
-    return lib
-
-
-def patch_series_version() -> int:
-    return int(llama_lib().llama_pyspecter_version())
-
-
-def quiet_logs() -> None:
-    """Silence llama.cpp's stderr chatter (model loading prints hundreds of lines)."""
-    import llama_cpp
-
-    @llama_cpp.llama_log_callback
-    def _sink(level, text, user_data):  # noqa: ARG001
-        return None
-
-    quiet_logs._keep = _sink  # type: ignore[attr-defined]  # the C side holds a pointer to it
-    llama_cpp.llama_log_set(_sink, ctypes.c_void_p(0))
-
-
-# --- expert slots (patches/0003) ------------------------------------------------------------------------------
-
-KIND_GATE, KIND_UP, KIND_DOWN, KIND_GATE_UP = 0, 1, 2, 3
-KIND_NAMES = {"gate": KIND_GATE, "up": KIND_UP, "down": KIND_DOWN, "gate_up": KIND_GATE_UP}
-
-ROUTE_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-                            ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float))
-WAIT_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)  # (user_data, layer): late uploads must land
-
-_SIGNATURES = {
-    "llama_pyspecter_slots_init": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
-    "llama_pyspecter_n_slots": (ctypes.c_int32, [ctypes.c_void_p]),
-    "llama_pyspecter_is_moe_layer": (ctypes.c_bool, [ctypes.c_void_p, ctypes.c_int32]),
-    "llama_pyspecter_expert_nbytes": (ctypes.c_size_t, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
-    "llama_pyspecter_slots_nbytes": (ctypes.c_size_t, [ctypes.c_void_p]),
-    "llama_pyspecter_slot_of": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
-    "llama_pyspecter_expert_in": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
-    "llama_pyspecter_set_slot": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]),
-    "llama_pyspecter_write_slot": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-                                                    ctypes.c_void_p, ctypes.c_size_t]),
-    "llama_pyspecter_load_expert": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
-                                                     ctypes.c_int32]),
-    "llama_pyspecter_write_slot_async": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
-                                                          ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t]),
-    "llama_pyspecter_load_expert_async": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
-                                                           ctypes.c_int32]),
-    "llama_pyspecter_upload_done": (ctypes.c_bool, [ctypes.c_void_p, ctypes.c_int64]),
-    "llama_pyspecter_upload_wait": (None, [ctypes.c_void_p, ctypes.c_int64]),
-    "llama_pyspecter_set_link_gbps": (None, [ctypes.c_void_p, ctypes.c_double]),
-    "llama_pyspecter_set_route_cb": (None, [ctypes.c_void_p, ROUTE_CB, ctypes.c_void_p]),
-    "llama_pyspecter_set_wait_cb": (None, [ctypes.c_void_p, WAIT_CB, ctypes.c_void_p]),
-    "llama_pyspecter_set_late": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]),
-    "llama_pyspecter_stats": (None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]),
-    "llama_pyspecter_stats_reset": (None, [ctypes.c_void_p]),
-    "llama_pyspecter_release_host_experts": (ctypes.c_size_t, [ctypes.c_void_p]),
-}
-
-
-class SlotAPI:
-    """The slot functions of the patched library, typed. Methods are the C names without the prefix."""
-
-    def __init__(self) -> None:
-        lib = llama_lib()
-        for name, (res, args) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = res
-            fn.argtypes = args
-            setattr(self, "_" + name.removeprefix("llama_pyspecter_") if name.endswith("_stats") else
-                    name.removeprefix("llama_pyspecter_"), fn)
-
-    def stats(self, model: int) -> dict[str, int]:
-        """Counters kept by the C side since the last stats_reset."""
-        out = (ctypes.c_int64 * 7)()
-        self._stats(model, out)
-        keys = ("route_calls", "hit_rows", "miss_rows", "route_ns", "hook_ns", "upload_bytes", "upload_ns")
-        return dict(zip(keys, out, strict=True))
-
-
-_slot_api: SlotAPI | None = None
-
-
-def slots() -> SlotAPI:
-    global _slot_api
-    if _slot_api is None:
-        _slot_api = SlotAPI()
-    return _slot_api
-
-
-# --- models and contexts --------------------------------------------------------------------------------------
 
 class Model:
     """A llama_model loaded through the bindings. ``extra_bufts=False`` keeps expert tensors in plain, readable
@@ -173,11 +62,18 @@ class Model:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     def close(self) -> None:
-        import llama_cpp
+        """Free the model; safe to call again, and from __del__ (also on a half-built object)."""
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            import llama_cpp
 
-        if self.ptr:
-            llama_cpp.llama_model_free(self.ptr)
-            self.ptr = None
+            llama_cpp.llama_model_free(ptr)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  # interpreter shutdown: the bindings may already be gone
+            pass
 
     def __enter__(self) -> Model:
         return self

@@ -1,0 +1,135 @@
+// pyspecter's C API: our own code (csrc/), compiled into libllama by the top-level CMakeLists.txt. Not upstream.
+//
+// Expert slots: a budgeted number of each MoE layer's experts live in "slots" on the layer's device (VRAM, or RAM
+// on a CPU-only build). The expert matmuls of that layer read the slots through a per-layer remap table
+// (expert -> slot); experts that are not resident are computed exactly from the host copy (the model's own expert
+// tensors) and the two results are added, so the output never depends on what is resident. A routing hook is
+// called once per MoE layer per ubatch, before the expert matmuls, with the selected experts: the control plane
+// may upload misses there (and wait for them), or leave them to the host.
+//
+// When llama_pyspecter_slots_init() is never called, nothing here runs and the library is stock.
+//
+// Errors: functions returning int32_t/int64_t answer a non-negative value on success and a negative
+// llama_pyspecter_status on failure. No C++ exception ever crosses this API: callers are C and ctypes.
+#pragma once
+
+#include "llama.h"
+
+// The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
+// clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
+#define LLAMA_PYSPECTER_VERSION 6
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+LLAMA_API int32_t llama_pyspecter_version(void); // LLAMA_PYSPECTER_VERSION of the library
+
+enum llama_pyspecter_status {
+    LLAMA_PYSPECTER_OK                 =   0,
+    LLAMA_PYSPECTER_ERR_ARG            =  -1, // null pointer, or layer/expert/slot/kind/nbytes out of range
+    LLAMA_PYSPECTER_ERR_ENABLED        =  -2, // slots_init twice: graphs built so far would not see a change
+    LLAMA_PYSPECTER_ERR_DENSE          =  -3, // the model has no experts
+    LLAMA_PYSPECTER_ERR_NO_MEMORY      =  -4, // a slot buffer, context or host staging copy could not be allocated
+    LLAMA_PYSPECTER_ERR_LAYOUT         =  -5, // an expert tensor does not hold n_expert experts
+    LLAMA_PYSPECTER_ERR_REPACKED       =  -6, // expert tensors in a repacked CPU buffer: load with use_extra_bufts = false
+    LLAMA_PYSPECTER_ERR_NO_SLOTS       =  -7, // slots are not enabled on this model
+    LLAMA_PYSPECTER_ERR_STOPPED        =  -8, // the model is being freed: its upload thread takes no more work
+    LLAMA_PYSPECTER_ERR_UPLOAD_FAILED  =  -9, // the copy of this ticket failed, or was cancelled when the model was freed
+    LLAMA_PYSPECTER_ERR_UNKNOWN_TICKET = -10, // a ticket that was never issued (<= 0, or not yet)
+    LLAMA_PYSPECTER_ERR_INTERNAL       = -11, // an unexpected C++ exception, caught at the API boundary
+};
+
+// Which matmul weight of an expert (a layer has gate+up+down, or merged gate_up+down).
+enum llama_pyspecter_kind {
+    LLAMA_PYSPECTER_KIND_GATE    = 0,
+    LLAMA_PYSPECTER_KIND_UP      = 1,
+    LLAMA_PYSPECTER_KIND_DOWN    = 2,
+    LLAMA_PYSPECTER_KIND_GATE_UP = 3,
+    LLAMA_PYSPECTER_N_KINDS      = 4,
+};
+
+// Called once per MoE layer per ubatch from the compute thread, before that layer's expert matmuls.
+// ids: [n_tokens][n_used] selected (logical) experts; weights: [n_tokens][n_used] router weights.
+// The callback may change layer il's residency (llama_pyspecter_write_slot / load_expert + set_slot) before
+// returning; whatever is still not resident when it returns is computed on the host.
+typedef void (*llama_pyspecter_route_cb)(void * user_data, int32_t il, int32_t n_tokens, int32_t n_used,
+                                         const int32_t * ids, const float * weights);
+
+// Allocate n_slots expert slots in every MoE layer, on the layer's device, with the layer's expert tensor types
+// (plus one all-zero slot on non-CPU devices, where misses point). Call after loading the model and before
+// creating a context on it. All experts start non-resident. CPU slots are not touched here, so a slot takes memory
+// only once an expert is written into it. Returns 0, or a negative status.
+LLAMA_API int32_t llama_pyspecter_slots_init(struct llama_model * model, int32_t n_slots);
+LLAMA_API int32_t llama_pyspecter_n_slots   (const struct llama_model * model); // 0: slots not enabled
+LLAMA_API bool    llama_pyspecter_is_moe_layer(const struct llama_model * model, int32_t il);
+// bytes of one expert in one kind of weight of layer il; 0 if the layer has no such tensor
+LLAMA_API size_t  llama_pyspecter_expert_nbytes(const struct llama_model * model, int32_t il, int32_t kind);
+LLAMA_API size_t  llama_pyspecter_slots_nbytes (const struct llama_model * model); // total slot memory
+
+// Residency. set_slot(il, e, s) makes expert e resident in slot s (the slot must already hold e's bytes);
+// s = -1 evicts e. A slot holds at most one expert: the previous owner of s becomes non-resident.
+// Change residency only from the routing hook or between decodes.
+LLAMA_API int32_t llama_pyspecter_slot_of  (const struct llama_model * model, int32_t il, int32_t expert);
+LLAMA_API int32_t llama_pyspecter_expert_in(const struct llama_model * model, int32_t il, int32_t slot);
+LLAMA_API int32_t llama_pyspecter_set_slot (struct llama_model * model, int32_t il, int32_t expert, int32_t slot);
+
+// Uploads. write_slot copies one kind's bytes of one expert (nbytes == expert_nbytes) from src into slot;
+// load_expert copies all kinds of expert e from the model's host copy. Both return 0 or a negative status.
+//
+// The _async forms queue the copy on the model's upload thread and return a ticket: > 0, issued in order and
+// finished in order, or a negative status when the copy was refused (never queued; it never counts as done).
+// src must stay valid until the ticket has finished. Every issued ticket ends either landed or failed:
+//   upload_status: 1 landed, 0 still queued or copying, LLAMA_PYSPECTER_ERR_UPLOAD_FAILED (the copy failed, or
+//                  was cancelled because the model is being freed), LLAMA_PYSPECTER_ERR_UNKNOWN_TICKET.
+//   upload_wait:   blocks until the ticket has finished, then returns its status (1 or negative, never 0); an
+//                  unknown ticket returns at once.
+//   upload_done:   upload_status == 1. Ticket 0, the point before the first ticket, counts as done, so "has the
+//                  upload before t landed" is upload_done(t - 1) for every t.
+LLAMA_API int32_t llama_pyspecter_write_slot (struct llama_model * model, int32_t il, int32_t kind, int32_t slot,
+                                              const void * src, size_t nbytes);
+LLAMA_API int32_t llama_pyspecter_load_expert(struct llama_model * model, int32_t il, int32_t expert, int32_t slot);
+LLAMA_API int64_t llama_pyspecter_write_slot_async (struct llama_model * model, int32_t il, int32_t kind,
+                                                    int32_t slot, const void * src, size_t nbytes);
+LLAMA_API int64_t llama_pyspecter_load_expert_async(struct llama_model * model, int32_t il, int32_t expert,
+                                                    int32_t slot);
+LLAMA_API int32_t llama_pyspecter_upload_status(struct llama_model * model, int64_t ticket);
+LLAMA_API int32_t llama_pyspecter_upload_wait  (struct llama_model * model, int64_t ticket);
+LLAMA_API bool    llama_pyspecter_upload_done  (struct llama_model * model, int64_t ticket);
+
+// Emulate a slower link: every upload takes at least nbytes / (gbps * 1e9) seconds. 0 = as fast as possible.
+LLAMA_API void    llama_pyspecter_set_link_gbps(struct llama_model * model, double gbps);
+
+LLAMA_API void    llama_pyspecter_set_route_cb(struct llama_model * model, llama_pyspecter_route_cb cb, void * user_data);
+
+// Late experts (cache-aware ordering). With a wait hook set before the context is created, each expert matmul
+// also gets a "late" path: an expert the routing hook marks late with set_late(il, e, slot) (its upload into slot
+// started but not finished) is left out of the slot and host paths, and computed from that slot after the
+// resident experts' matmul and the host path have run and the wait hook(il) has returned (it must make sure the
+// upload has landed). Marks last for the ubatch in progress.
+typedef void (*llama_pyspecter_wait_cb)(void * user_data, int32_t il);
+LLAMA_API void    llama_pyspecter_set_wait_cb(struct llama_model * model, llama_pyspecter_wait_cb cb, void * user_data);
+LLAMA_API int32_t llama_pyspecter_set_late   (struct llama_model * model, int32_t il, int32_t expert, int32_t slot);
+
+// Disk tier: drop the host copy's expert pages from this process's memory (madvise MADV_DONTNEED on the
+// page-aligned inside of every expert tensor that lives in a file mapping; mmap loading pre-faults the whole file).
+// The tensors stay valid: a later read faults the bytes back in from the file. Returns the bytes released.
+LLAMA_API size_t  llama_pyspecter_release_host_experts(struct llama_model * model);
+
+// Counters since the last reset (all zero when slots are not enabled).
+struct llama_pyspecter_stats {
+    int64_t route_calls;     // routing op runs (one per MoE layer per ubatch)
+    int64_t hit_rows;        // (token, expert) rows computed from slots
+    int64_t miss_rows;       // rows computed from the host copy
+    int64_t route_ns;        // time in the routing op, hook included
+    int64_t hook_ns;         // time in the routing and wait hooks
+    int64_t upload_bytes;    // bytes copied into slots
+    int64_t upload_ns;       // time spent copying (throttle included)
+    int64_t upload_failures; // accepted uploads whose copy failed
+};
+LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
+LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);
+
+#ifdef __cplusplus
+}
+#endif

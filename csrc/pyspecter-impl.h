@@ -1,0 +1,158 @@
+// Internal side of llama-pyspecter.h: the slot state a model owns (llama_model::pyspecter_slots) and the helpers
+// the csrc/ files share. llama.cpp itself sees only pyspecter-graph.h.
+#pragma once
+
+#include "llama-pyspecter.h"
+#include "pyspecter-graph.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+struct llama_model;
+struct llama_pyspecter_slots;
+
+struct llama_pyspecter_layer {
+    int32_t il = -1;
+    ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS] = {}; // the model's own expert tensors (the host copy)
+    ggml_tensor * slot[LLAMA_PYSPECTER_N_KINDS] = {}; // [.., .., n_slots (+1 zero slot)] on the layer's device
+    std::vector<int32_t> remap; // expert -> slot, -1 when not resident
+    std::vector<int32_t> late;  // expert -> slot it is still being uploaded into (this ubatch), -1 otherwise
+    std::vector<int32_t> owner; // slot -> expert, -1 when free
+    int32_t miss_slot = -1;     // where non-resident rows point in the slot matmul: -1 (CPU skips) or the zero slot
+    llama_pyspecter_slots * parent = nullptr;
+};
+
+// Bumped from the compute thread (route op), the upload thread and callers' threads at once, hence atomics.
+struct llama_pyspecter_counters {
+    std::atomic<int64_t> route_calls{0}, hit_rows{0}, miss_rows{0}, route_ns{0}, hook_ns{0};
+    std::atomic<int64_t> upload_bytes{0}, upload_ns{0}, upload_failures{0};
+};
+
+// An emulated link (uploads.cpp charges every copy to it): a virtual clock of when the link is next free.
+struct llama_pyspecter_link {
+    std::atomic<double> gbps{0.0}; // 0: not emulated
+    std::mutex mu;
+    int64_t free_ns = 0;
+
+    void throttle(int64_t t0_ns, size_t nbytes); // returns once nbytes started at t0 would be through
+};
+
+// The upload thread: a FIFO of copies. Tickets are issued in order and finish in order, so "finished up to t" is
+// one number; the few that fail are remembered by ticket.
+struct llama_pyspecter_uploads {
+    using job = std::function<int32_t()>; // runs one copy and returns its status; may throw (run catches)
+
+    llama_pyspecter_counters * counters = nullptr;
+
+    ~llama_pyspecter_uploads() { stop(); }
+
+    void    start();              // may throw (std::system_error): callers are inside a try
+    void    stop() noexcept;      // refuse new work, cancel what is queued, let the copy in flight finish, join
+    int64_t enqueue(job fn) noexcept;
+    int32_t status(int64_t ticket);
+    int32_t wait(int64_t ticket);
+
+private:
+    std::mutex mu;
+    std::condition_variable cv_work, cv_done;
+    std::deque<std::pair<int64_t, job>> queue;
+    std::vector<int64_t> failed;      // ascending: tickets finish in order
+    int64_t failed_from = INT64_MAX;  // every ticket from here on failed (cancelled, or a failure we could not note)
+    int64_t next_ticket = 1;
+    int64_t done_ticket = 0;
+    bool accepting = false;           // a worker runs and stop() has not been called
+    bool stopping  = false;
+    std::thread worker;
+
+    void    run();
+    void    note_failure(int64_t ticket) noexcept;
+    int32_t status_locked(int64_t ticket) const;
+};
+
+struct llama_pyspecter_slots {
+    int32_t n_slots  = 0;
+    int32_t n_expert = 0;
+    std::vector<std::unique_ptr<llama_pyspecter_layer>> layers; // by layer index; null for dense layers
+    struct slot_ref {
+        llama_pyspecter_layer * layer;
+        int kind;
+    };
+    std::unordered_map<const ggml_tensor *, slot_ref> slot_of_host; // a model expert tensor -> where its slots are
+    std::vector<ggml_context *> ctxs;
+    std::vector<ggml_backend_buffer_t> bufs;
+
+    llama_pyspecter_route_cb route_cb = nullptr;
+    void * route_ud = nullptr;
+    llama_pyspecter_wait_cb wait_cb = nullptr; // set: graphs get the late path (a third plane in the route)
+    void * wait_ud = nullptr;
+
+    llama_pyspecter_counters counters;
+    llama_pyspecter_link link;
+    // Last member: its thread copies into bufs and reads the model's host copy, so it must be stopped first
+    // (the destructor does that explicitly before freeing anything).
+    llama_pyspecter_uploads uploads;
+
+    llama_pyspecter_slots() { uploads.counters = &counters; }
+    ~llama_pyspecter_slots();
+
+    llama_pyspecter_slots(const llama_pyspecter_slots &) = delete;
+    llama_pyspecter_slots & operator=(const llama_pyspecter_slots &) = delete;
+
+    llama_pyspecter_layer * layer(int il) const { // non-const: the route op marks late experts in it
+        return il >= 0 && il < (int) layers.size() ? layers[il].get() : nullptr;
+    }
+};
+
+// shared by the csrc/ files
+
+llama_pyspecter_slots * pyspecter_slots_of(const llama_model * model);
+llama_pyspecter_layer * pyspecter_layer_of(const llama_model * model, int32_t il);
+
+void pyspecter_log_exception(const char * where, const char * what) noexcept;
+
+// Runs one accepted copy: a failure is counted and reported as a status, and no exception gets out.
+template <typename F>
+int32_t pyspecter_run_copy(llama_pyspecter_counters & counters, F && copy) noexcept {
+    int32_t rc;
+    try {
+        rc = copy();
+    } catch (const std::bad_alloc &) {
+        rc = LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    } catch (const std::exception & e) {
+        pyspecter_log_exception("upload", e.what());
+        rc = LLAMA_PYSPECTER_ERR_INTERNAL;
+    } catch (...) {
+        rc = LLAMA_PYSPECTER_ERR_INTERNAL;
+    }
+    if (rc != LLAMA_PYSPECTER_OK) {
+        counters.upload_failures++;
+    }
+    return rc;
+}
+
+// the model layer's expert tensors by kind (null where the layer has none)
+void pyspecter_host_experts(const llama_model * model, int32_t il, ggml_tensor * out[LLAMA_PYSPECTER_N_KINDS]);
+
+// CPU "extra" buffers (weight repacking) are not host-readable, and the repacked mul_mat_id kernels abort on the
+// negative ids the host path uses for resident rows.
+bool pyspecter_is_repacked(const ggml_tensor * t);
+
+inline int64_t pyspecter_now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now().time_since_epoch()).count();
+}

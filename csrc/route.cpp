@@ -1,0 +1,163 @@
+// The graph side: the routing op that splits each MoE layer's rows between slots and the host copy, the wait op of
+// the late path, and the matmuls built on them.
+
+#include "pyspecter-impl.h"
+
+#include <algorithm>
+#include <cstring>
+
+void llama_pyspecter_set_route_cb(llama_model * model, llama_pyspecter_route_cb cb, void * user_data) {
+    if (auto * s = pyspecter_slots_of(model)) {
+        s->route_cb = cb;
+        s->route_ud = user_data;
+    }
+}
+
+void llama_pyspecter_set_wait_cb(llama_model * model, llama_pyspecter_wait_cb cb, void * user_data) {
+    if (auto * s = pyspecter_slots_of(model)) {
+        s->wait_cb = cb;
+        s->wait_ud = user_data;
+    }
+}
+
+int32_t llama_pyspecter_set_late(llama_model * model, int32_t il, int32_t expert, int32_t slot) {
+    auto * s = pyspecter_slots_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!L || !s->wait_cb || expert < 0 || expert >= (int32_t) L->late.size() || slot < 0 ||
+            slot >= (int32_t) L->owner.size()) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    L->late[expert] = slot;
+    return LLAMA_PYSPECTER_OK;
+}
+
+static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    // the CPU backend calls a custom op on every thread whatever n_tasks says; the hook must run once
+    if (ith != 0) {
+        return;
+    }
+    auto * L = (llama_pyspecter_layer *) userdata;
+    auto * s = L->parent;
+    const ggml_tensor * ids = dst->src[0]; // [n_used, n_tokens], may be a strided view (top-k of argsort)
+    const ggml_tensor * w   = dst->src[1]; // [1, n_used, n_tokens]
+    const int32_t n_used   = (int32_t) ids->ne[0];
+    const int32_t n_tokens = (int32_t) ids->ne[1];
+    const int64_t t0 = pyspecter_now_ns();
+
+    // planes of dst: contiguous [n_tokens][n_used] each
+    int32_t * slot_ids = (int32_t *) dst->data;
+    int32_t * host_ids = slot_ids + (size_t) n_used * n_tokens;
+
+    for (int32_t t = 0; t < n_tokens; ++t) {
+        for (int32_t j = 0; j < n_used; ++j) {
+            host_ids[t * n_used + j] = *(const int32_t *) ((const char *) ids->data + t * ids->nb[1] + j * ids->nb[0]);
+        }
+    }
+    const bool with_late = dst->ne[2] > 2;
+    int32_t * late_ids = with_late ? host_ids + (size_t) n_used * n_tokens : nullptr;
+    if (with_late) {
+        std::fill(L->late.begin(), L->late.end(), -1);
+    }
+    if (s->route_cb) {
+        // router weights, packed the same way (slot_ids is scratch until the remap below)
+        static_assert(sizeof(float) == sizeof(int32_t), "");
+        float * wts = (float *) slot_ids;
+        for (int32_t t = 0; t < n_tokens; ++t) {
+            for (int32_t j = 0; j < n_used; ++j) {
+                wts[t * n_used + j] = *(const float *) ((const char *) w->data + t * w->nb[2] + j * w->nb[1]);
+            }
+        }
+        const int64_t c0 = pyspecter_now_ns();
+        s->route_cb(s->route_ud, L->il, n_tokens, n_used, host_ids, wts);
+        s->counters.hook_ns += pyspecter_now_ns() - c0;
+    }
+    int64_t hit = 0;
+    for (int32_t i = 0; i < n_used * n_tokens; ++i) {
+        const int32_t e = host_ids[i];
+        const int32_t slot = e >= 0 && e < (int32_t) L->remap.size() ? L->remap[e] : -1;
+        const int32_t late = with_late && slot < 0 && e >= 0 && e < (int32_t) L->late.size() ? L->late[e] : -1;
+        if (slot >= 0) {
+            slot_ids[i] = slot;
+            host_ids[i] = -1;
+            ++hit;
+        } else if (late >= 0) {
+            slot_ids[i] = L->miss_slot;
+            host_ids[i] = -1;
+            ++hit; // computed from a slot, only later
+        } else {
+            slot_ids[i] = L->miss_slot;
+        }
+        if (with_late) {
+            late_ids[i] = late >= 0 ? late : L->miss_slot;
+        }
+    }
+    s->counters.hit_rows  += hit;
+    s->counters.miss_rows += (int64_t) n_used * n_tokens - hit;
+    s->counters.route_calls += 1;
+    s->counters.route_ns += pyspecter_now_ns() - t0;
+}
+
+// Runs after the resident experts' matmul (its src[1], for ordering only): waits for the layer's late uploads
+// through the wait hook, then hands the late plane to the third matmul.
+static void wait_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto * L = (llama_pyspecter_layer *) userdata;
+    auto * s = L->parent;
+    const ggml_tensor * route = dst->src[0];
+    const size_t n = (size_t) route->ne[0] * route->ne[1];
+    const int32_t * late_ids = (const int32_t *) route->data + 2 * n;
+    bool any = false;
+    for (size_t i = 0; i < n && !any; ++i) {
+        any = late_ids[i] >= 0;
+    }
+    if (any && s->wait_cb) {
+        const int64_t c0 = pyspecter_now_ns();
+        s->wait_cb(s->wait_ud, L->il);
+        s->counters.hook_ns += pyspecter_now_ns() - c0;
+    }
+    memcpy(dst->data, late_ids, n * sizeof(int32_t));
+}
+
+ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspecter_slots * slots, int il,
+                                          ggml_tensor * selected_experts, ggml_tensor * weights) {
+    llama_pyspecter_layer * L = slots ? slots->layer(il) : nullptr;
+    if (!L) {
+        return nullptr;
+    }
+    ggml_tensor * args[2] = { selected_experts, weights };
+    // one task: the op is tiny (route_op itself makes sure only thread 0 works)
+    return ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1],
+                          slots->wait_cb ? 3 : 2, 1, args, 2, route_op, 1, (void *) L);
+}
+
+ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspecter_slots * slots,
+                                          ggml_tensor * w, ggml_tensor * cur, ggml_tensor * route) {
+    if (!slots || !route) {
+        return nullptr;
+    }
+    auto it = slots->slot_of_host.find(w);
+    if (it == slots->slot_of_host.end()) {
+        return nullptr;
+    }
+    llama_pyspecter_layer * L = it->second.layer;
+    ggml_tensor * slot_w = L->slot[it->second.kind];
+
+    ggml_tensor * slot_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], 0);
+    ggml_tensor * host_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], route->nb[2]);
+    ggml_tensor * a = ggml_mul_mat_id(ctx, slot_w, cur, slot_ids);
+    ggml_tensor * b = ggml_mul_mat_id(ctx, w, cur, host_ids);
+    // every row is exact in one term and exactly zero in the other, so the sum is the stock result bit for bit
+    ggml_tensor * res = ggml_add(ctx, a, b);
+    if (route->ne[2] > 2) {
+        // late rows: from their slots, once uploaded; the wait depends on `res` so resident rows go first
+        ggml_tensor * args[2] = { route, res };
+        ggml_tensor * late_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], 1, 1, args, 2,
+                                                wait_op, 1, (void *) L);
+        res = ggml_add(ctx, res, ggml_mul_mat_id(ctx, slot_w, cur, late_ids));
+    }
+    return res;
+}

@@ -1,0 +1,212 @@
+// Slot allocation, the residency (remap) table and the queries on it.
+
+#include "pyspecter-impl.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <exception>
+#include <new>
+
+llama_pyspecter_slots::~llama_pyspecter_slots() {
+    uploads.stop(); // before any buffer goes: a queued or running copy writes into them
+    for (auto * b : bufs) {
+        ggml_backend_buffer_free(b);
+    }
+    for (auto * c : ctxs) {
+        ggml_free(c);
+    }
+}
+
+llama_pyspecter_slots * pyspecter_slots_of(const llama_model * model) {
+    return model ? model->pyspecter_slots.get() : nullptr;
+}
+
+llama_pyspecter_layer * pyspecter_layer_of(const llama_model * model, int32_t il) {
+    auto * s = pyspecter_slots_of(model);
+    return s && il >= 0 && il < (int32_t) s->layers.size() ? s->layers[il].get() : nullptr;
+}
+
+void pyspecter_host_experts(const llama_model * model, int32_t il, ggml_tensor * out[LLAMA_PYSPECTER_N_KINDS]) {
+    const llama_layer & l = model->layers[il];
+    out[LLAMA_PYSPECTER_KIND_GATE]    = l.ffn_gate_exps;
+    out[LLAMA_PYSPECTER_KIND_UP]      = l.ffn_up_exps;
+    out[LLAMA_PYSPECTER_KIND_DOWN]    = l.ffn_down_exps;
+    out[LLAMA_PYSPECTER_KIND_GATE_UP] = l.ffn_gate_up_exps;
+}
+
+bool pyspecter_is_repacked(const ggml_tensor * t) {
+    if (!t->buffer || ggml_backend_buffer_is_host(t->buffer)) {
+        return false;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+    return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+}
+
+// One MoE layer's slots: a tensor per expert kind, n_alloc experts deep, in one buffer of the layer's device.
+static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32_t il,
+                           ggml_tensor * const host[LLAMA_PYSPECTER_N_KINDS]) {
+    ggml_backend_dev_t dev = model->dev_layer(il);
+    const bool on_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    // CUDA and friends would read a negative id as a huge unsigned one, so misses point at a zero slot there;
+    // the patched CPU kernel skips negative ids instead, which saves a useless matmul.
+    const int32_t n_alloc = s->n_slots + (on_cpu ? 0 : 1);
+
+    ggml_init_params ip = { ggml_tensor_overhead() * LLAMA_PYSPECTER_N_KINDS, nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    if (!ctx) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+    s->ctxs.push_back(ctx);
+
+    auto L = std::make_unique<llama_pyspecter_layer>();
+    L->il = il;
+    L->parent = s;
+    L->miss_slot = on_cpu ? -1 : s->n_slots;
+    L->remap.assign(s->n_expert, -1);
+    L->late.assign(s->n_expert, -1);
+    L->owner.assign(s->n_slots, -1);
+    for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
+        ggml_tensor * h = host[k];
+        if (!h) {
+            continue;
+        }
+        if (pyspecter_is_repacked(h)) {
+            LLAMA_LOG_ERROR("%s: %s is in a repacked CPU buffer; load the model with use_extra_bufts = false\n",
+                    __func__, h->name);
+            return LLAMA_PYSPECTER_ERR_REPACKED;
+        }
+        if (h->ne[2] != s->n_expert || h->ne[3] != 1) {
+            LLAMA_LOG_ERROR("%s: %s has %lld experts, expected %d\n", __func__, h->name, (long long) h->ne[2],
+                    s->n_expert);
+            return LLAMA_PYSPECTER_ERR_LAYOUT;
+        }
+        ggml_tensor * t = ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_alloc);
+        ggml_format_name(t, "%s.slots", h->name);
+        L->host[k] = h;
+        L->slot[k] = t;
+        s->slot_of_host[h] = { L.get(), k };
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(dev));
+    if (!buf) {
+        LLAMA_LOG_ERROR("%s: cannot allocate expert slots for layer %d\n", __func__, il);
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+    s->bufs.push_back(buf);
+    // weights usage makes the scheduler run the slot matmul where the slots live
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    // Only a device layer's zero slot must be zero; the rest is overwritten on upload. CPU slots are left
+    // untouched, so slots never written take no memory: the engine allocates as many as the budget buys without
+    // the draft and uses them only once the draft is gone.
+    if (!on_cpu) {
+        ggml_backend_buffer_clear(buf, 0);
+    }
+    s->layers[il] = std::move(L);
+    return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_slots_init(llama_model * model, int32_t n_slots) {
+    if (!model || n_slots <= 0) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    if (model->pyspecter_slots) {
+        return LLAMA_PYSPECTER_ERR_ENABLED;
+    }
+    const int32_t n_expert = (int32_t) model->hparams.n_expert;
+    if (n_expert <= 0) {
+        return LLAMA_PYSPECTER_ERR_DENSE;
+    }
+    try {
+        auto s = std::make_shared<llama_pyspecter_slots>();
+        s->n_slots  = std::min(n_slots, n_expert);
+        s->n_expert = n_expert;
+        s->layers.resize(model->layers.size());
+
+        for (int32_t il = 0; il < (int32_t) model->layers.size(); ++il) {
+            if (!llama_pyspecter_is_moe_layer(model, il)) {
+                continue;
+            }
+            ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS];
+            pyspecter_host_experts(model, il, host);
+            const int32_t rc = alloc_layer(model, s.get(), il, host);
+            if (rc != LLAMA_PYSPECTER_OK) {
+                return rc; // s frees what was allocated so far
+            }
+        }
+        s->uploads.start();
+        model->pyspecter_slots = std::move(s);
+        return LLAMA_PYSPECTER_OK;
+    } catch (const std::bad_alloc &) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    } catch (const std::exception & e) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
+        return LLAMA_PYSPECTER_ERR_INTERNAL;
+    } catch (...) {
+        return LLAMA_PYSPECTER_ERR_INTERNAL;
+    }
+}
+
+int32_t llama_pyspecter_n_slots(const llama_model * model) {
+    auto * s = pyspecter_slots_of(model);
+    return s ? s->n_slots : 0;
+}
+
+bool llama_pyspecter_is_moe_layer(const llama_model * model, int32_t il) {
+    if (!model || il < 0 || il >= (int32_t) model->layers.size()) {
+        return false;
+    }
+    ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS];
+    pyspecter_host_experts(model, il, host);
+    return std::any_of(host, host + LLAMA_PYSPECTER_N_KINDS, [](const ggml_tensor * t) { return t != nullptr; });
+}
+
+size_t llama_pyspecter_expert_nbytes(const llama_model * model, int32_t il, int32_t kind) {
+    if (!llama_pyspecter_is_moe_layer(model, il) || kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS) {
+        return 0;
+    }
+    ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS];
+    pyspecter_host_experts(model, il, host);
+    return host[kind] ? host[kind]->nb[2] : 0;
+}
+
+size_t llama_pyspecter_slots_nbytes(const llama_model * model) {
+    auto * s = pyspecter_slots_of(model);
+    size_t n = 0;
+    if (s) {
+        for (auto * b : s->bufs) {
+            n += ggml_backend_buffer_get_size(b);
+        }
+    }
+    return n;
+}
+
+int32_t llama_pyspecter_slot_of(const llama_model * model, int32_t il, int32_t expert) {
+    auto * L = pyspecter_layer_of(model, il);
+    return L && expert >= 0 && expert < (int32_t) L->remap.size() ? L->remap[expert] : -1;
+}
+
+int32_t llama_pyspecter_expert_in(const llama_model * model, int32_t il, int32_t slot) {
+    auto * L = pyspecter_layer_of(model, il);
+    return L && slot >= 0 && slot < (int32_t) L->owner.size() ? L->owner[slot] : -1;
+}
+
+int32_t llama_pyspecter_set_slot(llama_model * model, int32_t il, int32_t expert, int32_t slot) {
+    auto * L = pyspecter_layer_of(model, il);
+    if (!L || expert < 0 || expert >= (int32_t) L->remap.size() || slot < -1 || slot >= (int32_t) L->owner.size()) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    const int32_t old_slot = L->remap[expert];
+    if (old_slot >= 0) {
+        L->owner[old_slot] = -1;
+    }
+    if (slot >= 0) {
+        const int32_t prev = L->owner[slot];
+        if (prev >= 0) {
+            L->remap[prev] = -1;
+        }
+        L->owner[slot] = expert;
+    }
+    L->remap[expert] = slot;
+    return LLAMA_PYSPECTER_OK;
+}

@@ -1,0 +1,29 @@
+#include "pyspecter-impl.h"
+
+void llama_pyspecter_get_stats(const llama_model * model, llama_pyspecter_stats * out) {
+    if (!out) {
+        return;
+    }
+    *out = {};
+    if (auto * s = pyspecter_slots_of(model)) {
+        const auto & c = s->counters;
+        out->route_calls     = c.route_calls.load();
+        out->hit_rows        = c.hit_rows.load();
+        out->miss_rows       = c.miss_rows.load();
+        out->route_ns        = c.route_ns.load();
+        out->hook_ns         = c.hook_ns.load();
+        out->upload_bytes    = c.upload_bytes.load();
+        out->upload_ns       = c.upload_ns.load();
+        out->upload_failures = c.upload_failures.load();
+    }
+}
+
+void llama_pyspecter_stats_reset(llama_model * model) {
+    if (auto * s = pyspecter_slots_of(model)) {
+        auto & c = s->counters;
+        for (auto * v : { &c.route_calls, &c.hit_rows, &c.miss_rows, &c.route_ns, &c.hook_ns, &c.upload_bytes,
+                          &c.upload_ns, &c.upload_failures }) {
+            *v = 0;
+        }
+    }
+}

@@ -1,0 +1,287 @@
+// Copies into slots, synchronous or on the model's upload thread, and the tickets that track the latter.
+
+#include "pyspecter-impl.h"
+
+#include "llama-impl.h"
+
+#include <algorithm>
+#include <exception>
+#include <new>
+#include <system_error>
+
+//
+// the upload thread
+//
+
+void llama_pyspecter_uploads::start() {
+    worker = std::thread([this] { run(); });
+    std::lock_guard<std::mutex> lk(mu);
+    accepting = true;
+}
+
+void llama_pyspecter_uploads::stop() noexcept {
+    {
+        std::lock_guard<std::mutex> lk(mu);
+        if (stopping) {
+            return;
+        }
+        stopping  = true;
+        accepting = false;
+        // what is still queued is cancelled rather than copied: the model is going away, nobody will use it
+        if (!queue.empty()) {
+            failed_from = std::min(failed_from, queue.front().first);
+        }
+        queue.clear();
+    }
+    cv_work.notify_all();
+    if (worker.joinable()) {
+        try {
+            worker.join();
+        } catch (const std::system_error &) {
+            // join only throws for a thread that is not joinable or is this one; neither happens here
+        }
+    }
+    {
+        std::lock_guard<std::mutex> lk(mu);
+        done_ticket = next_ticket - 1;
+    }
+    cv_done.notify_all();
+}
+
+void llama_pyspecter_uploads::run() {
+    for (;;) {
+        std::pair<int64_t, job> j;
+        {
+            std::unique_lock<std::mutex> lk(mu);
+            cv_work.wait(lk, [&] { return stopping || !queue.empty(); });
+            if (queue.empty()) {
+                return;
+            }
+            j = std::move(queue.front());
+            queue.pop_front();
+        }
+        const int32_t rc = pyspecter_run_copy(*counters, j.second);
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            if (rc != LLAMA_PYSPECTER_OK) {
+                note_failure(j.first);
+            }
+            done_ticket = j.first;
+        }
+        cv_done.notify_all();
+    }
+}
+
+void llama_pyspecter_uploads::note_failure(int64_t ticket) noexcept {
+    try {
+        failed.push_back(ticket);
+    } catch (...) {
+        failed_from = std::min(failed_from, ticket); // never report a failed copy as landed
+    }
+}
+
+int64_t llama_pyspecter_uploads::enqueue(job fn) noexcept {
+    int64_t t;
+    try {
+        std::lock_guard<std::mutex> lk(mu);
+        if (!accepting) {
+            return LLAMA_PYSPECTER_ERR_STOPPED;
+        }
+        t = next_ticket;
+        queue.emplace_back(t, std::move(fn));
+        ++next_ticket; // only once queued: a refused copy leaves no ticket behind that could never finish
+    } catch (...) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+    cv_work.notify_one();
+    return t;
+}
+
+int32_t llama_pyspecter_uploads::status_locked(int64_t ticket) const {
+    if (ticket <= 0 || ticket >= next_ticket) {
+        return LLAMA_PYSPECTER_ERR_UNKNOWN_TICKET;
+    }
+    if (ticket > done_ticket) {
+        return 0;
+    }
+    if (ticket >= failed_from || std::binary_search(failed.begin(), failed.end(), ticket)) {
+        return LLAMA_PYSPECTER_ERR_UPLOAD_FAILED;
+    }
+    return 1;
+}
+
+int32_t llama_pyspecter_uploads::status(int64_t ticket) {
+    std::lock_guard<std::mutex> lk(mu);
+    return status_locked(ticket);
+}
+
+int32_t llama_pyspecter_uploads::wait(int64_t ticket) {
+    std::unique_lock<std::mutex> lk(mu);
+    int32_t st;
+    cv_done.wait(lk, [&] { return (st = status_locked(ticket)) != 0; });
+    return st;
+}
+
+//
+// copies
+//
+
+void pyspecter_log_exception(const char * where, const char * what) noexcept {
+    try {
+        LLAMA_LOG_ERROR("pyspecter: %s: %s\n", where, what);
+    } catch (...) {
+        // logging is best effort; the status code carries the failure
+    }
+}
+
+// one copy into a slot, charged to the emulated link when there is one
+static void copy_into_slot(llama_pyspecter_slots * s, ggml_tensor * slot_t, int32_t slot, const void * src,
+                           size_t n) {
+    const int64_t t0 = pyspecter_now_ns();
+    ggml_backend_tensor_set(slot_t, src, (size_t) slot * slot_t->nb[2], n);
+    s->link.throttle(t0, n);
+    s->counters.upload_bytes += (int64_t) n;
+    s->counters.upload_ns += pyspecter_now_ns() - t0;
+}
+
+static int32_t write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {
+    copy_into_slot(L->parent, L->slot[kind], slot, src, nbytes);
+    return LLAMA_PYSPECTER_OK;
+}
+
+static int32_t load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
+    for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
+        ggml_tensor * h = L->host[k];
+        if (!h) {
+            continue;
+        }
+        const size_t n = h->nb[2];
+        if (h->buffer && ggml_backend_buffer_is_host(h->buffer)) {
+            copy_into_slot(L->parent, L->slot[k], slot, (const char *) h->data + (size_t) expert * n, n);
+        } else if (pyspecter_is_repacked(h)) {
+            return LLAMA_PYSPECTER_ERR_REPACKED; // can't be read back (get_tensor is null); refused at init already
+        } else {
+            std::vector<uint8_t> tmp(n); // device-resident host copy: read it back
+            ggml_backend_tensor_get(h, tmp.data(), (size_t) expert * n, n);
+            copy_into_slot(L->parent, L->slot[k], slot, tmp.data(), n);
+        }
+    }
+    return LLAMA_PYSPECTER_OK;
+}
+
+static int32_t layer_for_upload(const llama_model * model, int32_t il, llama_pyspecter_layer ** out) {
+    if (!model) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    if (!pyspecter_slots_of(model)) {
+        return LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    *out = pyspecter_layer_of(model, il);
+    return *out ? LLAMA_PYSPECTER_OK : LLAMA_PYSPECTER_ERR_ARG;
+}
+
+static int32_t check_write(const llama_model * model, int32_t il, int32_t kind, int32_t slot, const void * src,
+                           size_t nbytes, llama_pyspecter_layer ** out) {
+    const int32_t rc = layer_for_upload(model, il, out);
+    if (rc != LLAMA_PYSPECTER_OK) {
+        return rc;
+    }
+    const llama_pyspecter_layer * L = *out;
+    if (kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->slot[kind] || slot < 0 || slot >= L->parent->n_slots ||
+            !src || nbytes != L->slot[kind]->nb[2]) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    return LLAMA_PYSPECTER_OK;
+}
+
+static int32_t check_load(const llama_model * model, int32_t il, int32_t expert, int32_t slot,
+                          llama_pyspecter_layer ** out) {
+    const int32_t rc = layer_for_upload(model, il, out);
+    if (rc != LLAMA_PYSPECTER_OK) {
+        return rc;
+    }
+    const llama_pyspecter_layer * L = *out;
+    if (expert < 0 || expert >= L->parent->n_expert || slot < 0 || slot >= L->parent->n_slots) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    return LLAMA_PYSPECTER_OK;
+}
+
+//
+// API
+//
+
+int32_t llama_pyspecter_write_slot(llama_model * model, int32_t il, int32_t kind, int32_t slot,
+                                   const void * src, size_t nbytes) {
+    llama_pyspecter_layer * L = nullptr;
+    const int32_t rc = check_write(model, il, kind, slot, src, nbytes, &L);
+    if (rc != LLAMA_PYSPECTER_OK) {
+        return rc;
+    }
+    return pyspecter_run_copy(L->parent->counters, [=] { return write_one(L, kind, slot, src, nbytes); });
+}
+
+int32_t llama_pyspecter_load_expert(llama_model * model, int32_t il, int32_t expert, int32_t slot) {
+    llama_pyspecter_layer * L = nullptr;
+    const int32_t rc = check_load(model, il, expert, slot, &L);
+    if (rc != LLAMA_PYSPECTER_OK) {
+        return rc;
+    }
+    return pyspecter_run_copy(L->parent->counters, [=] { return load_one(L, expert, slot); });
+}
+
+// The queued copy holds the layer, not the model: the model's lookup of its slots is gone while they are freed.
+int64_t llama_pyspecter_write_slot_async(llama_model * model, int32_t il, int32_t kind, int32_t slot,
+                                         const void * src, size_t nbytes) {
+    llama_pyspecter_layer * L = nullptr;
+    const int32_t rc = check_write(model, il, kind, slot, src, nbytes, &L);
+    if (rc != LLAMA_PYSPECTER_OK) {
+        return rc;
+    }
+    try {
+        return L->parent->uploads.enqueue([=] { return write_one(L, kind, slot, src, nbytes); });
+    } catch (...) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY; // building the job
+    }
+}
+
+int64_t llama_pyspecter_load_expert_async(llama_model * model, int32_t il, int32_t expert, int32_t slot) {
+    llama_pyspecter_layer * L = nullptr;
+    const int32_t rc = check_load(model, il, expert, slot, &L);
+    if (rc != LLAMA_PYSPECTER_OK) {
+        return rc;
+    }
+    try {
+        return L->parent->uploads.enqueue([=] { return load_one(L, expert, slot); });
+    } catch (...) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+}
+
+int32_t llama_pyspecter_upload_status(llama_model * model, int64_t ticket) {
+    auto * s = pyspecter_slots_of(model);
+    if (!s) {
+        return model ? LLAMA_PYSPECTER_ERR_NO_SLOTS : LLAMA_PYSPECTER_ERR_ARG;
+    }
+    try {
+        return s->uploads.status(ticket);
+    } catch (...) {
+        return LLAMA_PYSPECTER_ERR_INTERNAL; // a mutex that cannot be locked
+    }
+}
+
+int32_t llama_pyspecter_upload_wait(llama_model * model, int64_t ticket) {
+    auto * s = pyspecter_slots_of(model);
+    if (!s) {
+        return model ? LLAMA_PYSPECTER_ERR_NO_SLOTS : LLAMA_PYSPECTER_ERR_ARG;
+    }
+    try {
+        return s->uploads.wait(ticket);
+    } catch (...) {
+        return LLAMA_PYSPECTER_ERR_INTERNAL;
+    }
+}
+
+bool llama_pyspecter_upload_done(llama_model * model, int64_t ticket) {
+    return ticket == 0 || llama_pyspecter_upload_status(model, ticket) == 1;
+}

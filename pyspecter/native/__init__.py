@@ -1,0 +1,26 @@
+"""pyspecter's native side: our C API compiled into the libllama that llama-cpp-python loads (``lib``), and the
+models and contexts opened through those bindings (``model``)."""
+
+from pyspecter.native.lib import (
+    KIND_DOWN,
+    KIND_GATE,
+    KIND_GATE_UP,
+    KIND_NAMES,
+    KIND_UP,
+    PATCH_SERIES_VERSION,
+    ROUTE_CB,
+    WAIT_CB,
+    SlotAPI,
+    Stats,
+    llama_lib,
+    patch_series_version,
+    quiet_logs,
+    slots,
+    status_name,
+)
+from pyspecter.native.model import Context, Model
+
+__all__ = [
+    "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "PATCH_SERIES_VERSION", "ROUTE_CB", "WAIT_CB",
+    "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",
+]

@@ -1,0 +1,344 @@
+"""ctypes bindings of pyspecter's C API (csrc/include/llama-pyspecter.h), on the libllama llama-cpp-python loads.
+
+Our ``extern "C"`` functions are compiled into the same libllama as llama.cpp's, so they are bound on the handle the
+bindings already hold (as ``llama_cpp/llama_cpp_ext.py`` does) instead of loading a second copy of the library.
+Each C function has one typed stub below, declared the way ``llama_cpp/llama_cpp.py`` declares its own; unlike
+there, binding waits for first use, so importing pyspecter works before ``make build``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pyspecter.errors import SpecterError
+
+# LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
+PATCH_SERIES_VERSION = 6
+PREFIX = "llama_pyspecter_"
+
+ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
+
+
+def llama_lib() -> ctypes.CDLL:
+    """The loaded libllama; refuses a stock or stale build with a clear message."""
+    os.environ.setdefault("GGML_LOG_LEVEL", "error")
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise SpecterError(f"llama_cpp bindings are not installed ({e}); run `make build`") from None
+    lib = llama_cpp.llama_cpp._lib
+    try:
+        fn = lib.llama_pyspecter_version
+    except AttributeError:
+        raise SpecterError("the loaded libllama lacks pyspecter's native code; run `make build`") from None
+    fn.restype = ctypes.c_int32
+    fn.argtypes = []
+    got = fn()
+    if got != PATCH_SERIES_VERSION:
+        raise SpecterError(f"libllama has pyspecter C API v{got}, these bindings need v{PATCH_SERIES_VERSION}; "
+                           "run `make build`")
+    return lib
+
+
+def patch_series_version() -> int:
+    return int(llama_lib().llama_pyspecter_version())
+
+
+def quiet_logs() -> None:
+    """Silence llama.cpp's stderr chatter (model loading prints hundreds of lines)."""
+    import llama_cpp
+
+    @llama_cpp.llama_log_callback
+    def _sink(level, text, user_data):  # noqa: ARG001
+        return None
+
+    quiet_logs._keep = _sink  # type: ignore[attr-defined]  # the C side holds a pointer to it
+    llama_cpp.llama_log_set(_sink, ctypes.c_void_p(0))
+
+
+# --- declarations --------------------------------------------------------------------------------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CFunction:
+    """One C function of libllama: its declared stub until first use, then the bound ctypes function."""
+
+    def __init__(self, name: str, argtypes: list[Any], restype: Any, stub: Callable[..., Any]) -> None:
+        self.name, self.argtypes, self.restype, self.stub = name, argtypes, restype, stub
+        self._fn: Any = None
+        functools.update_wrapper(self, stub)
+
+    def bind(self) -> Any:
+        if self._fn is None:
+            fn = getattr(llama_lib(), self.name)
+            fn.argtypes = self.argtypes
+            fn.restype = self.restype
+            self._fn = functools.wraps(self.stub)(fn)
+        return self._fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.bind()(*args)
+
+
+DECLARED: list[CFunction] = []
+
+
+def ctypes_function(name: str, argtypes: list[Any], restype: Any) -> Callable[[F], F]:
+    """Declare the decorated stub as C function ``name`` with these ctypes types (bound on first call)."""
+
+    def decorator(stub: F) -> F:
+        cfn = CFunction(name, argtypes, restype, stub)
+        DECLARED.append(cfn)
+        return cfn  # type: ignore[return-value]  # calls like the stub it wraps
+
+    return decorator
+
+
+# --- types ---------------------------------------------------------------------------------------------------------
+
+KIND_GATE, KIND_UP, KIND_DOWN, KIND_GATE_UP = 0, 1, 2, 3
+KIND_NAMES = {"gate": KIND_GATE, "up": KIND_UP, "down": KIND_DOWN, "gate_up": KIND_GATE_UP}
+
+# llama_pyspecter_route_cb(user_data, il, n_tokens, n_used, ids, weights)
+ROUTE_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                            ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float))
+# llama_pyspecter_wait_cb(user_data, il): the layer's late uploads must have landed when it returns
+WAIT_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+
+# enum llama_pyspecter_status
+OK = 0
+ERR_ARG = -1
+ERR_ENABLED = -2
+ERR_DENSE = -3
+ERR_NO_MEMORY = -4
+ERR_LAYOUT = -5
+ERR_REPACKED = -6
+ERR_NO_SLOTS = -7
+ERR_STOPPED = -8
+ERR_UPLOAD_FAILED = -9
+ERR_UNKNOWN_TICKET = -10
+ERR_INTERNAL = -11
+STATUS_NAMES = {
+    ERR_ARG: "bad argument", ERR_ENABLED: "slots already enabled", ERR_DENSE: "the model has no experts",
+    ERR_NO_MEMORY: "out of memory", ERR_LAYOUT: "an expert tensor does not hold n_expert experts",
+    ERR_REPACKED: "expert tensors are repacked (load with extra_bufts=False)", ERR_NO_SLOTS: "slots not enabled",
+    ERR_STOPPED: "the model is being freed", ERR_UPLOAD_FAILED: "the upload failed",
+    ERR_UNKNOWN_TICKET: "unknown upload ticket", ERR_INTERNAL: "internal error",
+}
+
+
+def status_name(rc: int) -> str:
+    return STATUS_NAMES.get(rc, f"status {rc}")
+
+
+class Stats(ctypes.Structure):
+    """struct llama_pyspecter_stats: counters since the last stats_reset."""
+
+    _fields_ = [
+        ("route_calls", ctypes.c_int64),  # routing op runs (one per MoE layer per ubatch)
+        ("hit_rows", ctypes.c_int64),  # (token, expert) rows computed from slots
+        ("miss_rows", ctypes.c_int64),  # rows computed from the host copy
+        ("route_ns", ctypes.c_int64),  # time in the routing op, hook included
+        ("hook_ns", ctypes.c_int64),  # time in the routing and wait hooks
+        ("upload_bytes", ctypes.c_int64),  # bytes copied into slots
+        ("upload_ns", ctypes.c_int64),  # time spent copying (throttle included)
+        ("upload_failures", ctypes.c_int64),  # accepted uploads whose copy failed
+    ]
+
+    route_calls: int
+    hit_rows: int
+    miss_rows: int
+    route_ns: int
+    hook_ns: int
+    upload_bytes: int
+    upload_ns: int
+    upload_failures: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+    # Transitional: callers still index the counters like the dict the C side used to fill (c["hit_rows"]);
+    # remove once they read the fields (c.hit_rows).
+    def __getitem__(self, name: str) -> int:
+        if name not in self.as_dict():
+            raise KeyError(name)
+        return getattr(self, name)
+
+
+# --- the C API -----------------------------------------------------------------------------------------------------
+
+_model = ctypes.c_void_p
+_i32, _i64, _size = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+
+
+@ctypes_function("llama_pyspecter_version", [], _i32)
+def llama_pyspecter_version() -> int:
+    """LLAMA_PYSPECTER_VERSION of the loaded library."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_slots_init", [_model, _i32], _i32)
+def llama_pyspecter_slots_init(model: ModelPtr, n_slots: int, /) -> int:
+    """Allocate n_slots expert slots in every MoE layer; before creating a context. 0 or a negative status."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_n_slots", [_model], _i32)
+def llama_pyspecter_n_slots(model: ModelPtr, /) -> int:
+    """Slots per MoE layer; 0 when slots are not enabled."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_is_moe_layer", [_model, _i32], ctypes.c_bool)
+def llama_pyspecter_is_moe_layer(model: ModelPtr, il: int, /) -> bool:
+    ...
+
+
+@ctypes_function("llama_pyspecter_expert_nbytes", [_model, _i32, _i32], _size)
+def llama_pyspecter_expert_nbytes(model: ModelPtr, il: int, kind: int, /) -> int:
+    """Bytes of one expert in one kind of weight of layer il; 0 if the layer has no such tensor."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_slots_nbytes", [_model], _size)
+def llama_pyspecter_slots_nbytes(model: ModelPtr, /) -> int:
+    """Total slot memory."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_slot_of", [_model, _i32, _i32], _i32)
+def llama_pyspecter_slot_of(model: ModelPtr, il: int, expert: int, /) -> int:
+    """The slot expert is resident in, or -1."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_expert_in", [_model, _i32, _i32], _i32)
+def llama_pyspecter_expert_in(model: ModelPtr, il: int, slot: int, /) -> int:
+    """The expert resident in slot, or -1."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_slot", [_model, _i32, _i32, _i32], _i32)
+def llama_pyspecter_set_slot(model: ModelPtr, il: int, expert: int, slot: int, /) -> int:
+    """Make expert resident in slot (which must hold its bytes); slot -1 evicts it. 0 or a negative status."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_write_slot", [_model, _i32, _i32, _i32, ctypes.c_void_p, _size], _i32)
+def llama_pyspecter_write_slot(model: ModelPtr, il: int, kind: int, slot: int, src: int | ctypes.c_void_p,
+                               nbytes: int, /) -> int:
+    """Copy one kind's bytes of one expert from src into slot. 0 or a negative status."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_load_expert", [_model, _i32, _i32, _i32], _i32)
+def llama_pyspecter_load_expert(model: ModelPtr, il: int, expert: int, slot: int, /) -> int:
+    """Copy every kind of expert from the model's host copy into slot. 0 or a negative status."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_write_slot_async", [_model, _i32, _i32, _i32, ctypes.c_void_p, _size], _i64)
+def llama_pyspecter_write_slot_async(model: ModelPtr, il: int, kind: int, slot: int, src: int | ctypes.c_void_p,
+                                     nbytes: int, /) -> int:
+    """Queue write_slot on the upload thread: a ticket > 0, or a negative status (refused, never done). src must
+    stay valid until the ticket has finished."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_load_expert_async", [_model, _i32, _i32, _i32], _i64)
+def llama_pyspecter_load_expert_async(model: ModelPtr, il: int, expert: int, slot: int, /) -> int:
+    """Queue load_expert on the upload thread: a ticket > 0, or a negative status (refused, never done)."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_upload_status", [_model, _i64], _i32)
+def llama_pyspecter_upload_status(model: ModelPtr, ticket: int, /) -> int:
+    """1 landed, 0 queued or copying, ERR_UPLOAD_FAILED, or ERR_UNKNOWN_TICKET."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_upload_wait", [_model, _i64], _i32)
+def llama_pyspecter_upload_wait(model: ModelPtr, ticket: int, /) -> int:
+    """Block until the ticket has finished; its status (1 or negative). An unknown ticket returns at once."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_upload_done", [_model, _i64], ctypes.c_bool)
+def llama_pyspecter_upload_done(model: ModelPtr, ticket: int, /) -> bool:
+    """The ticket has landed (a failed, refused or unknown one never has); ticket 0, before the first, has."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_link_gbps", [_model, ctypes.c_double], None)
+def llama_pyspecter_set_link_gbps(model: ModelPtr, gbps: float, /) -> None:
+    """Emulate a link of gbps GB/s for uploads; 0 = as fast as possible."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_route_cb", [_model, ROUTE_CB, ctypes.c_void_p], None)
+def llama_pyspecter_set_route_cb(model: ModelPtr, cb: Any, user_data: int | None, /) -> None:
+    """The routing hook (a ROUTE_CB; keep a reference while it is set). ROUTE_CB() clears it."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_wait_cb", [_model, WAIT_CB, ctypes.c_void_p], None)
+def llama_pyspecter_set_wait_cb(model: ModelPtr, cb: Any, user_data: int | None, /) -> None:
+    """The wait hook of late experts (a WAIT_CB); set before creating the context. WAIT_CB() clears it."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_late", [_model, _i32, _i32, _i32], _i32)
+def llama_pyspecter_set_late(model: ModelPtr, il: int, expert: int, slot: int, /) -> int:
+    """From the routing hook: expert's upload into slot has started; compute it from there after the wait hook."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_release_host_experts", [_model], _size)
+def llama_pyspecter_release_host_experts(model: ModelPtr, /) -> int:
+    """Drop the host copy's expert pages of the file mapping from this process; the bytes released."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_get_stats", [_model, ctypes.POINTER(Stats)], None)
+def llama_pyspecter_get_stats(model: ModelPtr, out: Any, /) -> None:
+    """Fill a Stats (pass ctypes.byref(stats))."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_stats_reset", [_model], None)
+def llama_pyspecter_stats_reset(model: ModelPtr, /) -> None:
+    ...
+
+
+class SlotAPI:
+    """The bound C functions, named without the ``llama_pyspecter_`` prefix (``api.load_expert(ptr, il, e, s)``),
+    plus ``stats``. The attributes are the ctypes functions themselves: routing hooks call them per layer."""
+
+    def __init__(self) -> None:
+        for cfn in DECLARED:
+            setattr(self, cfn.name.removeprefix(PREFIX), cfn.bind())
+
+    def stats(self, model: ModelPtr) -> Stats:
+        """Counters kept by the C side since the last stats_reset."""
+        out = Stats()
+        self.get_stats(model, ctypes.byref(out))
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names no declaration bound
+        raise AttributeError(f"libllama has no function {PREFIX}{name} declared in pyspecter.native.lib")
+
+
+_slot_api: SlotAPI | None = None
+
+
+def slots() -> SlotAPI:
+    """The C API, bound (checks the library the first time)."""
+    global _slot_api
+    if _slot_api is None:
+        _slot_api = SlotAPI()
+    return _slot_api
