@@ -112,6 +112,9 @@ def read_layout(path: str | Path) -> ModelLayout:
         reader = gguf.GGUFReader(p, "r")
     except Exception as e:  # the reader raises many types on a cut or garbled header
         raise SpecterError(f"{p}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
+    from pyspecter.gguf_check import check_gguf
+
+    check_gguf(reader, p)  # values llama.cpp would abort on (not fail cleanly), before anything reads them
 
     arch = _field_value(reader, "general.architecture") or "unknown"
     name = _field_value(reader, "general.name") or p.stem
