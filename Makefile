@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test build lint clean
+.PHONY: demo test test-unit asan-test build lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,19 @@ lint: $(STAMP)
 
 test: build lint
 	$(PY) -m pytest -q
+
+# The fast tier alone: no llama.cpp build needed, seconds.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+# The integration suite once under AddressSanitizer (not run by CI: a separate, slower build, ~3x slower tests).
+# The instrumented libraries come first on PYTHONPATH; Python itself is not instrumented, so libasan is preloaded.
+ASAN_TESTS ?= tests/integration
+asan-test: $(STAMP)
+	SPECTER_ASAN=1 $(PY) tools/build_llama.py
+	PYTHONPATH=$$(SPECTER_ASAN=1 $(PY) tools/build_llama.py --print-root) \
+	LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	$(PY) -m pytest -q -p no:cacheprovider $(ASAN_TESTS)
 
 demo: build
 	$(VENV)/bin/pyspecter demo

@@ -7,7 +7,6 @@ error and exit code 2.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -15,48 +14,13 @@ from typing import Annotated
 import typer
 
 from pyspecter.errors import SpecterError
+from pyspecter.models.catalog import builtin_names, is_builtin, resolve_model
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 models_app = typer.Typer(no_args_is_help=True, help="Build the project's own models (fixtures, smol-moe, drafts).")
 app.add_typer(models_app, name="models")
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a built-in name such as tiny-qwen3moe")]
-class _Stopped(Exception):
-    pass
-
-
-_interrupted = [False]
-
-
-def _stop_check(stream):
-    """Wrap the token callback: it runs in plain Python between decodes, the one place a stop can be raised.
-    (The routing hook runs inside llama_decode on this same thread, where a KeyboardInterrupt would only be
-    printed and swallowed by ctypes.)"""
-
-    def on_token(tok: int) -> None:
-        stream(tok)
-        if _interrupted[0]:
-            raise _Stopped
-
-    return on_token
-
-
-def _interruptible(fn, *args, **kwargs):
-    """Run fn with Ctrl-C turned into a flag that _stop_check honours."""
-    import signal
-
-    _interrupted[0] = False
-
-    def handler(_sig, _frame) -> None:
-        _interrupted[0] = True
-
-    old = signal.signal(signal.SIGINT, handler)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
 DraftOpt = Annotated[str | None, typer.Option(help="draft GGUF (or built-in name): speculative decoding + prefetch")]
 BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: all")]
 TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
@@ -66,41 +30,10 @@ MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host co
                                                     "with a narrow copy of the expert kept in RAM and prints its "
                                                     "measured perplexity cost")]
 SurrogateOpt = Annotated[float, typer.Option(help="--miss surrogate: fraction of each expert's neurons kept")]
+CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; chat "
+                                                           "drops its oldest turns when full)")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
                                                       "hottest experts before the first token")]
-
-
-_DRAFT_NAME = re.compile(r"smol-moe-draft(?:-(Q\w+))?(?:-w([0-9.]+))?")  # smol-moe-draft[-TYPE][-wWIDTH]
-
-
-def resolve_model(spec: str) -> Path:
-    """A path as given, or a built-in model name built (or found in the cache) on demand."""
-    p = Path(spec)
-    if p.exists() or "/" in spec or spec.endswith(".gguf"):
-        return p
-    from pyspecter.models import tiny
-
-    if spec in tiny.TINY_MODELS or spec in tiny.BENCH_MODELS:
-        return tiny.build_tiny(spec)
-    if spec == "smol-moe":
-        from pyspecter.models.smol import build_smol_moe
-
-        return build_smol_moe()
-    m = _DRAFT_NAME.fullmatch(spec)
-    if m:  # smol-moe-draft, or e.g. smol-moe-draft-Q4_0-w0.25: experts Q4_0, narrowed to a quarter
-        from pyspecter.models.draft import build_smol_moe_draft
-
-        keep = float(m.group(2)) if m.group(2) else 1.0
-        if not 0 < keep <= 1:
-            raise SpecterError(f"{spec}: the width after -w must be in (0, 1]")
-        return build_smol_moe_draft(m.group(1) or "Q2_K", ffn_keep=keep)
-    raise SpecterError(f"{spec}: no such file, and not a built-in model ({', '.join(_builtin_names())})")
-
-
-def _builtin_names() -> list[str]:
-    from pyspecter.models import tiny
-
-    return ["smol-moe", "smol-moe-draft", "smol-moe-draft-TYPE-wKEEP", *tiny.TINY_MODELS, *tiny.BENCH_MODELS]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -118,7 +51,8 @@ def inspect(
     budget: Annotated[str | None, typer.Option(help="fast-tier budget for experts: 64MiB, 1.5GB or 40%")] = None,
 ) -> None:
     """Show a MoE GGUF's expert layout: bytes per expert, expert vs non-expert bytes, slots a budget buys."""
-    from pyspecter.layout import parse_budget, read_layout, slots_for_budget
+    from pyspecter.budget import parse_budget, slots_for_budget
+    from pyspecter.layout import read_layout
 
     lay = read_layout(resolve_model(model)).require_moe()
     info: dict = {
@@ -171,8 +105,8 @@ def models_build(
     every expert is the dense FFN with its neurons permuted in whole quantization blocks, so it computes the
     dense model's function for any routing; the routers are fitted on real hidden states. A faithful testbed
     for expert caching, not a trained MoE."""
-    if name not in _builtin_names() and not _DRAFT_NAME.fullmatch(name):
-        raise SpecterError(f"unknown model {name!r}; known: {', '.join(_builtin_names())}")
+    if not is_builtin(name):
+        raise SpecterError(f"unknown model {name!r}; known: {', '.join(builtin_names())}")
     if name == "smol-moe" and (experts, top_k) != (16, 2):
         from pyspecter.models.smol import build_smol_moe
 
@@ -221,28 +155,18 @@ def surrogate(
 ) -> None:
     """Measure what --miss surrogate costs in quality: perplexity on held-out text, exact misses vs surrogate
     misses, at the slots a budget leaves once the surrogates are paid for."""
-    from pyspecter.layout import parse_budget, read_layout, slots_for_budget
-    from pyspecter.surrogate import Surrogates, describe, perplexity_delta, select_neurons
+    from pyspecter.study.quality import describe, measure
 
-    path = resolve_model(model)
-    lay = read_layout(path).require_moe()
     if not 0 < width <= 1:
         raise SpecterError(f"--width must be in (0, 1], got {width}")
-    sur = Surrogates(lay, select_neurons(path, width))
-    left = parse_budget(budget, lay.expert_total_bytes) - sur.nbytes
-    slots = slots_for_budget(lay, left) if left > 0 else 0
-    if slots < 2 * lay.n_expert_used:
-        raise SpecterError(f"budget {budget} leaves {max(slots, 0)} slots per layer after "
-                           f"{sur.nbytes / 2**20:.1f} MiB of surrogates; surrogate mode needs "
-                           f"{2 * lay.n_expert_used}")
-    r = perplexity_delta(path, width, slots, tier, n_tokens=n)
+    r = measure(resolve_model(model), width, budget, tier, n_tokens=n)
     print(json.dumps(r, indent=1) if json_out else describe(r))
 
 
 @models_app.command("list")
 def models_list() -> None:
     """List the models the project can build."""
-    for name in _builtin_names():
+    for name in builtin_names():
         print(name)
 
 
@@ -261,9 +185,10 @@ def verify(
     """Run one prompt through stock llama.cpp and through expert slots; compare greedy tokens and logits.
 
     Exits 1 if the tokens differ or logits move by more than 1e-4."""
-    from pyspecter.layout import parse_budget, read_layout, slots_for_budget
-    from pyspecter.verify import DEFAULT_PROMPT
-    from pyspecter.verify import verify as run_verify
+    from pyspecter.budget import parse_budget, slots_for_budget
+    from pyspecter.layout import read_layout
+    from pyspecter.study.verify import DEFAULT_PROMPT
+    from pyspecter.study.verify import verify as run_verify
 
     path = resolve_model(model)
     lay = read_layout(path).require_moe()
@@ -314,7 +239,7 @@ def bench(
 
     The disk tier's stock baseline runs in a child process whose page cache a cgroup holds to the same memory
     (budget + non-expert weights + runtime), starting cold."""
-    from pyspecter.bench import CSV_FIELDS, run_bench, to_csv_rows
+    from pyspecter.study.bench import CSV_FIELDS, run_bench, to_csv_rows
 
     r = run_bench(resolve_model(model), tier=tier, budget=budget,
                   policies=[p.strip() for p in policies.split(",") if p.strip()] or None,
@@ -349,7 +274,7 @@ def bench(
 
 def _session(model: str, draft: str | None, budget: str | None, tier: str, miss: str | None, k: int, temp: float,
              seed: int, threads: int, adaptive: bool = True, profile: Path | None = None,
-             surrogate_width: float = 0.25):
+             surrogate_width: float = 0.25, n_ctx: int = 2048):
     from pyspecter.session import Session, SessionConfig
 
     path = resolve_model(model)
@@ -358,33 +283,19 @@ def _session(model: str, draft: str | None, budget: str | None, tier: str, miss:
         raise SpecterError(f"{profile}: no such file")
     if not 0 < surrogate_width <= 1:
         raise SpecterError(f"--surrogate-width must be in (0, 1], got {surrogate_width}")
+    groups = None
+    if miss == "surrogate":
+        from pyspecter.models.calibration import select_neurons
+
+        groups = select_neurons(path, surrogate_width)
     s = Session(SessionConfig(model=path, draft=dpath, budget=budget, tier=tier, miss=miss, k=k,
                               adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
-                              profile=profile, surrogate_width=surrogate_width))
+                              profile=profile, surrogate_groups=groups, n_ctx=n_ctx))
     if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
-        from pyspecter.surrogate import describe, perplexity_delta
+        from pyspecter.study.quality import describe, perplexity_delta
 
         print(describe(perplexity_delta(path, surrogate_width, s.n_slots, tier)), file=sys.stderr)
     return s
-
-
-class _Streamer:
-    """Prints tokens as they come, decoding the whole answer each time so multi-byte characters split across
-    tokens come out whole."""
-
-    def __init__(self, model) -> None:
-        self.model, self.tokens, self.shown = model, [], 0
-
-    def __call__(self, tok: int) -> None:
-        self.tokens.append(tok)
-        text = self.model.detokenize([t for t in self.tokens if not self.model.is_eog(t)])
-        if text.endswith("\ufffd"):
-            return
-        sys.stdout.write(text[self.shown:])
-        sys.stdout.flush()
-        self.shown = len(text)
-
-
 
 
 @app.command()
@@ -401,16 +312,19 @@ def generate(
     temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    ctx_size: CtxOpt = 2048,
     profile: ProfileOpt = None,
     surrogate_width: SurrogateOpt = 0.25,
     json_out: Annotated[bool, typer.Option("--json", help="print the text and stats as JSON")] = False,
 ) -> None:
     """Generate text through expert slots, speculatively when a draft is given."""
     s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k, profile=profile,
-                 surrogate_width=surrogate_width)
+                 surrogate_width=surrogate_width, n_ctx=ctx_size)
     try:
         toks = s.tokenize(prompt)
-        stream = None if json_out else _Streamer(s.target)
+        from pyspecter.chat import Streamer
+
+        stream = None if json_out else Streamer(s.target)
         out = s.generate(toks, n, on_token=stream)
         st = s.stats()
         if json_out:
@@ -450,51 +364,18 @@ def chat(
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    ctx_size: CtxOpt = 2048,
     profile: ProfileOpt = None,
     surrogate_width: SurrogateOpt = 0.25,
 ) -> None:
     """Chat with a model. /stats shows speed and cache figures, /reset forgets the conversation, /quit leaves;
     Ctrl-C stops the current answer."""
-    from pyspecter.session import apply_chat_template
+    from pyspecter.chat import repl
 
     s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, profile=profile,
-                 surrogate_width=surrogate_width)
-    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    interactive = sys.stdin.isatty()
-    print(f"pyspecter chat: {s.layout.name} — /stats /reset /quit", file=sys.stderr)
+                 surrogate_width=surrogate_width, n_ctx=ctx_size)
     try:
-        while True:
-            try:
-                line = input("> " if interactive else "")
-            except EOFError:
-                break
-            except KeyboardInterrupt:
-                print()
-                break
-            line = line.strip()
-            if not line:
-                continue
-            if line in ("/quit", "/exit"):
-                break
-            if line == "/stats":
-                print(_stats_line(s.stats()))
-                continue
-            if line == "/reset":
-                history = history[:1] if system else []
-                s.reset_stats()
-                print("(conversation cleared)")
-                continue
-            history.append({"role": "user", "content": line})
-            prompt = s.tokenize(apply_chat_template(s.target, history), add_special=False)
-            stream = _Streamer(s.target)
-            try:
-                out = _interruptible(s.generate, prompt, n, on_token=_stop_check(stream))
-            except _Stopped:
-                out = stream.tokens
-                print(" [stopped]", end="")
-            print()
-            answer = s.target.detokenize([t for t in out if not s.target.is_eog(t)])
-            history.append({"role": "assistant", "content": answer})
+        repl(s, n=n, system=system, stats_line=_stats_line)
     finally:
         s.close()
 
@@ -510,7 +391,7 @@ def trace(
     threads: Annotated[int | None, typer.Option(help="llama.cpp threads")] = None,
 ) -> None:
     """Record per-token, per-layer routing of the target (and of the draft, on the same and on its own tokens)."""
-    from pyspecter.trace import record_trace
+    from pyspecter.study.trace import record_trace
 
     summary = record_trace(resolve_model(model), out, draft_path=resolve_model(draft) if draft else None,
                            prompts=prompts, n=n, k=k, n_threads=threads)
@@ -524,7 +405,7 @@ def analyze(
     plot: Annotated[Path | None, typer.Option(help="directory for PNG plots (heatmap, hit-rate curves)")] = None,
 ) -> None:
     """How predictable is expert use: frequencies, reuse, LRU/LFU/MIN hit rates vs slots, predictor recall."""
-    from pyspecter import analyze as an
+    from pyspecter.study import analyze as an
 
     if not trace_file.exists():
         raise SpecterError(f"{trace_file}: no such file")
@@ -541,43 +422,20 @@ def demo(
 ) -> None:
     """Build smol-moe, show its expert layout, and answer a chat prompt through expert slots (half the experts
     resident, misses computed exactly on the CPU), next to stock llama.cpp on the same prompt."""
-    import time
-
     from pyspecter import native
-    from pyspecter.cache import ExpertCache
-    from pyspecter.engine import greedy
-    from pyspecter.layout import parse_budget, read_layout, slots_for_budget
+    from pyspecter.study.demo import demo as run_demo
 
     path = resolve_model(model)
-    print(f"patched llama.cpp: pyspecter patch series v{native.patch_series_version()}")
+    print(f"patched llama.cpp with pyspecter C API v{native.patch_series_version()}")
     inspect(str(path), json_out=False, budget=budget)
-    lay = read_layout(path)
-    slots = max(slots_for_budget(lay, parse_budget(budget, lay.expert_total_bytes)), lay.n_expert_used)
-    from pyspecter.session import apply_chat_template
-
-    results = {}
-    for mode in ("stock", "slots"):
-        with native.Model(path) as m:
-            cache = ExpertCache(m, lay, slots, miss="cpu") if mode == "slots" else None
-            with native.Context(m) as ctx:
-                prompt = apply_chat_template(m, [{"role": "user", "content": question}])
-                toks = m.tokenize(prompt, add_special=False)
-                ctx.warmup()
-                t0 = time.perf_counter()
-                out, _ = greedy(ctx, toks, n, stop_at_eog=True)
-                dt = time.perf_counter() - t0
-                results[mode] = (out, m.detokenize(out), dt, cache.counters() if cache else None)
-            if cache:
-                cache.check()
-                cache.close()
-    out, text, dt, c = results["slots"]
-    print(f"\nuser: {question}\n{lay.name.split(':')[0]}: {text.strip()}\n")
-    print(f"expert slots ({slots}/{lay.n_expert} per layer, misses on CPU, tier ram): {len(out) / dt:.1f} tok/s, "
-          f"hit rate {100 * c['hit_rate']:.1f}%, {c['uploads']} uploads; stock llama.cpp: "
-          f"{len(results['stock'][0]) / results['stock'][2]:.1f} tok/s")
-    same = results["stock"][0] == out
-    print("greedy tokens identical to stock llama.cpp" if same else "WARNING: tokens differ from stock llama.cpp")
-    if not same:
+    r = run_demo(path, budget=budget, n=n, question=question)
+    print(f"\nuser: {question}\n{path.stem}: {r['text'].strip()}\n")
+    print(f"expert slots ({r['slots']}/{r['n_expert']} per layer, misses on CPU, tier ram): {r['tok_s']:.1f} tok/s, "
+          f"hit rate {100 * r['stats']['hit_rate']:.1f}%, {r['stats']['uploads']} uploads; stock llama.cpp: "
+          f"{r['stock_tok_s']:.1f} tok/s")
+    print("greedy tokens identical to stock llama.cpp" if r["identical"]
+          else "WARNING: tokens differ from stock llama.cpp")
+    if not r["identical"]:
         raise typer.Exit(1)
 
 

@@ -103,8 +103,11 @@ def read_layout(path: str | Path) -> ModelLayout:
         raise SpecterError(f"{p}: no such file")
     if not p.is_file():
         raise SpecterError(f"{p}: not a file")
-    with open(p, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise SpecterError(f"{p}: cannot read ({e.strerror})") from None
     if magic != b"GGUF":
         raise SpecterError(f"{p}: not a GGUF file (bad magic)")
     file_bytes = p.stat().st_size
@@ -148,38 +151,3 @@ def read_layout(path: str | Path) -> ModelLayout:
         n_shared_expert_layers=len(shexp_layers), file_bytes=file_bytes, tensor_bytes=tensor_bytes,
         layers=[layers[k] for k in sorted(layers)],
     )
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
-
-
-def parse_budget(text: str, expert_total_bytes: int) -> int:
-    """Bytes from '64MiB', '1.5GB', '123456' or '40%' (of all expert bytes)."""
-    s = text.strip()
-    if s.endswith("%"):
-        try:
-            pct = float(s[:-1])
-        except ValueError:
-            raise SpecterError(f"cannot parse budget {text!r} (examples: 64MiB, 1.5GB, 40%)") from None
-        if not 0 < pct <= 100:
-            raise SpecterError(f"budget {text!r} must be a percentage in (0, 100]")
-        return int(expert_total_bytes * pct / 100)
-    m = _SIZE_RE.match(s)
-    if not m or m.group(2) is None and not s[-1:].isdigit():
-        raise SpecterError(f"cannot parse budget {text!r} (examples: 64MiB, 1.5GB, 40%)")
-    unit = (m.group(2) or "").lower()
-    if unit not in _UNITS:
-        raise SpecterError(f"cannot parse budget {text!r}: unknown unit {m.group(2)!r}")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise SpecterError(f"budget {text!r} must be positive")
-    return value
-
-
-def slots_for_budget(layout: ModelLayout, budget_bytes: int) -> int:
-    """Expert slots per MoE layer (the same count in every layer) that fit in budget_bytes, capped at n_expert."""
-    per_slot_row = sum(layer.expert_bytes for layer in layout.layers)  # one slot in every layer
-    return min(layout.n_expert, budget_bytes // per_slot_row) if per_slot_row else 0

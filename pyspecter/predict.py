@@ -14,6 +14,7 @@ from pathlib import Path
 from pyspecter import native
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
+from pyspecter.native.hooks import Hooks
 
 # on_layer(il, {expert: confidence}) is called as soon as the draft has routed a layer
 LayerSink = Callable[[int, dict[int, float]], None]
@@ -26,33 +27,25 @@ class DraftRouting:
         draft_layout.require_moe()
         self.layout = draft_layout
         self.on_layer = on_layer
-        self.api = native.slots()
-        # every expert stays on the host path: only the hook matters here (no slot memory: n_slots is per layer,
-        # allocated once, and we never upload into them, so keep it at top-k, the minimum)
-        if self.api.slots_init(draft.ptr, draft_layout.n_expert_used) != 0:
-            raise SpecterError("could not attach to the draft's routing")
         self.window: dict[int, dict[int, float]] = {}
         self.recording = False
-        self.error: BaseException | None = None
-        self._cb = native.ROUTE_CB(self._on_route)
-        self.api.set_route_cb(draft.ptr, self._cb, None)
+        # every expert stays on the host path: only the hook matters here (no slot memory: n_slots is per layer,
+        # allocated once, and we never upload into them, so keep it at top-k, the minimum)
+        self.hooks = Hooks(draft, self._on_route, n_slots=draft_layout.n_expert_used)
 
-    def _on_route(self, _ud, il, n_tokens, n_used, ids_p, w_p) -> None:
+    def _on_route(self, il, n_tokens, n_used, ids_p, w_p) -> None:
         if not self.recording:
             return
-        try:
-            n = n_tokens * n_used
-            ids, ws = ids_p[:n], w_p[:n]
-            got = self.window.setdefault(il, {})
-            fresh: dict[int, float] = {}
-            for e, w in zip(ids, ws, strict=True):
-                if w > got.get(e, -1.0):
-                    got[e] = w
-                    fresh[e] = w
-            if self.on_layer is not None and fresh:
-                self.on_layer(il, fresh)
-        except BaseException as e:  # noqa: BLE001 - never unwind into C
-            self.error = e
+        n = n_tokens * n_used
+        ids, ws = ids_p[:n], w_p[:n]
+        got = self.window.setdefault(il, {})
+        fresh: dict[int, float] = {}
+        for e, w in zip(ids, ws, strict=True):
+            if w > got.get(e, -1.0):
+                got[e] = w
+                fresh[e] = w
+        if self.on_layer is not None and fresh:
+            self.on_layer(il, fresh)
 
     def start(self) -> None:
         self.window = {}
@@ -60,10 +53,11 @@ class DraftRouting:
 
     def stop(self) -> dict[int, dict[int, float]]:
         self.recording = False
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
+        self.hooks.check()
         return self.window
+
+    def close(self) -> None:
+        self.hooks.close()
 
 
 def routing_profile(trace_path: str | Path, layout: ModelLayout) -> dict[int, list[int]]:
@@ -71,7 +65,7 @@ def routing_profile(trace_path: str | Path, layout: ModelLayout) -> dict[int, li
     fresh session should load before its first token instead of starting with a burst of misses."""
     import numpy as np
 
-    from pyspecter.trace import load_trace
+    from pyspecter.tracefile import load_trace
 
     tr = load_trace(trace_path)
     if tr.n_expert != layout.n_expert or len(tr.meta["moe_layers"]) != len(layout.layers):

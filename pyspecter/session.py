@@ -1,22 +1,30 @@
 """A ready-to-use runtime: target model with expert slots, optional draft with prefetch, the decode loop.
 
-`generate`, `chat` and the `specter` benchmark policy all build one of these, so they run the same code.
+`generate`, `chat` and the `specter` benchmark policy all build one of these, so they run the same code. This is
+the one place that builds everything, frees it in the right order, and owns the draft's lifecycle (it drops a
+draft that does not pay and gives its memory to the slots).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from pyspecter import native
-from pyspecter.cache import ExpertCache, make_tier
-from pyspecter.engine import SpeculativeDecoder
+from pyspecter.budget import MemoryPlan
+from pyspecter.cache import ExpertCache
+from pyspecter.engine import SpeculativeDecoder, generate_step
 from pyspecter.errors import SpecterError
-from pyspecter.layout import parse_budget, read_layout, slots_for_budget
-from pyspecter.plan import Prefetcher
+from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.predict import DraftRouting
+from pyspecter.prefetch import Prefetcher
+from pyspecter.prompts import render_prompt
+from pyspecter.sampling import Sampler
+from pyspecter.tiers import make_tier
 
 
 @dataclass
@@ -37,130 +45,149 @@ class SessionConfig:
     draft_counts_in_budget: bool = True  # equal total fast memory: the draft's bytes come out of the slot budget
     profile: Path | None = None  # a trace (pyspecter trace): warm the slots with its hottest experts
     prefetch_cutoff: bool = True  # skip uploads the link cannot deliver before the verification pass needs them
-    surrogate_width: float = 0.25  # miss="surrogate" only: fraction of each expert's neurons its surrogate keeps
+    # miss="surrogate" only: per MoE layer, the neuron groups each expert's surrogate keeps
+    # (pyspecter.models.calibration.select_neurons makes them; the runtime does not build artifacts)
+    surrogate_groups: dict[int, np.ndarray] | None = None
+
+
+def check_draft(target: ModelLayout, draft: ModelLayout) -> None:
+    """A draft must route like the target: same arch, MoE layers and experts (its routing indexes the target's
+    slots). Checked before anything is loaded."""
+    where = f"{draft.path}: draft"
+    if draft.arch != target.arch:
+        raise SpecterError(f"{where} arch {draft.arch} differs from the target's ({target.arch})")
+    if draft.is_moe and ([L.index for L in draft.layers] != [L.index for L in target.layers]
+                         or draft.n_expert != target.n_expert):
+        raise SpecterError(f"{where} has {draft.n_expert} experts in {len(draft.layers)} MoE layers, the target "
+                           f"{target.n_expert} in {len(target.layers)}")
 
 
 class Session:
     def __init__(self, cfg: SessionConfig) -> None:
         self.cfg = cfg
         self.layout = read_layout(cfg.model).require_moe()
+        dlay = None
+        if cfg.draft:
+            dlay = read_layout(cfg.draft)
+            check_draft(self.layout, dlay)
         self.tier = make_tier(cfg.tier)
-        budget_bytes = parse_budget(cfg.budget, self.layout.expert_total_bytes) if cfg.budget else None
-        self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
-        full_budget = budget_bytes
-        if budget_bytes is not None and cfg.draft and cfg.draft_counts_in_budget:
-            budget_bytes -= self.draft_bytes
-            if budget_bytes <= 0:
-                raise SpecterError(f"the draft ({self.draft_bytes / 2**20:.0f} MiB) does not fit in budget "
-                                   f"{cfg.budget}")
         self.miss = cfg.miss or ("wait" if self.tier.name == "disk" else "cpu")
         self.surrogates = None
         if self.miss == "surrogate":
-            from pyspecter.surrogate import Surrogates, select_neurons
+            from pyspecter.surrogate import Surrogates
 
-            self.surrogates = Surrogates(self.layout, select_neurons(cfg.model, cfg.surrogate_width))
-            if budget_bytes is not None:  # they live in fast memory too
-                budget_bytes -= self.surrogates.nbytes
-                if budget_bytes <= 0:
-                    raise SpecterError(f"the surrogates ({self.surrogates.nbytes / 2**20:.1f} MiB) do not fit in "
-                                       f"budget {cfg.budget}")
-        self.n_slots = (slots_for_budget(self.layout, budget_bytes) if budget_bytes is not None
-                        else self.layout.n_expert)
-        if self.n_slots < self.layout.n_expert_used:
-            raise SpecterError(f"budget {cfg.budget} buys {self.n_slots} expert slots per layer, below "
-                               f"top-{self.layout.n_expert_used}" + (" once the draft is counted" if cfg.draft else ""))
-        # Slots the draft's memory would buy back: allocated now, used once the engine drops a draft that does
-        # not pay (CPU slots never written take no memory, patch 0006)
-        self.held = 0
-        if full_budget is not None and cfg.draft and cfg.draft_counts_in_budget and self.surrogates is None:
-            self.held = max(0, min(slots_for_budget(self.layout, full_budget), self.layout.n_expert) - self.n_slots)
+            if cfg.surrogate_groups is None:
+                raise SpecterError("miss mode 'surrogate' needs the surrogates' neuron groups")
+            self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
+        self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
+        self.plan = MemoryPlan.for_budget(self.layout, cfg.budget, draft_bytes=self.draft_bytes,
+                                          count_draft=cfg.draft_counts_in_budget,
+                                          surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0)
+        self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
         self.target = native.Model(cfg.model)
+        self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
+        try:
+            self._build(dlay)
+        except BaseException:
+            self.close()
+            raise
+        self.tokens_out = 0
+        self.decode_s = 0.0
+        self.sampler = Sampler(cfg.temperature, cfg.seed)
+
+    def _build(self, dlay: ModelLayout | None) -> None:
+        cfg = self.cfg
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
         # the disk tier, level at 50%; exact either way)
-        self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held, policy=cfg.policy,
-                                 miss=self.miss, tier=self.tier, surrogates=self.surrogates,
-                                 ordered=self.miss == "wait", held=self.held)
+        self.cache = ExpertCache(self.target, self.layout, self.plan.slots, policy=cfg.policy, miss=self.miss,
+                                 tier=self.tier, surrogates=self.surrogates, ordered=self.miss == "wait",
+                                 held=self.held)
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
             self.cache.warm(routing_profile(cfg.profile, self.layout))
         self.tctx = native.Context(self.target, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
-        self.decoder: SpeculativeDecoder | None = None
-        self.draft = None
-        if cfg.draft:
-            dlay = read_layout(cfg.draft)
+        if dlay is not None:
             self.draft = native.Model(cfg.draft)
             if self.draft.n_vocab != self.target.n_vocab:
                 raise SpecterError(f"{cfg.draft}: draft vocabulary ({self.draft.n_vocab}) differs from the target's")
-            routing = DraftRouting(self.draft, dlay) if dlay.is_moe else None
+            self.routing = DraftRouting(self.draft, dlay) if dlay.is_moe else None
             self.dctx = native.Context(self.draft, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
-            pf = Prefetcher(self.cache, cfg.min_confidence, cutoff=cfg.prefetch_cutoff) if routing else None
+            pf = Prefetcher(self.cache, cfg.min_confidence, cutoff=cfg.prefetch_cutoff) if self.routing else None
             self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
-                                              routing=routing, prefetcher=pf, temperature=cfg.temperature,
+                                              routing=self.routing, prefetcher=pf, temperature=cfg.temperature,
                                               seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert,
                                               drop_draft=self._drop_draft if self.held else None)
+            self.decoder.check = self.cache.check
         self.tctx.warmup()
-        if self.draft:
+        if self.dctx is not None:
             self.dctx.warmup()
-        self.tokens_out = 0
-        self.decode_s = 0.0
 
     def _drop_draft(self) -> None:
         """The engine measured that the draft does not pay: free it, and give its memory to the slots."""
-        self.dctx.close()
-        self.draft.close()
-        self.dctx = self.draft = None
+        self._close_draft()
         self.cache.release_held()
         self.n_slots += self.held
         self.held = self.draft_bytes = 0
 
+    def _close_draft(self) -> None:
+        if self.routing is not None:
+            self.routing.close()
+            self.routing = None
+        if self.dctx is not None:
+            self.dctx.close()
+            self.dctx = None
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.target.tokenize(text, add_special=add_special)
+
+    def stream(self, prompt: list[int], *, stop_at_eog: bool = True) -> Iterator[int]:
+        """Tokens after ``prompt``, from a fresh context, as they are decided (speculatively with a draft)."""
+        if not prompt:
+            raise SpecterError("empty prompt: nothing to continue from (this model adds no BOS token)")
+        if self.decoder is not None:
+            yield from self.decoder.stream(prompt, stop_at_eog=stop_at_eog)
+            return
+        self.tctx.clear()
+        for tok, _ in generate_step(self.tctx, prompt, self.sampler):
+            self.cache.check()
+            yield tok
+            if stop_at_eog and self.target.is_eog(tok):
+                return
 
     def generate(self, prompt: list[int], n: int, on_token: Callable[[int], None] | None = None,
                  stop_at_eog: bool = True) -> list[int]:
         """Decode up to n tokens after prompt, from a fresh context."""
+        if not prompt:
+            raise SpecterError("empty prompt: nothing to continue from (this model adds no BOS token)")
         t0 = time.perf_counter()
-        n_out = [0]
+        out: list[int] = []
 
-        def counted(tok: int) -> None:
-            n_out[0] += 1
+        def emit(tok: int) -> None:
+            out.append(tok)
             if on_token:
                 on_token(tok)
 
         try:
             if self.decoder is not None:
-                out = self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=counted)
+                # the decoder's own bounded loop: it never drafts past n
+                self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=emit)
             else:
-                out = self._plain(prompt, n, counted, stop_at_eog)
+                gen = self.stream(prompt, stop_at_eog=stop_at_eog)
+                try:
+                    for tok in gen:
+                        emit(tok)
+                        if len(out) >= n:
+                            break
+                finally:
+                    gen.close()
             self.cache.check()
         finally:  # an answer stopped early (Ctrl-C) still counts in /stats
             self.decode_s += time.perf_counter() - t0
-            self.tokens_out += n_out[0]
-        return out
-
-    def _plain(self, prompt, n, on_token, stop_at_eog) -> list[int]:
-        import numpy as np
-
-        self.tctx.clear()
-        logits = self.tctx.decode(prompt)
-        out: list[int] = []
-        while len(out) < n:
-            if self.cfg.temperature > 0:
-                from pyspecter.engine import _softmax
-
-                rng = getattr(self, "_rng", None) or np.random.default_rng(self.cfg.seed)
-                self._rng = rng
-                tok = int(rng.choice(len(logits), p=_softmax(logits, self.cfg.temperature)))
-            else:
-                tok = int(np.argmax(logits))
-            out.append(tok)
-            if on_token:
-                on_token(tok)
-            if (stop_at_eog and self.target.is_eog(tok)) or len(out) >= n:
-                break
-            logits = self.tctx.decode([tok])
-            self.cache.check()
+            self.tokens_out += len(out)
         return out
 
     def stats(self) -> dict:
@@ -170,7 +197,7 @@ class Session:
                "miss": self.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
                "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20,
-               "surrogate_uses": c["surrogate_uses"]}
+               "surrogate_uses": c["surrogate_uses"], "failed_uploads": c["failed_uploads"]}
         if self.decoder is not None:
             s = self.decoder.stats
             out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps, draft_off=s.draft_off,
@@ -182,16 +209,23 @@ class Session:
         self.tokens_out, self.decode_s = 0, 0.0
 
     def close(self) -> None:
-        self.cache.close()
-        self.tctx.close()
-        self.target.close()
-        if self.draft is not None:
-            self.dctx.close()
-            self.draft.close()
+        """Free everything, uploads drained first: they write into the target's slots."""
+        if self.cache is not None:
+            self.cache.close()  # idempotent; its counters stay readable after close
+        if self.tctx is not None:
+            self.tctx.close()
+            self.tctx = None
+        self._close_draft()
+        if self.target is not None:
+            self.target.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def apply_chat_template(model: native.Model, messages: list[dict[str, str]]) -> str:
     """The model's own chat template through llama.cpp (ChatML for models without one it knows)."""
-    from pyspecter.trace import render_prompt
-
     return render_prompt(model, messages)

@@ -12,22 +12,16 @@ mode is never on by default.
 
 from __future__ import annotations
 
-import json
-import math
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from pyspecter import native
 from pyspecter.errors import SpecterError
-from pyspecter.layout import ModelLayout, read_layout
-from pyspecter.paths import content_key, models_dir
+from pyspecter.layout import ModelLayout
 
 _KINDS = ("gate", "up", "down")
 
 
-def _group(layout: ModelLayout) -> int:
+def group_size(layout: ModelLayout) -> int:
     """Neurons per selectable unit: one quantization block of the down projection's rows (1 for float types)."""
     import gguf
 
@@ -35,61 +29,12 @@ def _group(layout: ModelLayout) -> int:
     return int(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t.ggml_type]][0])
 
 
-def select_neurons(path: Path, keep: float, n_calib: int = 512, progress: bool = True) -> dict[int, np.ndarray]:
-    """Per MoE layer: int32 [n_expert, n_groups_kept], the most important neuron groups of each expert, sorted.
-    Cached next to the models, keyed by the model file's identity and the options."""
-    import gguf
-    from gguf.quants import dequantize
-
-    from pyspecter.models.draft import _calibration_tokens, _ffn_inputs, _neuron_importance
-
-    path = Path(path)
-    lay = read_layout(path).require_moe()
-    if any(set(L.tensors) != set(_KINDS) for L in lay.layers):
-        raise SpecterError(f"{path}: surrogates need separate gate/up/down expert tensors")
-    if not 0 < keep <= 1:
-        raise SpecterError(f"surrogate width must be in (0, 1], got {keep}")
-    st = path.stat()
-    key = content_key(str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), f"{keep:g}", str(n_calib),
-                      Path(__file__).read_bytes())
-    cached = models_dir() / f"surrogate-{path.stem}-{key}.npz"
-    if cached.exists():
-        z = np.load(cached)
-        return {int(k): z[k] for k in z.files}
-    g = _group(lay)
-    n_ff = lay.layers[0].tensors["down"].shape[2]
-    n_groups = n_ff // g
-    n_keep = max(1, round(n_groups * keep))
-    if progress:
-        print(f"surrogate: ranking {lay.n_expert}x{n_ff} expert neurons per layer (groups of {g}), keeping "
-              f"{n_keep}/{n_groups} groups ...", file=sys.stderr, flush=True)
-    xs, logits = _ffn_inputs(path, _calibration_tokens(path, n_calib))
-    reader = gguf.GGUFReader(path)
-    by_name = {t.name: t for t in reader.tensors}
-    out: dict[int, np.ndarray] = {}
-    for i, L in enumerate(lay.layers):
-        w = {k: dequantize(np.asarray(by_name[t.name].data), by_name[t.name].tensor_type).astype(np.float32)
-             for k, t in L.tensors.items()}
-        ids = np.argsort(-logits[L.index], axis=1)[:, : lay.n_expert_used]
-        routed = [np.nonzero((ids == e).any(axis=1))[0] for e in range(lay.n_expert)]
-        score = _neuron_importance(w, xs[L.index], routed).reshape(lay.n_expert, n_groups, g).sum(axis=2)
-        out[L.index] = np.sort(np.argsort(-score, axis=1)[:, :n_keep], axis=1).astype(np.int32)
-        if progress:
-            print(f"\rsurrogate: {i + 1}/{len(lay.layers)} layers", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
-    tmp = cached.with_suffix(".tmp.npz")
-    np.savez(tmp, **{str(k): v for k, v in out.items()})
-    tmp.replace(cached)
-    return out
-
-
 class Surrogates:
     """The kept bytes of every expert, in RAM, and how to put one into a slot."""
 
     def __init__(self, layout: ModelLayout, groups: dict[int, np.ndarray]) -> None:
         self.layout = layout
-        self.group = g = _group(layout)
+        self.group = g = group_size(layout)
         self.data: dict[int, dict[str, np.ndarray]] = {}  # layer -> kind -> [E, ...kept bytes]
         self.rows: dict[int, np.ndarray] = {}  # layer -> [E, kept neurons]
         self.groups = groups
@@ -134,58 +79,3 @@ class Surrogates:
             rc = api.write_slot(model_ptr, il, native.KIND_NAMES[kind], slot, buf.ctypes.data, t.expert_bytes)
             if rc != 0:
                 raise SpecterError(f"write of a surrogate into slot {slot} of layer {il} failed ({rc})")
-
-
-def perplexity_delta(path: Path, keep: float, n_slots: int, tier: str = "ram", n_tokens: int = 256,
-                     progress: bool = True) -> dict:
-    """Perplexity of held-out text decoded one token at a time through ``n_slots`` slots per layer on ``tier``:
-    exact misses (wait) against surrogate misses. The surrogate mode's price, measured; cached by the model
-    file's identity and the options (the tier matters: on a slow one fewer uploads land in time)."""
-    from pyspecter.cache import ExpertCache, make_tier
-    from pyspecter.models.smol import heldout_text
-
-    path = Path(path)
-    st = path.stat()
-    key = content_key(str(path.resolve()), str(st.st_size), str(st.st_mtime_ns), f"{keep:g}", str(n_slots), tier,
-                      str(n_tokens), Path(__file__).read_bytes())
-    cached = models_dir() / f"surrogate-ppl-{path.stem}-{key}.json"
-    if cached.exists():
-        return json.loads(cached.read_text())
-    lay = read_layout(path).require_moe()
-    sur = Surrogates(lay, select_neurons(path, keep, progress=progress))
-    if progress:
-        print(f"surrogate: measuring its perplexity cost on {n_tokens} held-out tokens ...", file=sys.stderr,
-              flush=True)
-    res = {}
-    for mode in ("wait", "surrogate"):
-        with native.Model(path) as m:
-            toks = m.tokenize(heldout_text(), add_special=True)[:n_tokens]
-            cache = ExpertCache(m, lay, n_slots, miss=mode, tier=make_tier(tier),
-                                surrogates=sur if mode == "surrogate" else None)
-            nll = 0.0
-            with native.Context(m, n_ctx=len(toks) + 8, n_threads=2) as ctx:
-                for i in range(len(toks) - 1):
-                    lg = ctx.decode([toks[i]]).astype(np.float64)
-                    mx = lg.max()
-                    nll += mx + math.log(np.exp(lg - mx).sum()) - lg[toks[i + 1]]
-                cache.check()
-            c = cache.counters()
-            cache.close()
-        res[mode] = {"ppl": math.exp(nll / (len(toks) - 1)), "hit_rate": c["hit_rate"],
-                     "surrogate_uses": c["surrogate_uses"], "needed": c["needed"]}
-    res["keep"], res["slots"], res["tokens"] = keep, n_slots, n_tokens
-    res["surrogate_mib"] = sur.nbytes / 2**20
-    res["ppl_delta"] = res["surrogate"]["ppl"] - res["wait"]["ppl"]
-    res["tier"] = tier
-    cached.write_text(json.dumps(res))
-    return res
-
-
-def describe(res: dict) -> str:
-    return (f"surrogate mode (approximate): perplexity {res['surrogate']['ppl']:.3f} vs exact {res['wait']['ppl']:.3f} "
-            f"({res['ppl_delta']:+.3f}) on {res['tokens']} held-out tokens at {res['slots']} slots/layer on "
-            f"{res['tier']}, width {res['keep']:g}, {res['surrogate_mib']:.0f} MiB of surrogates, "
-            f"{100 * res['surrogate']['surrogate_uses'] / max(res['surrogate']['needed'], 1):.1f}% of experts "
-            "served by one")
-
-

@@ -205,7 +205,13 @@ def amx_decision() -> tuple[bool, str]:
     return True, "the kernel grants the tile state and a tile probe ran"
 
 
-def cmake_options(cuda: bool, amx: bool = True) -> list[str]:
+def want_asan() -> bool:
+    """SPECTER_ASAN=1: an AddressSanitizer build for `make asan-test`, kept beside the normal one (its own key)
+    and never linked into the venv."""
+    return os.environ.get("SPECTER_ASAN") == "1"
+
+
+def cmake_options(cuda: bool, amx: bool = True, asan: bool = False) -> list[str]:
     """The CMake cache options: part of the build key, so no paths here."""
     opts = [
         "-DCMAKE_BUILD_TYPE=Release",
@@ -224,6 +230,11 @@ def cmake_options(cuda: bool, amx: bool = True) -> list[str]:
     ]
     if not amx:
         opts += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    if asan:
+        # global flags, so csrc/ is instrumented along with llama.cpp and ggml
+        san = "-fsanitize=address -fno-omit-frame-pointer"
+        opts += ["-DCMAKE_BUILD_TYPE=RelWithDebInfo", f"-DCMAKE_C_FLAGS={san}", f"-DCMAKE_CXX_FLAGS={san}",
+                 "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address"]
     if cuda:
         opts += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('CMAKE_CUDA_ARCHITECTURES', 'native')}"]
     return opts
@@ -321,13 +332,18 @@ def main() -> None:
     patches = sorted(PATCHES.glob("*.patch"))
     cuda = want_cuda()
     amx, amx_why = amx_decision()
-    opts = cmake_options(cuda, amx)
+    asan = want_asan()
+    opts = cmake_options(cuda, amx, asan)
     key = build_key(pin, patches, opts)
     out = cache_dir() / "build" / key
     pkg_root = out / "pkg"
     info_path = pkg_root / "BUILD_INFO.json"
+    if "--print-root" in sys.argv[1:]:  # where this configuration's bindings are (built or not)
+        print(pkg_root)
+        return
     if info_path.exists():
-        link_into_venv(pkg_root)
+        if not asan:
+            link_into_venv(pkg_root)
         info = json.loads(info_path.read_text())
         print(f"llama.cpp build {key} cached ({'CUDA' if info['cuda'] else 'CPU'}, built in {info['build_s']:.0f}s)")
         return
@@ -365,7 +381,8 @@ def main() -> None:
     shutil.rmtree(pkg_root, ignore_errors=True)
     staging.rename(pkg_root)
     shutil.rmtree(bdir, ignore_errors=True)  # object files; the libraries are copied out and the log is kept
-    link_into_venv(pkg_root)
+    if not asan:
+        link_into_venv(pkg_root)
     print(f"llama.cpp built in {build_s:.0f}s (key {key})")
 
 

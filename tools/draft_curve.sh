@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The draft-size trade-off (DESIGN §9, the engine issue's item 6): at a fixed total fast-memory budget, TPOT of
+# The draft-size trade-off (README, draft-size curve): at a fixed total fast-memory budget, TPOT of
 # the speculative engine against the draft's size, next to on-demand LRU spending the whole budget on slots.
 #
 #   tools/draft_curve.sh                                   # smol-moe, disk tier, budgets 50% and 30%

@@ -1,9 +1,9 @@
 """Draft models: the same MoE with its experts at low bits and everything else untouched.
 
-Specter's recipe (DESIGN.md §6): a draft that predicts the target's routing keeps attention, routers and shared
-experts at the target's precision, because router-side quantization error mis-routes tokens, and takes its size
-savings from the experts, which are most of the bytes. The file is made by llama.cpp's own quantize API with
-per-tensor type overrides, so the draft is a plain GGUF that stock llama.cpp loads.
+Specter's recipe (docs/DESIGN.md, Models): a draft that predicts the target's routing keeps attention, routers
+and shared experts at the target's precision, because router-side quantization error mis-routes tokens, and
+takes its size savings from the experts, which are most of the bytes. The file is made by llama.cpp's own
+quantize API with per-tensor type overrides, so the draft is a plain GGUF that stock llama.cpp loads.
 
 ``routing_agreement`` measures what a draft is for: on held-out text, how many of the experts the target selects
 (per token, per layer) the draft selects too.
@@ -23,6 +23,7 @@ import numpy as np
 
 from pyspecter.errors import SpecterError
 from pyspecter.layout import read_layout
+from pyspecter.models.calibration import calibration_tokens, ffn_inputs, neuron_importance
 from pyspecter.paths import content_key, models_dir
 
 __all__ = ["EXPERT_PATTERN", "build_smol_moe_draft", "make_draft", "routing_agreement", "routing_trace"]
@@ -160,63 +161,9 @@ _EXPERT_FF_KEYS = ("{arch}.expert_feed_forward_length", "{arch}.feed_forward_len
 _SWIGLU_KINDS = ("gate", "up", "down")
 
 
-def _calibration_tokens(model_path: Path, n: int) -> list[int]:
-    """Text the importance of each expert neuron is measured on: the packaged calibration prompts for models with
-    a real tokenizer; seeded random ids for the random fixtures, whose 'text' is noise anyway."""
-    import llama_cpp
-
-    from pyspecter import native
-    from pyspecter.models.smol import calibration_prompts
-
-    with native.Model(model_path) as m:
-        if llama_cpp.llama_model_chat_template(m.ptr, None):
-            toks: list[int] = []
-            for line in calibration_prompts():
-                toks += m.tokenize(line + "\n", add_special=not toks)
-                if len(toks) >= n:
-                    break
-            return toks[:n]
-        rng = np.random.default_rng(0)
-        return [int(x) for x in rng.integers(1, m.n_vocab, size=n)]
-
-
-def _ffn_inputs(model_path: Path, tokens: list[int]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """Each MoE layer's expert input (its normalised FFN input) and router logits for ``tokens``, by layer index,
-    read from llama.cpp's own forward pass."""
-    from pyspecter import native
-    from pyspecter.trace import _RouterInputTap
-
-    lay = read_layout(model_path).require_moe()
-    tap = _RouterInputTap(lay)
-    with native.Model(model_path) as m, \
-            native.Context(m, n_ctx=len(tokens) + 8, n_batch=512, n_threads=N_THREADS, cb_eval=tap.cb) as ctx:
-        tap.active = True
-        ctx.decode(tokens, logits_all=True)
-        tap.active = False
-    if tap.error:
-        raise SpecterError(f"{model_path}: could not read the FFN inputs ({tap.error})")
-    x, logits = tap.take()
-    return ({L.index: x[j] for j, L in enumerate(lay.layers) if j in x},
-            {L.index: logits[j] for j, L in enumerate(lay.layers) if j in logits})
-
-
-def _neuron_importance(w: dict[str, np.ndarray], x: np.ndarray, routed: list[np.ndarray]) -> np.ndarray:
-    """[n_expert, n_ff] score of each hidden neuron of each expert: mean |activation| on the tokens routed to
-    that expert (all of the layer's tokens when fewer than 16 were) times the norm of its output column. Like
-    Wanda's |W|·||x||, measured on the neuron's real inputs rather than assumed from the weights alone."""
-    gate, up, down = w["gate"], w["up"], w["down"]  # [E, ff, d], [E, ff, d], [E, d, ff]
-    out = np.empty(gate.shape[:2], np.float32)
-    for e in range(gate.shape[0]):
-        xe = x[routed[e]] if len(routed[e]) >= 16 else x
-        g, u = xe @ gate[e].T, xe @ up[e].T
-        act = g / (1.0 + np.exp(-np.clip(g, -60, 60))) * u  # SiLU(gate)·up; a score, so gpt-oss's clamp is moot
-        out[e] = np.abs(act).mean(axis=0) * np.linalg.norm(down[e], axis=0)
-    return out
-
-
 def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progress: bool = True) -> Path:
     """Write ``model`` with every routed expert narrowed to its ``keep`` most important hidden neurons (measured
-    per expert on calibration text, see _neuron_importance), as F32; every other tensor byte-for-byte. The
+    per expert on calibration text, see neuron_importance), as F32; every other tensor byte-for-byte. The
     router, attention and shared experts are untouched, so routing still reads the full model's signals.
 
     This is the draft's second size lever after bits: at 4.5 bits an expert can shrink no further (SmolLM2's
@@ -244,11 +191,11 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
     n_keep = max(32, int(round(n_ff * keep / 32)) * 32)
     n_keep = min(n_keep, n_ff)
 
-    tokens = _calibration_tokens(model, n_calib)
+    tokens = calibration_tokens(model, n_calib)
     if progress:
         print(f"draft: measuring {lay.n_expert}x{n_ff} expert neurons per layer on {len(tokens)} tokens, keeping "
               f"{n_keep} ...", file=sys.stderr, flush=True)
-    xs, logits = _ffn_inputs(model, tokens)
+    xs, logits = ffn_inputs(model, tokens)
 
     def dense(name: str) -> np.ndarray:
         t = by_name[name]
@@ -296,7 +243,7 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
                 full = {k: dense(p + k + "_exps.weight") for k in _SWIGLU_KINDS}
                 ids = np.argsort(-logits[il], axis=1)[:, : lay.n_expert_used]
                 routed = [np.nonzero((ids == e).any(axis=1))[0] for e in range(lay.n_expert)]
-                top = np.sort(np.argsort(-_neuron_importance(full, xs[il], routed), axis=1)[:, :n_keep], axis=1)
+                top = np.sort(np.argsort(-neuron_importance(full, xs[il], routed), axis=1)[:, :n_keep], axis=1)
                 take = np.arange(lay.n_expert)[:, None]
                 done = {"layer": il, "top": top,
                         "gate": full["gate"][take, top], "up": full["up"][take, top],

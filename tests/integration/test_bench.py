@@ -1,26 +1,10 @@
-"""The benchmark's pure parts: Belady MIN and the JSON contract scripts depend on (no timings are asserted)."""
+"""The benchmark end to end: the JSON contract scripts depend on, the capped child path (no timings asserted)."""
 
 from __future__ import annotations
 
 import json
 
 from conftest import run_cli
-
-from pyspecter.bench import belady_misses
-
-
-def test_belady_is_optimal_on_a_known_trace() -> None:
-    # one layer, 2 slots: a b c a b c ... LRU misses every time; MIN keeps one of the pair and misses 1 in 2
-    trace = [(0, (x,)) for x in "abcabcabc"]
-    trace = [(il, tuple(ord(c) for c in t)) for il, t in trace]
-    assert belady_misses(trace, 3) == 3
-    assert belady_misses(trace, 2) == 6
-    assert belady_misses(trace, 1) == 9
-
-
-def test_belady_per_layer_and_multi_expert_steps() -> None:
-    trace = [(0, (1, 2)), (1, (1, 2)), (0, (1, 2)), (1, (3, 4))]
-    assert belady_misses(trace, 2) == 2 + 4
 
 
 def test_bench_json_keys() -> None:
@@ -53,4 +37,6 @@ def test_bench_engine_and_surrogate_policies_on_the_disk_tier(tmp_path) -> None:
     assert spec["mean_k"] == 0 and spec["draft_off"] == 0 and spec["cutoff"] is False and spec["adaptive"] is False
     assert spec["miss"] == "wait"
     assert sur["approximate"] is True and sur["surrogate_uses"] > 0 and sur["slots_per_layer"] == 4
-    assert "tpot_ms" in out["policies"]["specter"] or "skipped" in out["policies"]["specter"]
+    specter = out["policies"]["specter"]
+    # the draft counted in the budget may leave no room; that is the one acceptable reason to skip it
+    assert "tpot_ms" in specter or "fit" in specter["skipped"], specter

@@ -7,7 +7,6 @@ runs find them in the cache. Everything else here compares them with the dense m
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 
 import gguf
@@ -283,10 +282,11 @@ def test_make_draft_refusals(moe: Path, dense_gguf: Path, tmp_path: Path) -> Non
 
 
 def test_rebuild_is_a_cache_hit(moe: Path, draft: Path) -> None:
-    t0 = time.monotonic()
+    # a cache hit rewrites nothing (no timing asserted: these machines are shared)
+    before = (moe.stat().st_mtime_ns, draft.stat().st_mtime_ns)
     assert smol.build_smol_moe(N_EXPERT, TOP_K, progress=False) == moe
     assert drafts.build_smol_moe_draft(progress=False) == draft
-    assert time.monotonic() - t0 < 5.0
+    assert (moe.stat().st_mtime_ns, draft.stat().st_mtime_ns) == before
 
 
 def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None:
@@ -296,9 +296,9 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
     from pyspecter.cache import ExpertCache
     from pyspecter.engine import SpeculativeDecoder, greedy
     from pyspecter.layout import read_layout
-    from pyspecter.plan import Prefetcher
     from pyspecter.predict import DraftRouting
-    from pyspecter.trace import load_prompts, render_prompt
+    from pyspecter.prefetch import Prefetcher
+    from pyspecter.prompts import load_prompts, render_prompt
 
     lay = read_layout(moe)
     with native.Model(moe) as tm, native.Model(draft) as dm:

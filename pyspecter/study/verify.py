@@ -6,10 +6,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pyspecter.cache import ExpertCache, make_tier
+from pyspecter.cache import ExpertCache
 from pyspecter.engine import greedy
 from pyspecter.layout import read_layout
 from pyspecter.native import Context, Model
+from pyspecter.tiers import make_tier
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the sky is blue, step by step."
 
@@ -18,7 +19,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
            prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512,
            ordered: bool = False) -> dict:
     """Greedy tokens and logits of stock vs slot path. Attention and batching settings are identical in both
-    (DESIGN §4: routing near-ties make any difference there look like a slot bug)."""
+    (docs/DESIGN.md, exactness: routing near-ties make any difference there look like a slot bug)."""
     layout = read_layout(path).require_moe()
     the_tier = make_tier(tier)  # validate before the expensive part
     with Model(path) as stock_model, Context(stock_model, n_threads=n_threads, n_batch=n_batch) as ctx:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import gguf
@@ -70,9 +69,7 @@ def test_built_file_is_small_and_cached(name: str, built: dict[str, tuple[Path, 
     assert name in path.name
     assert path.stat().st_size < 20 * 1024 * 1024
 
-    t0 = time.perf_counter()
     again = build_tiny(name, out_dir)
-    assert time.perf_counter() - t0 < 0.5
     assert again == path
     assert path.stat().st_mtime_ns == mtime
     # No temp files left behind by the atomic write.

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from pyspecter.budget import parse_budget, slots_for_budget
 from pyspecter.errors import SpecterError
-from pyspecter.layout import parse_budget, read_layout, slots_for_budget
+from pyspecter.layout import read_layout
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,10 +20,16 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from pyspecter.cache import ExpertCache, make_tier
+from pyspecter.budget import parse_budget, slots_for_budget
+from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model
+from pyspecter.session import Session, SessionConfig
+from pyspecter.study.analyze import simulate_cache
+from pyspecter.surrogate import Surrogates
+from pyspecter.tiers import make_tier
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "specter", "specter-equal-slots", "surrogate")
@@ -46,7 +53,7 @@ def _prompt_tokens(model: Model, n: int, seed: int = 0) -> list[int]:
     import llama_cpp
 
     if llama_cpp.llama_model_chat_template(model.ptr, None):
-        from pyspecter.trace import load_prompts, render_prompt
+        from pyspecter.prompts import load_prompts, render_prompt
 
         toks: list[int] = []
         for p in load_prompts(split="eval"):
@@ -59,8 +66,6 @@ def _prompt_tokens(model: Model, n: int, seed: int = 0) -> list[int]:
 
 def _run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, tier: str, prompt_len: int,
                  n: int, n_threads: int, k: int, adaptive: bool = True, cutoff: bool = True) -> Run:
-    from pyspecter.session import Session, SessionConfig
-
     proc = psutil.Process()
     s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k, adaptive=adaptive,
                               n_ctx=prompt_len + n + 16, n_threads=n_threads, draft_counts_in_budget=count_draft,
@@ -112,8 +117,6 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
                                 miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True)
         elif policy == "surrogate":
             # approximate: single-token misses computed by the expert's surrogate; `slots` already paid for them
-            from pyspecter.surrogate import Surrogates, select_neurons
-
             sur = Surrogates(layout, select_neurons(path, surrogate_width, progress=False))
             cache = ExpertCache(model, layout, slots, miss="surrogate", surrogates=sur, tier=make_tier(tier))
         elif not stock:
@@ -147,6 +150,11 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 RUNTIME_HEADROOM = 256 * 2**20  # Python, llama.cpp buffers and KV cache on top of the weights
+CHILD_TIMEOUT_S = 1800  # one capped policy run; a stuck child must not hold the cgroup forever
+
+
+def _raise_interrupt(_sig, _frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _drop_page_cache(path: Path) -> None:
@@ -171,23 +179,23 @@ def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, str]:
         cg = None
         how = "no writable cgroup: page cache dropped before the run, not capped"
     _drop_page_cache(path)
-    code = ("import json,sys,dataclasses; from pathlib import Path; from pyspecter import bench; "
-            "from pyspecter.layout import read_layout; a=json.loads(sys.argv[1]); p=Path(a['path']); "
-            "r=(bench._run(a['policy'], p, read_layout(p), a['slots'], 'disk', a['prompt_len'], a['n'], "
-            "a['n_threads'], a['surrogate_width']) if a['fn'] == 'run' else "
-            "bench._run_specter(p, Path(a['draft']), a['budget_bytes'], a['count_draft'], 'disk', a['prompt_len'], "
-            "a['n'], a['n_threads'], a['k'], a['adaptive'], a['cutoff'])); "
-            "print(json.dumps(dataclasses.asdict(r)))")
+    # a SIGTERM to the bench (a killed sweep) unwinds through the finally below like Ctrl-C does: the child is
+    # killed by subprocess.run and the cgroup removed, instead of both outliving us
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        # the child joins the cgroup before it imports llama.cpp or touches the model
-        pre = f"open('{cg}/cgroup.procs','w').write(str(__import__('os').getpid()));" if cg else ""
-        r = subprocess.run([sys.executable, "-c", pre + code, json.dumps({**call, "path": str(path)})],
-                           capture_output=True, text=True)
+        procs = str(cg / "cgroup.procs") if cg else "-"
+        try:
+            r = subprocess.run([sys.executable, "-m", "pyspecter.study.bench_child", procs,
+                                json.dumps({**call, "path": str(path)})],
+                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise SpecterError(f"a capped run took over {CHILD_TIMEOUT_S} s and was stopped") from None
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["killed (out of memory under the cap?)"])[-1]
-            raise SpecterError(last.removeprefix("pyspecter.errors.SpecterError: "))
+            raise SpecterError(last.removeprefix("pyspecter: error: "))
         return Run(**json.loads(r.stdout.strip().splitlines()[-1])), how
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         if cg is not None:
             with contextlib.suppress(OSError):
                 cg.rmdir()
@@ -212,38 +220,21 @@ def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0) -> f
 
 
 def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int) -> int:
-    """Uploads an optimal (MIN) cache of `slots` per layer needs for this routing trace."""
+    """Uploads an optimal (MIN) cache of `slots` per layer needs for this routing trace [(layer, experts)]."""
     per_layer: dict[int, list[tuple[int, ...]]] = {}
     for il, needed in trace:
         per_layer.setdefault(il, []).append(needed)
-    misses = 0
-    for steps in per_layer.values():
-        # next_use[i][e]: the first step after i that needs e (computed backwards once: O(steps x experts))
-        nxt: dict[int, int] = {}
-        next_use: list[dict[int, int]] = [{} for _ in steps]
-        for i in range(len(steps) - 1, -1, -1):
-            next_use[i] = dict(nxt)
-            for e in steps[i]:
-                nxt[e] = i
-        resident: set[int] = set()
-        for i, needed in enumerate(steps):
-            for e in needed:
-                if e in resident:
-                    continue
-                misses += 1
-                if len(resident) >= slots:
-                    victims = [x for x in resident if x not in needed] or list(resident)
-                    resident.remove(max(victims, key=lambda x, i=i: next_use[i].get(x, 1 << 30)))
-                resident.add(e)
-    return misses
+    return sum(sum(len(set(s)) for s in steps) - simulate_cache(steps, slots, "belady")
+               for steps in per_layer.values())
 
 
 def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None, slots: int | None = None,
               policies: list[str] | None = None, prompt_len: int = 64, n: int = 32, repeat: int = 3,
               n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
               cutoff: bool = True, surrogate_width: float = 0.25) -> dict:
-    from pyspecter.layout import parse_budget, slots_for_budget
-
+    for name, value in (("--prompt-tokens", prompt_len), ("-n", n), ("--repeat", repeat), ("--threads", n_threads)):
+        if value < 1:
+            raise SpecterError(f"{name} must be at least 1, got {value}")
     path = Path(path)
     layout = read_layout(path).require_moe()
     policies = list(policies or (DEFAULT_POLICIES + (("specter", "specter-equal-slots") if draft else ())))
@@ -262,8 +253,6 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     make_tier(tier)  # validate early
     sur_slots = slots
     if "surrogate" in policies:  # the surrogates live in fast memory too: fewer slots for the same budget
-        from pyspecter.surrogate import Surrogates, select_neurons
-
         sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
         sur_slots = slots_for_budget(layout, budget_bytes - sur_bytes) if budget_bytes > sur_bytes else 0
         if sur_slots < 2 * layout.n_expert_used:

@@ -11,9 +11,10 @@ from pyspecter.cache import ExpertCache
 from pyspecter.engine import greedy
 from pyspecter.errors import SpecterError
 from pyspecter.layout import read_layout
+from pyspecter.models.calibration import select_neurons
 from pyspecter.models.tiny import build_tiny
 from pyspecter.native import Context, Model
-from pyspecter.surrogate import Surrogates, select_neurons
+from pyspecter.surrogate import Surrogates
 
 ARCHS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-mixtral"]
 

@@ -5,7 +5,7 @@ A trace is what the routing-pattern analyzer (``analyze.py``) reads, so predicto
 compared offline on the same tokens, without re-running any model.
 
 How a trace is recorded, per prompt (greedy, one token per decode, flash attention off, so the routing is what a
-plain decode sees; batching and attention settings move near-tie routing, see DESIGN §4):
+plain decode sees; batching and attention settings move near-tie routing, see docs/DESIGN.md):
 
 - The target decodes the rendered prompt, then generates ``n`` tokens. Row ``t`` of the trace is the target
   *processing* input token ``g_t`` (the first is the prompt's greedy continuation): its selected experts and router
@@ -46,111 +46,37 @@ with a draft:
   meta            str                  JSON: format, paths, arch, n_expert, n_expert_used, moe_layers,
                                         expert_bytes (target, per MoE layer), draft_expert_bytes, n, k, prompts
                                         [{id, split, kind, n_prompt_tokens, rows}], gate-lookahead diagnostics
+
+Why this module is long: the file format is documented here in full, beside the recorder that writes it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pyspecter import __version__, native
+from pyspecter import __version__
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.models.calibration import RouterInputTap
 from pyspecter.native import Context, Model
-
-TRACE_FORMAT = 1
-SPLITS = ("tune", "eval")
-
-
-# --- prompts ---------------------------------------------------------------------------------------------------
-
-def load_prompts(path: str | os.PathLike | None = None, split: str | None = None) -> list[dict]:
-    """Prompts from a JSONL file (default: the packaged eval_prompts.jsonl): one object a line with "id", "split"
-    ("tune" | "eval"), "kind" and "messages" [{role, content}]. A line may instead give "prompt": text, which is
-    taken as one user message. Blank lines and lines starting with '#' are skipped."""
-    if path is None:
-        text = resources.files("pyspecter.data").joinpath("eval_prompts.jsonl").read_text(encoding="utf-8")
-        where = "eval_prompts.jsonl"
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise SpecterError(f"{p}: no such prompt file")
-        text, where = p.read_text(encoding="utf-8"), str(p)
-    if split is not None and split not in SPLITS:
-        raise SpecterError(f"unknown split {split!r}: use {' or '.join(SPLITS)}")
-    out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if not s or s.startswith("#"):
-            continue
-        try:
-            obj = json.loads(s)
-        except json.JSONDecodeError as e:
-            raise SpecterError(f"{where}:{lineno}: not JSON ({e.msg})") from None
-        out.append(_normalize_prompt(obj, f"{where}:{lineno}", len(out)))
-    return [p for p in out if split is None or p["split"] == split]
-
-
-def _normalize_prompt(obj: Any, where: str, index: int) -> dict:
-    if isinstance(obj, str):
-        obj = {"prompt": obj}
-    if not isinstance(obj, dict):
-        raise SpecterError(f"{where}: a prompt must be an object or a string")
-    messages = obj.get("messages")
-    if messages is None and isinstance(obj.get("prompt"), str):
-        messages = [{"role": "user", "content": obj["prompt"]}]
-    if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in messages)):
-        raise SpecterError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
-    split = obj.get("split", "eval")
-    if split not in SPLITS:
-        raise SpecterError(f"{where}: split {split!r} is not {' or '.join(SPLITS)}")
-    return {"id": str(obj.get("id", f"p{index}")), "split": split, "kind": str(obj.get("kind", "chat")),
-            "messages": messages}
-
-
-def render_chatml(messages: list[dict]) -> str:
-    """ChatML (SmolLM2, Qwen): each turn in <|im_start|>role ... <|im_end|>, then an open assistant turn."""
-    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return turns + "<|im_start|>assistant\n"
-
-
-def render_prompt(model: Model, messages: list[dict]) -> str:
-    """The model's own chat template when llama.cpp knows it (Mixtral's [INST], gpt-oss' harmony...), else ChatML.
-    Fixtures have no template; the random ones tokenize any text."""
-    import llama_cpp
-
-    tmpl = llama_cpp.llama_model_chat_template(model.ptr, None)
-    if not tmpl:
-        return render_chatml(messages)
-    keep = [(m["role"].encode(), m["content"].encode()) for m in messages]  # alive while C reads them
-    chat = (llama_cpp.llama_chat_message * len(keep))(*[llama_cpp.llama_chat_message(r, c) for r, c in keep])
-    size = 4 * sum(len(r) + len(c) for r, c in keep) + 256
-    for _ in range(2):
-        buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_chat_apply_template(tmpl, chat, len(keep), True, buf, size)
-        if n < 0:  # a Jinja template llama.cpp's built-in matcher doesn't recognise
-            return render_chatml(messages)
-        if n <= size:
-            return buf.raw[:n].decode("utf-8", errors="replace")
-        size = n + 1
-    return render_chatml(messages)
+from pyspecter.native.hooks import Hooks
+from pyspecter.paths import atomic_path
+from pyspecter.prompts import load_prompts, normalize_prompt, render_prompt
+from pyspecter.tracefile import TRACE_FORMAT
 
 
 def _as_prompts(prompts: str | os.PathLike | list | None) -> list[dict]:
     if prompts is None or isinstance(prompts, str | os.PathLike):
         return load_prompts(prompts)
-    return [_normalize_prompt(p, f"prompt {i}", i) for i, p in enumerate(prompts)]
+    return [normalize_prompt(p, f"prompt {i}", i) for i, p in enumerate(prompts)]
 
 
 # --- observing the model ---------------------------------------------------------------------------------------
@@ -159,29 +85,18 @@ class _RouteRecorder:
     """Keeps what the patched routing hook reports (once per MoE layer per ubatch) until ``take``."""
 
     def __init__(self, model: Model, layout: ModelLayout) -> None:
-        self.model = model
         self.pos = {L.index: j for j, L in enumerate(layout.layers)}
         self.n_used = layout.n_expert_used
-        self.error: BaseException | None = None
         self._ids: list[list[np.ndarray]] = [[] for _ in layout.layers]
         self._w: list[list[np.ndarray]] = [[] for _ in layout.layers]
-        self.api = native.slots()
-        # The hook only exists once slots are enabled. One slot per layer, never filled: every row stays on the
-        # host path, which is stock llama.cpp's computation, and the slot tensors cost one expert per layer.
-        rc = self.api.slots_init(model.ptr, 1)
-        if rc != 0:
-            raise SpecterError(f"{model.path}: could not enable the routing hook (slots_init returned {rc})")
-        self._cb = native.ROUTE_CB(self._on_route)  # keep a reference: C holds the pointer
-        self.api.set_route_cb(model.ptr, self._cb, None)
+        # One slot per layer, never filled: every row stays on the host path, which is stock llama.cpp's
+        # computation, and the slot tensors cost one expert per layer.
+        self.hooks = Hooks(model, self._on_route, n_slots=1)
 
-    def _on_route(self, _ud, il, n_tokens, n_used, ids_p, w_p) -> None:
-        # On llama.cpp's compute thread: an exception must not unwind into C, so keep it for take()
-        try:
-            n = n_tokens * n_used
-            self._ids[self.pos[il]].append(np.ctypeslib.as_array(ids_p, shape=(n,)).reshape(n_tokens, n_used).copy())
-            self._w[self.pos[il]].append(np.ctypeslib.as_array(w_p, shape=(n,)).reshape(n_tokens, n_used).copy())
-        except BaseException as e:  # noqa: BLE001
-            self.error = e
+    def _on_route(self, il, n_tokens, n_used, ids_p, w_p) -> None:
+        n = n_tokens * n_used
+        self._ids[self.pos[il]].append(np.ctypeslib.as_array(ids_p, shape=(n,)).reshape(n_tokens, n_used).copy())
+        self._w[self.pos[il]].append(np.ctypeslib.as_array(w_p, shape=(n,)).reshape(n_tokens, n_used).copy())
 
     def clear(self) -> None:
         for lst in (*self._ids, *self._w):
@@ -189,9 +104,10 @@ class _RouteRecorder:
 
     def take(self, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Routing of the last n_tokens decoded rows: ids [n_tokens, L, U] and weights, then forget everything."""
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise SpecterError(f"routing hook failed: {err!r}")
+        try:
+            self.hooks.check()
+        except Exception as err:  # noqa: BLE001
+            raise SpecterError(f"routing hook failed: {err!r}") from None
         ids = np.full((n_tokens, len(self._ids), self.n_used), -1, np.int16)
         w = np.zeros((n_tokens, len(self._ids), self.n_used), np.float16)
         for j, (chunks, wchunks) in enumerate(zip(self._ids, self._w, strict=True)):
@@ -206,97 +122,7 @@ class _RouteRecorder:
         return ids, w
 
     def close(self) -> None:
-        self.api.set_route_cb(self.model.ptr, native.ROUTE_CB(), None)
-
-
-class _GgmlTensor(ctypes.Structure):
-    """The pinned ggml's ``struct ggml_tensor`` (ggml/include/ggml.h), read-only. Checked against ggml_get_name
-    on first use, so a different ggml layout turns the gate lookahead off instead of reading garbage."""
-
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
-                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
-                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
-                ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
-
-
-_GGML_TYPE_F32 = 0
-_LOGITS_PREFIX = b"ffn_moe_logits-"
-
-
-def _ggml_lib() -> ctypes.CDLL:
-    from llama_cpp import _ggml
-
-    lib = _ggml.libggml
-    lib.ggml_get_name.restype = ctypes.c_void_p
-    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_nbytes.restype = ctypes.c_size_t
-    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    lib.ggml_is_contiguous.restype = ctypes.c_bool
-    lib.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
-    # through the backend, so the same read works for device tensors
-    lib.ggml_backend_tensor_get.restype = None
-    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    return lib
-
-
-class _RouterInputTap:
-    """Reads each MoE layer's router input through llama.cpp's eval callback (fine for observing, DESIGN §4).
-
-    The scheduler asks about every node; we want only ``ffn_moe_logits-L``. Saying yes splits the graph there and
-    syncs, which costs time but no exactness: the same ops run on the same data."""
-
-    def __init__(self, layout: ModelLayout) -> None:
-        import llama_cpp
-
-        self.pos = {L.index: j for j, L in enumerate(layout.layers)}
-        self.active = False
-        self.error: str | None = None
-        self.x: dict[int, np.ndarray] = {}  # MoE layer position -> [n_tokens, n_embd] router input
-        self.logits: dict[int, np.ndarray] = {}
-        self.router_names: dict[int, str] = {}
-        self._lib = _ggml_lib()
-        self._checked = False
-        self.cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
-
-    def _read(self, addr: int) -> np.ndarray:
-        t = _GgmlTensor.from_address(addr)
-        if t.type != _GGML_TYPE_F32 or not self._lib.ggml_is_contiguous(addr) or t.ne[2] != 1 or t.ne[3] != 1:
-            raise SpecterError(f"{t.name.decode()}: not a contiguous 2-D F32 tensor")
-        out = np.empty((t.ne[1], t.ne[0]), np.float32)
-        self._lib.ggml_backend_tensor_get(addr, out.ctypes.data, 0, out.nbytes)
-        return out
-
-    def _on_eval(self, addr, ask, _ud) -> bool:
-        # Must answer True after computing a node it asked for: False there aborts the rest of the graph split.
-        try:
-            if not self.active or self.error:
-                return not ask
-            t = _GgmlTensor.from_address(addr)
-            if not self._checked:
-                if self._lib.ggml_get_name(addr) != addr + _GgmlTensor.name.offset:
-                    self.error = "ggml_tensor layout differs from the pinned one"
-                    return not ask
-                self._checked = True
-            name = t.name
-            if not name.startswith(_LOGITS_PREFIX):
-                return not ask
-            if ask:
-                return True
-            j = self.pos.get(int(name[len(_LOGITS_PREFIX):]))
-            if j is not None:
-                self.x[j] = self._read(t.src[1])
-                self.logits[j] = self._read(addr)
-                self.router_names[j] = _GgmlTensor.from_address(t.src[0]).name.decode()
-        except BaseException as e:  # noqa: BLE001  (must not unwind into C)
-            self.error = f"{type(e).__name__}: {e}"
-        return True
-
-    def take(self) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-        """Router inputs and llama.cpp's router logits by MoE layer position, since the last take."""
-        x, logits = self.x, self.logits
-        self.x, self.logits = {}, {}
-        return x, logits
+        self.hooks.close()
 
 
 # --- routers, for the next-layer gate lookahead ----------------------------------------------------------------
@@ -429,7 +255,7 @@ def record_trace(model_path: str | os.PathLike, out_path: str | os.PathLike,
         n_ctx = max(len(t) for t in rendered) + n + k + 8
         n_ctx = -(-n_ctx // 256) * 256
         n_batch = min(n_ctx, 512)
-        tap = _RouterInputTap(layout) if H else None
+        tap = RouterInputTap(layout) if H else None
         if tap is not None:
             ctx = Context(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, cb_eval=tap.cb)
         else:
@@ -543,9 +369,8 @@ def record_trace(model_path: str | os.PathLike, out_path: str | os.PathLike,
         },
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp.npz")
-    np.savez_compressed(tmp, meta=np.array(json.dumps(meta)), **arrays)
-    os.replace(tmp, out_path)
+    with atomic_path(out_path, suffix=".npz") as tmp:
+        np.savez_compressed(tmp, meta=np.array(json.dumps(meta)), **arrays)
 
     summary = {"out": str(out_path), "rows": T, "prompts": len(items), "moe_layers": L_n,
                "n_expert": layout.n_expert, "n_expert_used": U, "k": meta["k"], "draft": meta["draft"],
@@ -618,56 +443,3 @@ def _mean_known(m: np.ndarray) -> float | None:
     return float(known.mean()) if known.size else None
 
 
-# --- reading ---------------------------------------------------------------------------------------------------
-
-@dataclass
-class Trace:
-    """A loaded trace: ``meta`` (the JSON) and the arrays by name (see the module docstring)."""
-
-    meta: dict
-    arrays: dict[str, np.ndarray]
-
-    def get(self, name: str) -> np.ndarray | None:
-        return self.arrays.get(name)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.arrays[name]
-
-    @property
-    def n_rows(self) -> int:
-        return int(self.arrays["target_ids"].shape[0])
-
-    @property
-    def n_expert(self) -> int:
-        return int(self.meta["n_expert"])
-
-    @property
-    def n_used(self) -> int:
-        return int(self.arrays["target_ids"].shape[2])
-
-    @property
-    def expert_bytes(self) -> np.ndarray:
-        return np.asarray(self.meta["expert_bytes"], np.float64)
-
-    @property
-    def row_split(self) -> np.ndarray:
-        """The split ("tune"/"eval") of each row's prompt."""
-        splits = np.array([p["split"] for p in self.meta["prompts"]] or ["eval"])
-        return splits[self.arrays["prompt_index"].astype(np.int64)]
-
-
-def load_trace(path: str | os.PathLike) -> Trace:
-    p = Path(path)
-    if not p.is_file():
-        raise SpecterError(f"{p}: no such trace")
-    try:
-        with np.load(p, allow_pickle=False) as z:
-            arrays = {name: z[name] for name in z.files}
-    except (OSError, ValueError) as e:
-        raise SpecterError(f"{p}: not a routing trace ({e})") from None
-    if "meta" not in arrays or "target_ids" not in arrays:
-        raise SpecterError(f"{p}: not a routing trace (no meta/target_ids)")
-    meta = json.loads(str(arrays.pop("meta")))
-    if meta.get("format") != TRACE_FORMAT:
-        raise SpecterError(f"{p}: trace format {meta.get('format')}, this pyspecter reads {TRACE_FORMAT}")
-    return Trace(meta, arrays)

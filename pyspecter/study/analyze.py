@@ -25,6 +25,9 @@ Definitions used throughout (``N(t, l)``: the experts the target selected for ro
   used farthest in the future, never one the step needs) are simulated.
 - Upload bytes per token at a confidence threshold: the bytes of the distinct predicted experts kept (router weight
   >= threshold) for one token, summed over MoE layers; wasted = kept but not needed, missed = needed, not kept.
+
+Why this module is long: every analysis reads the same trace arrays and writes one report; the plots and
+the text format sit beside the numbers they show.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyspecter.trace import Trace, load_trace
+from pyspecter.tracefile import Trace, load_trace
 
 PREDICTORS = ("draft-same-tokens", "draft-own-tokens", "prev-token", "frequency", "next-layer-gate", "oracle")
 LOOKAHEADS = (1, 2, 3, 4)

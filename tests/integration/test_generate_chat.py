@@ -63,7 +63,9 @@ def test_ctrl_c_stops_the_answer_not_the_repl() -> None:
     import os
     import signal
 
-    from pyspecter.cli import _interruptible, _stop_check, _Stopped
+    from pyspecter.chat import Stopped as _Stopped
+    from pyspecter.chat import interruptible as _interruptible
+    from pyspecter.chat import stop_check as _stop_check
 
     seen: list[int] = []
 
@@ -87,7 +89,8 @@ def test_profile_warm_start(tmp_path: Path) -> None:
 
     from pyspecter.layout import read_layout
     from pyspecter.predict import routing_profile
-    from pyspecter.trace import load_trace, record_trace
+    from pyspecter.study.trace import record_trace
+    from pyspecter.tracefile import load_trace
 
     path = build_tiny("tiny-qwen3moe")
     tr_path = tmp_path / "t.npz"

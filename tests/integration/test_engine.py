@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pyspecter import native
 from pyspecter.cache import ExpertCache
-from pyspecter.engine import SpeculativeDecoder, greedy, speculative_accept
+from pyspecter.engine import SpeculativeDecoder, greedy
+from pyspecter.governor import KGovernor
 from pyspecter.layout import read_layout
 from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
-from pyspecter.plan import OFF, KGovernor, Prefetcher
 from pyspecter.predict import DraftRouting
+from pyspecter.prefetch import Prefetcher
 
 
 @pytest.fixture(scope="session")
@@ -80,51 +80,6 @@ def test_sampling_is_seeded(tiny_drafts: dict[str, Path]) -> None:
     assert outs[0] == outs[1] and len(outs[0]) == 24
 
 
-def test_speculative_sampling_preserves_target_distribution() -> None:
-    # the first emitted token must follow the target's p exactly, whatever the draft's q
-    rng = np.random.default_rng(0)
-    V = 6
-    p_logits = rng.normal(size=(2, V)) * 1.5
-    q_logits = rng.normal(size=V) * 1.5
-    q = np.exp(q_logits - q_logits.max())
-    q /= q.sum()
-    p0 = np.exp(p_logits[0] - p_logits[0].max())
-    p0 /= p0.sum()
-    counts = np.zeros(V)
-    N = 40000
-    for _ in range(N):
-        d = int(rng.choice(V, p=q))
-        accepted, tok = speculative_accept(p_logits, [q], [d], 1.0, rng)
-        counts[d if accepted == 1 else tok] += 1
-    freq = counts / N
-    assert np.abs(freq - p0).max() < 0.01, (freq, p0)
-
-
-def test_governor_turns_speculation_off_when_it_does_not_pay() -> None:
-    g = KGovernor(k_max=6, k=3)
-    for _ in range(20):
-        k = g.choose()
-        # nothing is ever accepted and drafting costs as much as verifying
-        g.observe(k, 0, 0.01 * (k + 1), 0.01 + 0.001 * k)
-    assert g.choose() == 0 or g.steps % 32 == 0
-    g2 = KGovernor(k_max=6, k=1)
-    for _ in range(20):
-        k = g2.choose()
-        g2.observe(k, k, 0.001 * (k + 1), 0.01 + 0.0005 * k)  # everything accepted, drafting cheap
-    assert g2.k >= 3
-
-
-def test_governor_trusts_measured_speed_over_its_model() -> None:
-    # the cost model alone would speculate (cheap draft, everything accepted), but every K > 0 step is measured
-    # slow (e.g. prefetch bandwidth wasted on drafts' routing): the governor must settle on K = 0
-    g = KGovernor(k_max=4, k=2, draft_at_k0=True)
-    for _ in range(40):
-        k = g.choose()
-        g.observe(k, k, 0.001 * (k + 1), 0.01 if k == 0 else 0.2)
-    assert g.k == 0
-    assert g.seen_rate[0] > max(v for kk, v in g.seen_rate.items() if kk > 0)
-
-
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_narrow_draft(name: str, tiny_drafts: dict[tuple[str, float], Path]) -> None:
     """Narrowed experts: half the hidden neurons (whole 32-blocks), everything else as in the full draft; the
@@ -149,7 +104,7 @@ def test_narrow_draft(name: str, tiny_drafts: dict[tuple[str, float], Path]) -> 
 def test_engine_exact_with_ordered_waits_on_disk(name: str, tiny_drafts: dict[tuple[str, float], Path]) -> None:
     """The session default on the disk tier: wait mode with late experts after resident ones (patch 0005), with
     the draft's prefetches in flight, K=0 prediction and speculation mixed by the governor."""
-    from pyspecter.cache import make_tier
+    from pyspecter.tiers import make_tier
 
     path = build_tiny(name)
     draft = tiny_drafts[name, 0.5]
@@ -167,30 +122,6 @@ def test_engine_exact_with_ordered_waits_on_disk(name: str, tiny_drafts: dict[tu
             cache.check()
         assert cache.counters()["late"] > 0
         cache.close()
-
-
-def test_governor_calls_the_draft_idle_only_when_plain_decoding_is_measured_faster() -> None:
-    g = KGovernor(k_max=4, k=2, draft_at_k0=True)
-    for _ in range(40):
-        k = g.choose()
-        g.observe(k, 0, 0.01 * (k + 1) if k != OFF else 0.0, 0.01)  # the draft costs, nothing is accepted
-    assert g.draft_idle()
-    g.pin(OFF)
-    assert g.choose() == OFF and not g.draft_idle()
-    g2 = KGovernor(k_max=4, k=2, draft_at_k0=True)
-    for _ in range(40):
-        k = g2.choose()
-        g2.observe(k, k, 0.001 * (k + 1) if k != OFF else 0.0, 0.01)  # a cheap draft, everything accepted
-    assert not g2.draft_idle()
-
-    # prediction pays a little (K=0 measured 10% faster than OFF), but OFF would have the draft's memory as slots:
-    # idle only when that gain (estimated by the engine) outweighs it
-    g3 = KGovernor(k_max=4, k=0, draft_at_k0=True)
-    for _ in range(40):
-        k = g3.choose()
-        g3.observe(k, 0, 0.0, 0.01 if k == 0 else 0.011 if k == OFF else 0.03)
-    assert not g3.draft_idle() and not g3.draft_idle(off_gain=1.1)
-    assert g3.draft_idle(off_gain=1.5)
 
 
 def test_ghost_lru_counts_what_plain_lru_would_miss_with_the_held_slots() -> None:

@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 
 from pyspecter import native
-from pyspecter.analyze import (
+from pyspecter.errors import SpecterError
+from pyspecter.layout import read_layout
+from pyspecter.models.tiny import TINY_MODELS, build_tiny
+from pyspecter.prompts import load_prompts, render_chatml
+from pyspecter.study.analyze import (
     PREDICTORS,
     analyze,
     cache_curves,
@@ -23,10 +27,8 @@ from pyspecter.analyze import (
     set_scores,
     simulate_cache,
 )
-from pyspecter.errors import SpecterError
-from pyspecter.layout import read_layout
-from pyspecter.models.tiny import TINY_MODELS, build_tiny
-from pyspecter.trace import load_prompts, load_trace, record_trace, render_chatml
+from pyspecter.study.trace import record_trace
+from pyspecter.tracefile import load_trace
 
 N, K = 8, 3
 
@@ -190,7 +192,7 @@ def test_self_draft_predicts_perfectly(tmp_path: Path) -> None:
     r = analyze(out)
     for name in ("draft-same-tokens", "draft-own-tokens"):
         assert all(v == 1.0 for v in r["predictors"][name]["recall_at"].values() if v is not None), name
-    # verify runs the drafts as one batch, which may flip a near-tie now and then (DESIGN §4)
+    # verify runs the drafts as one batch, which may flip a near-tie now and then (docs/DESIGN.md, exactness)
     assert all(v >= 0.95 for v in r["speculative"]["draft_own_recall_vs_verify_at"].values())
 
 

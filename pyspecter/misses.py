@@ -1,0 +1,219 @@
+"""What happens to an expert a layer needs that is not resident. One handler object per miss mode.
+
+  cpu        compute misses on the host now, and upload them in the background for next time;
+  wait       upload the missing experts now (the compute thread waits), then compute them from the slots;
+  ordered    wait, refined: start the uploads, mark the experts *late*, and let the layer's resident experts
+             (and the host path) compute while they land; the wait hook then blocks until they have;
+  surrogate  APPROXIMATE, opt-in: compute a single-token miss with the expert's surrogate (its most important
+             neurons, kept in RAM; see surrogate.py) from one of top-k reserved slots, and upload the full expert
+             in the background for next time. Multi-token ubatches (prefill) wait, as in ``wait``.
+
+Handlers run inside the routing hook (on llama.cpp's compute thread). Whatever is still not resident when they
+return is computed exactly on the host, so no decision here can change the model's output, only its speed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pyspecter.errors import SpecterError
+from pyspecter.residency import LayerSlots
+
+if TYPE_CHECKING:
+    from pyspecter.cache import ExpertCache
+
+MISS_MODES = ("wait", "cpu", "surrogate")
+
+
+class MissHandler:
+    name = "?"
+    wants_wait_hook = False
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.cache = cache
+        self.res = cache.residency
+
+    def begin(self, il: int, st: LayerSlots) -> None:
+        """Start of a layer's ubatch, before anything else looks at residency."""
+
+    def handle(self, il: int, st: LayerSlots, needed: set[int], missing: list[int], n_tokens: int) -> None:
+        raise NotImplementedError
+
+    def on_wait(self, il: int) -> None:
+        """Ordered mode's wait hook: after the layer's resident and host matmuls, before its late ones."""
+
+    def _slot_for_miss(self, il: int, needed: set[int], taken: frozenset[int] | set[int] = frozenset()) -> int:
+        """A slot for an expert the compute thread is about to wait for; when every candidate is still being
+        filled, let those uploads land first. -1: more distinct experts in this ubatch than slots."""
+        res = self.res
+        slot = res.victim(il, needed, taken, need=True)
+        st = res.layers[il]
+        # only an upload of an expert not needed now can free a victim: waiting for a needed one (prefill's
+        # lookahead fills every slot with those) would stall the hook and gain no slot
+        landing = {x for x, _ in st.pending.values() if x not in needed}
+        if slot < 0 and landing:
+            res.reap(il, block_for=landing)
+            slot = res.victim(il, needed, taken, need=True)
+        return slot
+
+    def _wait_for_due(self, il: int, missing: list[int], inflight: dict) -> None:
+        # an upload already on the wire is due soon: wait for it; one still queued behind others would stall
+        # longer than the alternative
+        due = {e for e in missing if e in inflight and inflight[e].started()}
+        if due:
+            self.res.reap(il, block_for=due)
+            self.cache.stats.waited += len(due)
+
+    def _upload_in_background(self, il: int, expert: int, needed: set[int]) -> bool:
+        slot = self.res.victim(il, needed, need=True)
+        if slot < 0:
+            return False
+        self.res.evict(il, slot)
+        self.res.start_upload(il, expert, slot, self.cache.tier.upload_async(il, expert, slot))
+        self.cache.count_upload(il)
+        return True
+
+    def _take_back_queued(self, st: LayerSlots, missing: list[int], inflight: dict) -> None:
+        # a prefetch still queued behind others is taken back and read now as a demand read
+        for slot, (e, h) in list(st.pending.items()):
+            if e in inflight and e in missing and h.cancel():
+                del st.pending[slot]
+                del inflight[e]
+
+
+class CpuMisses(MissHandler):
+    name = "cpu"
+
+    def handle(self, il: int, st: LayerSlots, needed: set[int], missing: list[int], n_tokens: int) -> None:
+        inflight = st.inflight()
+        self._wait_for_due(il, missing, inflight)
+        for e in missing:
+            if e not in inflight and not self._upload_in_background(il, e, needed):
+                break
+
+
+class WaitMisses(MissHandler):
+    name = "wait"
+
+    def handle(self, il: int, st: LayerSlots, needed: set[int], missing: list[int], n_tokens: int) -> None:
+        inflight = st.inflight()
+        self._take_back_queued(st, missing, inflight)
+        landing = set(inflight) & set(missing)
+        self.res.reap(il, block_for=landing)
+        self.cache.stats.waited += len(landing)
+        loads = []
+        for e in missing:
+            if st.where[e] >= 0:
+                continue
+            slot = self._slot_for_miss(il, needed, {s for _, s in loads})
+            if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
+                self.cache.stats.overflow_rows += 1
+                continue
+            self.res.evict(il, slot)
+            loads.append((e, slot))
+        failed = self.cache.tier.upload_many(il, loads)  # side by side where the tier reads faster that way
+        for e, slot in loads:
+            self.cache.count_upload(il)
+            if e in failed:  # the slot holds garbage: leave it free, the host path computes the expert
+                self.res.failed_uploads += 1
+            else:
+                self.res.assign(il, e, slot)
+
+
+class OrderedWaitMisses(MissHandler):
+    name = "wait"
+    wants_wait_hook = True
+
+    def handle(self, il: int, st: LayerSlots, needed: set[int], missing: list[int], n_tokens: int) -> None:
+        inflight = st.inflight()
+        self._take_back_queued(st, missing, inflight)
+        slot_of = {e: slot for slot, (e, _) in st.pending.items()}
+        for e in missing:
+            slot = slot_of.get(e)
+            if slot is None:
+                slot = self._slot_for_miss(il, needed)
+                if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
+                    self.cache.stats.overflow_rows += 1
+                    continue
+                self.res.evict(il, slot)
+                self.res.start_upload(il, e, slot, self.cache.tier.upload_now(il, e, slot))
+                self.cache.count_upload(il)
+            else:
+                self.cache.stats.waited += 1
+            if self.res.api.set_late(self.res.model.ptr, il, e, slot) != 0:
+                raise SpecterError(f"could not mark expert {e} of layer {il} late (no wait hook?)")
+            st.late[e] = slot
+            self.cache.stats.late += 1
+
+    def on_wait(self, il: int) -> None:
+        st = self.res.layers.get(il)
+        if st is None or not st.late:
+            return
+        self.res.reap(il, block_for=set(st.late))
+        # A late expert whose upload failed is not resident, yet the graph computes its rows from the slot it
+        # was marked late in. Read it again into that slot (it is free: a failed upload never maps); if that
+        # fails too, nothing exact can be done for this ubatch, so fail loudly rather than emit a wrong token.
+        failed = []
+        for e, slot in st.late.items():
+            if st.where[e] >= 0:
+                continue
+            try:
+                self.cache.tier.upload(il, e, slot)
+                self.res.assign(il, e, slot)
+            except SpecterError:
+                failed.append(e)
+        st.late.clear()
+        if failed:
+            raise SpecterError(f"upload of late expert(s) {sorted(failed)} of layer {il} failed; "
+                               "this token's output would be wrong")
+
+
+class SurrogateMisses(MissHandler):
+    name = "surrogate"
+
+    def __init__(self, cache: ExpertCache) -> None:
+        super().__init__(cache)
+        self.wait = WaitMisses(cache)  # multi-token ubatches (prefill)
+
+    def begin(self, il: int, st: LayerSlots) -> None:
+        if st.sur_mapped:  # last ubatch's surrogate routing must not outlive it
+            for e in st.sur_mapped:
+                if st.where[e] < 0:
+                    self.res.api.set_slot(self.res.model.ptr, il, e, -1)
+            st.sur_mapped.clear()
+
+    def handle(self, il: int, st: LayerSlots, needed: set[int], missing: list[int], n_tokens: int) -> None:
+        if n_tokens > 1:
+            self.wait.handle(il, st, needed, missing, n_tokens)
+            return
+        inflight = st.inflight()
+        self._wait_for_due(il, missing, inflight)  # the exact expert is worth a short wait
+        cache = self.cache
+        free = list(range(cache.n_regular, cache.n_slots))
+        for e in missing:
+            if st.where[e] >= 0:
+                continue
+            if e not in inflight:  # the full expert, in the background, for next time
+                self._upload_in_background(il, e, needed)
+            if not free:
+                continue  # more misses than reserved slots: the host path computes this one exactly
+            r = next((x for x in free if st.sur_in.get(x) == e), free[0])
+            free.remove(r)
+            if st.sur_in.get(r) != e:
+                cache.surrogates.write(self.res.api, self.res.model.ptr, il, e, r)
+                st.sur_in[r] = e
+            self.res.api.set_slot(self.res.model.ptr, il, e, r)
+            st.sur_mapped.add(e)
+            cache.stats.surrogate_uses += 1
+
+
+def make_miss_handler(cache: ExpertCache, miss: str, ordered: bool) -> MissHandler:
+    if miss not in MISS_MODES:
+        raise SpecterError(f"unknown miss mode {miss!r}: use one of {', '.join(MISS_MODES)}")
+    if ordered and miss != "wait":
+        raise SpecterError("ordered (late experts after resident ones) is a refinement of miss mode 'wait'")
+    if miss == "cpu":
+        return CpuMisses(cache)
+    if miss == "surrogate":
+        return SurrogateMisses(cache)
+    return OrderedWaitMisses(cache) if ordered else WaitMisses(cache)

@@ -1,0 +1,44 @@
+"""Built-in model names: what a user may type instead of a GGUF path, and how each is built (or found cached)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pyspecter.errors import SpecterError
+
+DRAFT_NAME = re.compile(r"smol-moe-draft(?:-(Q\w+))?(?:-w([0-9.]+))?")  # smol-moe-draft[-TYPE][-wWIDTH]
+
+
+def builtin_names() -> list[str]:
+    from pyspecter.models import tiny
+
+    return ["smol-moe", "smol-moe-draft", "smol-moe-draft-TYPE-wKEEP", *tiny.TINY_MODELS, *tiny.BENCH_MODELS]
+
+
+def is_builtin(name: str) -> bool:
+    return name in builtin_names() or DRAFT_NAME.fullmatch(name) is not None
+
+
+def resolve_model(spec: str) -> Path:
+    """A path as given, or a built-in model name built (or found in the cache) on demand."""
+    p = Path(spec)
+    if p.exists() or "/" in spec or spec.endswith(".gguf"):
+        return p
+    from pyspecter.models import tiny
+
+    if spec in tiny.TINY_MODELS or spec in tiny.BENCH_MODELS:
+        return tiny.build_tiny(spec)
+    if spec == "smol-moe":
+        from pyspecter.models.smol import build_smol_moe
+
+        return build_smol_moe()
+    m = DRAFT_NAME.fullmatch(spec)
+    if m:  # smol-moe-draft, or e.g. smol-moe-draft-Q4_0-w0.25: experts Q4_0, narrowed to a quarter
+        from pyspecter.models.draft import build_smol_moe_draft
+
+        keep = float(m.group(2)) if m.group(2) else 1.0
+        if not 0 < keep <= 1:
+            raise SpecterError(f"{spec}: the width after -w must be in (0, 1]")
+        return build_smol_moe_draft(m.group(1) or "Q2_K", ffn_keep=keep)
+    raise SpecterError(f"{spec}: no such file, and not a built-in model ({', '.join(builtin_names())})")

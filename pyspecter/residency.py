@@ -1,0 +1,129 @@
+"""The slot table: which expert each slot of each MoE layer holds, and which uploads are landing.
+
+This table is the one source of truth for residency. The C remap table (expert -> slot) that the routing op
+reads is a mirror, written only from here (``assign``/``evict``), between decodes or from inside the routing
+hook. An upload in flight is *pending*: its slot is neither free nor mapped until the upload has landed whole;
+one that failed leaves its slot free and its expert a miss, which the host path computes exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pyspecter import native
+from pyspecter.layout import ModelLayout
+from pyspecter.policies import GhostLRU, Policy
+
+
+@dataclass
+class LayerSlots:
+    # plain lists, not numpy: the hook does a handful of scalar reads and writes per call, where list indexing
+    # is several times cheaper than numpy scalar indexing
+    owner: list[int]  # slot -> expert (-1 free)
+    where: list[int]  # expert -> slot (-1 not resident)
+    last_use: list[int]  # slot -> clock of last hit
+    freq: list[int]  # expert -> times selected
+    pending: dict = field(default_factory=dict)  # slot -> (expert, handle): uploads in flight
+    protected: set = field(default_factory=set)  # experts predicted for the window in flight: never evicted
+    sur_in: dict = field(default_factory=dict)  # reserved slot -> expert whose surrogate it holds
+    sur_mapped: set = field(default_factory=set)  # experts routed to a reserved slot for the current ubatch
+    late: dict = field(default_factory=dict)  # ordered mode: expert -> slot, computed after the resident ones
+    ghost: GhostLRU | None = None  # held slots: plain LRU over every allocated slot, in bookkeeping only
+
+    def inflight(self) -> dict[int, object]:
+        """expert -> handle of its upload in flight."""
+        return {e: h for e, h in self.pending.values()}
+
+
+class Residency:
+    """Slot tables of every MoE layer of one model, with the policy that picks victims. Slots ``n_usable`` and
+    above are not handed out: held ones (a draft's memory, until it is dropped) and reserved ones (surrogates)."""
+
+    def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, n_usable: int, policy: Policy,
+                 ghost_capacity: int | None = None, api=None) -> None:
+        """api: the C slot functions (``native.slots()``); tests pass a stand-in that records the mirror."""
+        self.model, self.policy = model, policy
+        self.api = api if api is not None else native.slots()
+        self.n_slots, self.n_usable = n_slots, n_usable
+        E = layout.n_expert
+        self.layers = {
+            L.index: LayerSlots(owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E,
+                                ghost=GhostLRU(ghost_capacity) if ghost_capacity else None)
+            for L in layout.layers
+        }
+        self.clock = 0
+        self.failed_uploads = 0
+
+    def assign(self, il: int, expert: int, slot: int) -> None:
+        st = self.layers[il]
+        prev = st.owner[slot]
+        if prev >= 0:
+            st.where[prev] = -1
+        st.owner[slot] = expert
+        st.where[expert] = slot
+        st.last_use[slot] = self.clock
+        self.api.set_slot(self.model.ptr, il, expert, slot)
+
+    def evict(self, il: int, slot: int) -> None:
+        st = self.layers[il]
+        prev = st.owner[slot]
+        if prev >= 0:
+            st.where[prev] = -1
+            st.owner[slot] = -1
+            self.api.set_slot(self.model.ptr, il, prev, -1)
+
+    def victim(self, il: int, protected: set[int], taken: frozenset[int] | set[int] = frozenset(),
+               need: bool = False) -> int:
+        """A slot to reuse: a free one, else by policy among slots not holding an expert needed right now (and
+        not in ``taken``: slots already chosen for this batch of uploads). Experts predicted for the window in
+        flight are spared too, unless ``need``: an expert needed now outranks a prediction, which only ever
+        advises (without this, a window predicting more experts than there are slots starved the current token
+        and sent it to the host path). -1: none."""
+        st = self.layers[il]
+        best, best_key, spared = -1, None, -1
+        for s in range(self.n_usable):
+            if s in st.pending or s in taken:
+                continue
+            e = st.owner[s]
+            if e < 0:
+                return s
+            if e in protected:
+                continue
+            if e in st.protected:
+                spared = s
+                continue
+            key = self.policy.rank(st.last_use[s], st.freq[e])
+            if best_key is None or key < best_key:
+                best, best_key = s, key
+        if best < 0 and need and spared >= 0:
+            st.protected.discard(st.owner[spared])
+            return spared
+        return best
+
+    def start_upload(self, il: int, expert: int, slot: int, handle) -> None:
+        """``slot`` (already evicted) is receiving ``expert``: pending until ``reap`` sees it land."""
+        self.layers[il].pending[slot] = (expert, handle)
+
+    def reap(self, il: int, block_for: set[int] | None = None) -> None:
+        """Map every upload of layer il that has landed (first waiting for those of ``block_for``). A failed one
+        frees its slot and leaves its expert a miss."""
+        st = self.layers[il]
+        for slot, (expert, handle) in list(st.pending.items()):
+            if block_for is not None and expert in block_for:
+                handle.wait()
+            if handle.done():
+                del st.pending[slot]
+                if handle.ok():
+                    self.assign(il, expert, slot)
+                else:
+                    self.failed_uploads += 1
+
+    def drain(self) -> None:
+        """Wait for every upload in flight and map those that landed."""
+        for il, st in self.layers.items():
+            self.reap(il, block_for={e for e, _ in st.pending.values()})
+
+    def release_held(self) -> None:
+        """The memory held back (a draft's) is free now: every allocated regular slot may be used."""
+        for st in self.layers.values():
+            st.ghost = None

@@ -1,0 +1,226 @@
+"""The control plane's decisions, without llama.cpp: the K governor, speculative sampling, Belady MIN, budgets,
+eviction policies, the ghost LRU, and the slot table's handling of uploads that fail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyspecter.budget import MemoryPlan, check_slots, parse_budget, slots_for_budget
+from pyspecter.errors import SpecterError
+from pyspecter.governor import OFF, KGovernor
+from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
+from pyspecter.policies import LFU, LRU, GhostLRU, make_policy
+from pyspecter.residency import Residency
+from pyspecter.sampling import Sampler
+from pyspecter.study.bench import belady_misses
+
+
+def test_governor_turns_speculation_off_when_it_does_not_pay() -> None:
+    g = KGovernor(k_max=6, k=3)
+    for _ in range(20):
+        k = g.choose()
+        # nothing is ever accepted and drafting costs as much as verifying
+        g.observe(k, 0, 0.01 * (k + 1), 0.01 + 0.001 * k)
+    assert g.choose() == 0
+    g2 = KGovernor(k_max=6, k=1)
+    for _ in range(20):
+        k = g2.choose()
+        g2.observe(k, k, 0.001 * (k + 1), 0.01 + 0.0005 * k)  # everything accepted, drafting cheap
+    assert g2.k >= 3
+
+
+def test_governor_trusts_measured_speed_over_its_model() -> None:
+    # the cost model alone would speculate (cheap draft, everything accepted), but every K > 0 step is measured
+    # slow (e.g. prefetch bandwidth wasted on drafts' routing): the governor must settle on K = 0
+    g = KGovernor(k_max=4, k=2, draft_at_k0=True)
+    for _ in range(40):
+        k = g.choose()
+        g.observe(k, k, 0.001 * (k + 1), 0.01 if k == 0 else 0.2)
+    assert g.k == 0
+    assert g.seen_rate[0] > max(v for kk, v in g.seen_rate.items() if kk > 0)
+
+
+def test_governor_calls_the_draft_idle_only_when_plain_decoding_is_measured_faster() -> None:
+    g = KGovernor(k_max=4, k=2, draft_at_k0=True)
+    for _ in range(40):
+        k = g.choose()
+        g.observe(k, 0, 0.01 * (k + 1) if k != OFF else 0.0, 0.01)  # the draft costs, nothing is accepted
+    assert g.draft_idle()
+    g.pin(OFF)
+    assert g.choose() == OFF and not g.draft_idle()
+    g2 = KGovernor(k_max=4, k=2, draft_at_k0=True)
+    for _ in range(40):
+        k = g2.choose()
+        g2.observe(k, k, 0.001 * (k + 1) if k != OFF else 0.0, 0.01)  # a cheap draft, everything accepted
+    assert not g2.draft_idle()
+
+    # prediction pays a little (K=0 measured 10% faster than OFF), but OFF would have the draft's memory as slots:
+    # idle only when that gain (estimated by the engine) outweighs it
+    g3 = KGovernor(k_max=4, k=0, draft_at_k0=True)
+    for _ in range(40):
+        k = g3.choose()
+        g3.observe(k, 0, 0.0, 0.01 if k == 0 else 0.011 if k == OFF else 0.03)
+    assert not g3.draft_idle() and not g3.draft_idle(off_gain=1.1)
+    assert g3.draft_idle(off_gain=1.5)
+
+
+def test_speculative_sampling_preserves_target_distribution() -> None:
+    # the first emitted token must follow the target's p exactly, whatever the draft's q
+    rng = np.random.default_rng(0)
+    V = 6
+    p_logits = rng.normal(size=(2, V)) * 1.5
+    q_logits = rng.normal(size=V) * 1.5
+    q = np.exp(q_logits - q_logits.max())
+    q /= q.sum()
+    p0 = np.exp(p_logits[0] - p_logits[0].max())
+    p0 /= p0.sum()
+    counts = np.zeros(V)
+    sampler = Sampler(1.0)
+    sampler.rng = rng
+    N = 40000
+    for _ in range(N):
+        d = int(rng.choice(V, p=q))
+        accepted, tok = sampler.verify(p_logits, [d], [q])
+        counts[d if accepted == 1 else tok] += 1
+    freq = counts / N
+    assert np.abs(freq - p0).max() < 0.01, (freq, p0)
+
+
+def test_belady_is_optimal_on_a_known_trace() -> None:
+    # one layer, 2 slots: a b c a b c ... LRU misses every time; MIN keeps one of the pair and misses 1 in 2
+    trace = [(0, (x,)) for x in "abcabcabc"]
+    trace = [(il, tuple(ord(c) for c in t)) for il, t in trace]
+    assert belady_misses(trace, 3) == 3
+    assert belady_misses(trace, 2) == 6
+    assert belady_misses(trace, 1) == 9
+
+
+def test_belady_per_layer_and_multi_expert_steps() -> None:
+    trace = [(0, (1, 2)), (1, (1, 2)), (0, (1, 2)), (1, (3, 4))]
+    assert belady_misses(trace, 2) == 2 + 4
+
+
+def _layout(n_expert: int = 8, n_used: int = 2, n_layers: int = 2, expert_bytes: int = 1000) -> ModelLayout:
+    layers = [MoELayer(i, {"up": ExpertTensor(f"blk.{i}.ffn_up_exps.weight", "up", "F16", (n_expert, 4, 4),
+                                              0, expert_bytes)}) for i in range(n_layers)]
+    return ModelLayout(path=None, arch="test", name="t", n_layer=n_layers, n_expert=n_expert,  # type: ignore[arg-type]
+                       n_expert_used=n_used, n_shared_expert_layers=0, file_bytes=0,
+                       tensor_bytes=n_layers * n_expert * expert_bytes + 500, layers=layers)
+
+
+def test_budget_text() -> None:
+    assert parse_budget("64MiB", 0) == 64 * 2**20 and parse_budget("1.5GB", 0) == 1_500_000_000
+    assert parse_budget("40%", 1000) == 400 and parse_budget("123456", 0) == 123456
+    for bad in ("", "abc", "0", "-5MiB", "150%", "0%", "12 parsecs"):
+        with pytest.raises(SpecterError):
+            parse_budget(bad, 1000)
+
+
+def test_memory_plan() -> None:
+    lay = _layout()  # one slot in every layer: 2000 bytes
+    assert slots_for_budget(lay, 9_999) == 4 and slots_for_budget(lay, 10**9) == 8
+    assert MemoryPlan.for_budget(lay, None).slots == 8
+    p = MemoryPlan.for_budget(lay, "10000")
+    assert (p.slots, p.held, p.reserved, p.usable) == (5, 0, 0, 5)
+    # a counted draft of 4000 bytes leaves 3 slots now; the 2 its memory buys back are held for later
+    p = MemoryPlan.for_budget(lay, "10000", draft_bytes=4000)
+    assert (p.slots, p.held, p.usable) == (5, 2, 3)
+    assert MemoryPlan.for_budget(lay, "10000", draft_bytes=4000, count_draft=False).held == 0
+    p = MemoryPlan.for_budget(lay, "12000", surrogate_bytes=2000)
+    assert (p.slots, p.reserved, p.usable) == (5, 2, 3)
+    with pytest.raises(SpecterError, match="does not fit"):
+        MemoryPlan.for_budget(lay, "3000", draft_bytes=4000)
+    with pytest.raises(SpecterError, match="below top-2"):
+        MemoryPlan.for_budget(lay, "3000")
+    with pytest.raises(SpecterError, match="surrogate mode needs 4"):
+        check_slots(lay, 3, reserved=2)
+
+
+def test_policies_rank() -> None:
+    assert make_policy("lru").rank(5, 100) < LRU().rank(6, 0)
+    assert LFU().rank(9, 1) < LFU().rank(1, 2) and LFU().rank(1, 2) < LFU().rank(2, 2)
+    with pytest.raises(SpecterError):
+        make_policy("fifo")
+
+
+def test_ghost_lru_matches_a_simulated_lru() -> None:
+    rng = np.random.default_rng(0)
+    ghost, order, expect, got = GhostLRU(4), [], 0, 0
+    for _ in range(200):
+        needed = sorted({int(x) for x in rng.integers(0, 10, size=2)})
+        got += ghost.observe(needed)
+        expect += sum(1 for e in needed if e not in order)
+        for e in needed:
+            if e in order:
+                order.remove(e)
+            order.append(e)
+        del order[: max(0, len(order) - 4)]
+    assert got == expect > 0
+
+
+class _Api:
+    """Stands in for the C slot functions: records the remap mirror the routing op would read."""
+
+    def __init__(self) -> None:
+        self.remap: dict[tuple[int, int], int] = {}
+
+    def set_slot(self, _model, il: int, expert: int, slot: int) -> int:
+        self.remap[il, expert] = slot
+        return 0
+
+
+class _Upload:
+    def __init__(self, ok: bool, done: bool = True) -> None:
+        self._ok, self._done, self.waited = ok, done, False
+
+    def done(self) -> bool:
+        return self._done
+
+    def ok(self) -> bool:
+        return self._done and self._ok
+
+    def wait(self) -> bool:
+        self.waited, self._done = True, True
+        return self._ok
+
+
+def _residency(n_slots: int = 3) -> tuple[Residency, _Api]:
+    api = _Api()
+    model = type("M", (), {"ptr": 1})()  # only its pointer is passed on, to the stand-in
+    return Residency(model=model, layout=_layout(), n_slots=n_slots, n_usable=n_slots, policy=LRU(), api=api), api
+
+
+def test_a_failed_upload_never_maps_its_slot() -> None:
+    res, api = _residency()
+    res.assign(0, 5, 0)
+    res.evict(0, 0)  # slot 0 now receives expert 6, whose read fails
+    res.start_upload(0, 6, 0, _Upload(ok=False))
+    res.start_upload(0, 7, 1, _Upload(ok=True))
+    res.reap(0)
+    st = res.layers[0]
+    assert st.where[6] == -1 and st.owner[0] == -1 and api.remap.get((0, 6), -1) == -1
+    assert st.where[7] == 1 and api.remap[0, 7] == 1
+    assert res.failed_uploads == 1 and not st.pending
+    assert res.victim(0, set()) == 0  # the slot is free again, not lost
+
+
+def test_pending_slots_are_never_victims_and_blocking_waits() -> None:
+    res, _ = _residency(2)
+    landing = _Upload(ok=True, done=False)
+    res.start_upload(0, 3, 0, landing)
+    res.assign(0, 4, 1)
+    assert res.victim(0, set()) == 1 and res.victim(0, {4}) == -1
+    res.reap(0)
+    assert res.layers[0].pending and not landing.waited
+    res.reap(0, block_for={3})
+    assert landing.waited and res.layers[0].where[3] == 0
+
+
+def test_protected_experts_yield_only_to_a_need() -> None:
+    res, _ = _residency(2)
+    res.assign(0, 1, 0)
+    res.assign(0, 2, 1)
+    res.layers[0].protected.update({1, 2})
+    assert res.victim(0, set()) == -1
+    assert res.victim(0, set(), need=True) in (0, 1)

@@ -1,0 +1,56 @@
+"""The package's shape: imports only point down the data path, and the runtime imports without llama.cpp."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "pyspecter"
+STUDY_AND_BUILDERS = ("pyspecter.study", "pyspecter.models")
+# the thin CLI and the REPL wire everything together, so they may import study and model-building code
+ENTRY_POINTS = {"cli.py", "__main__.py"}
+
+
+def _runtime_modules() -> list[Path]:
+    mods = [p for p in PKG.glob("*.py") if p.name not in ENTRY_POINTS]
+    return mods + list((PKG / "native").glob("*.py"))
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):  # function-level imports count too
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_runtime_never_imports_study_or_model_builders() -> None:
+    bad = {f"{p.relative_to(PKG)} imports {m}" for p in _runtime_modules() for m in _imports(p)
+           if m.startswith(STUDY_AND_BUILDERS)}
+    assert not bad, sorted(bad)
+
+
+def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
+    p = tmp_path / "m.py"
+    p.write_text("def f():\n    from pyspecter.study.trace import record_trace\n")
+    assert any(m.startswith(STUDY_AND_BUILDERS) for m in _imports(p))
+
+
+def test_runtime_imports_without_the_library() -> None:
+    """Every runtime module imports with llama.cpp's bindings unavailable: the library is bound on first use."""
+    names = sorted(f"pyspecter.{p.stem}" for p in PKG.glob("*.py") if p.stem != "__main__")
+    code = ("import sys; sys.modules['llama_cpp'] = None\n"
+            f"import importlib\nfor n in {names!r}: importlib.import_module(n)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_modules_stay_small() -> None:
+    """One job per module: none outside the CLI over ~400 lines unless its docstring says why."""
+    big = [p.relative_to(PKG) for p in PKG.rglob("*.py") if p.name != "cli.py"
+           and len(p.read_text().splitlines()) > 420 and "Why this module is long" not in p.read_text()]
+    assert not big, big
