@@ -30,6 +30,15 @@ MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host co
                                                     "with a narrow copy of the expert kept in RAM and prints its "
                                                     "measured perplexity cost")]
 SurrogateOpt = Annotated[float, typer.Option(help="--miss surrogate: fraction of each expert's neurons kept")]
+_FROM_MODEL = "default: the model's recommendation (general.sampling.* in its GGUF), else llama.cpp's"
+TopKOpt = Annotated[int | None, typer.Option("--top-k", help=f"sampling: keep the K most likely tokens (0: off); "
+                                                              f"{_FROM_MODEL} 40")]
+TopPOpt = Annotated[float | None, typer.Option("--top-p", help=f"sampling: keep the smallest set with this much "
+                                                                f"probability (1: off); {_FROM_MODEL} 0.95")]
+MinPOpt = Annotated[float | None, typer.Option("--min-p", help=f"sampling: drop tokens below this fraction of the "
+                                                                f"most likely one (0: off); {_FROM_MODEL} 0.05")]
+RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help=f"penalise the last 64 tokens (1: off); "
+                                                                          f"{_FROM_MODEL} 1.0")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; chat "
                                                            "drops its oldest turns when full)")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
@@ -274,7 +283,7 @@ def bench(
 
 def _session(model: str, draft: str | None, budget: str | None, tier: str, miss: str | None, k: int, temp: float,
              seed: int, threads: int, adaptive: bool = True, profile: Path | None = None,
-             surrogate_width: float = 0.25, n_ctx: int = 2048):
+             surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None):
     from pyspecter.session import Session, SessionConfig
 
     path = resolve_model(model)
@@ -290,7 +299,7 @@ def _session(model: str, draft: str | None, budget: str | None, tier: str, miss:
         groups = select_neurons(path, surrogate_width)
     s = Session(SessionConfig(model=path, draft=dpath, budget=budget, tier=tier, miss=miss, k=k,
                               adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
-                              profile=profile, surrogate_groups=groups, n_ctx=n_ctx))
+                              profile=profile, surrogate_groups=groups, n_ctx=n_ctx, **(sampling or {})))
     if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
         from pyspecter.study.quality import describe, perplexity_delta
 
@@ -310,6 +319,10 @@ def generate(
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="do not adapt K")] = False,
     n: Annotated[int, typer.Option("-n", help="max tokens to generate")] = 128,
     temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    repeat_penalty: RepeatOpt = None,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
     ctx_size: CtxOpt = 2048,
@@ -319,7 +332,8 @@ def generate(
 ) -> None:
     """Generate text through expert slots, speculatively when a draft is given."""
     s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k, profile=profile,
-                 surrogate_width=surrogate_width, n_ctx=ctx_size)
+                 surrogate_width=surrogate_width, n_ctx=ctx_size,
+                 sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
         toks = s.tokenize(prompt)
         from pyspecter.chat import Streamer
@@ -361,6 +375,10 @@ def chat(
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (start value)")] = 4,
     n: Annotated[int, typer.Option("-n", help="max tokens per answer")] = 256,
     temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    repeat_penalty: RepeatOpt = None,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
@@ -373,7 +391,8 @@ def chat(
     from pyspecter.chat import repl
 
     s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, profile=profile,
-                 surrogate_width=surrogate_width, n_ctx=ctx_size)
+                 surrogate_width=surrogate_width, n_ctx=ctx_size,
+                 sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
         repl(s, n=n, system=system, stats_line=_stats_line)
     finally:

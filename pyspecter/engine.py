@@ -22,16 +22,19 @@ from pyspecter.governor import OFF, KGovernor
 from pyspecter.native import Context
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
-from pyspecter.sampling import Sampler
+from pyspecter.sampling import Sampler, SamplingParams
 
 
 def generate_step(ctx: Context, prompt: list[int], sampler: Sampler) -> Iterator[tuple[int, np.ndarray]]:
     """Plain decoding: decode ``prompt``, then yield (token, the logits it was chosen from) forever. The next
     token is decoded only when the caller asks for it, so stopping costs nothing."""
     logits = ctx.decode(prompt)
+    recent = list(prompt[-sampler.params.repeat_last_n:]) if sampler.params.repeat_penalty != 1.0 else []
     while True:
-        tok = sampler.pick(logits)
+        tok = sampler.pick(logits, recent)
         yield tok, logits
+        if recent:
+            recent.append(tok)
         logits = ctx.decode([tok])
 
 
@@ -100,7 +103,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
                  routing: DraftRouting | None = None, prefetcher: Prefetcher | None = None,
-                 temperature: float = 0.0, seed: int = 0, batch_verify: bool = False,
+                 temperature: float | SamplingParams = 0.0, seed: int = 0, batch_verify: bool = False,
                  predict_at_k0: bool = False, drop_draft: Callable[[], None] | None = None) -> None:
         if target.model.n_vocab != draft.model.n_vocab:
             raise ValueError("draft and target must share a vocabulary")
@@ -139,7 +142,9 @@ class SpeculativeDecoder:
         yielded token but the last (which is pending, as after plain decoding), so a caller can continue."""
         tgt = self.target
         tgt.clear()
-        cur = self.sampler.pick(tgt.decode(prompt))
+        self._recent = list(prompt)  # what the repetition penalty reads: the prompt and every emitted token
+        cur = self.sampler.pick(tgt.decode(prompt), self._recent)
+        self._recent.append(cur)
         # The draft reads the prompt only when a step first needs it, as a catch-up: the first token waits for
         # the target's prefill alone, and a draft that ends up unused (OFF, dropped) never reads it.
         self._draft_lag = []
@@ -156,6 +161,7 @@ class SpeculativeDecoder:
                 k = self.governor.choose() if self.adaptive else self.k
                 new = self._step(cur, k)
                 self.check()
+                self._recent += new
                 for t in new:
                     n_out += 1
                     yield t
@@ -185,6 +191,7 @@ class SpeculativeDecoder:
         return out
 
     _limit: int | None = None  # tokens still wanted: no step drafts past them
+    _recent: list[int] = []  # the prompt and every token emitted so far (the repetition penalty's window)
 
     def _keep(self, keep: int) -> None:
         for ctx in (self.target, self.draft):
@@ -257,8 +264,9 @@ class SpeculativeDecoder:
         # at the price of that one layer's prediction for that one position.
         logits = self.draft.decode([cur], logits=k > 0)
         for i in range(k):
-            q = self.sampler.probs(logits)
-            d = int(np.argmax(logits)) if q is None else int(self.sampler.rng.choice(len(q), p=q))
+            recent = self._recent + drafts
+            q = self.sampler.probs(logits, recent)
+            d = self.sampler.pick(logits, recent) if q is None else int(self.sampler.rng.choice(len(q), p=q))
             drafts.append(d)
             if q is not None:
                 qs.append(q)
@@ -271,13 +279,14 @@ class SpeculativeDecoder:
         """(drafts accepted, the target's token after them)."""
         if self.batch_verify:
             rows = self.target.decode([cur, *drafts], logits_all=True)
-            return self.sampler.verify(rows, drafts, qs)
+            return self.sampler.verify(rows, drafts, qs, self._recent)
         toks = [cur, *drafts]
         k = len(drafts)
         accepted = 0
         while True:
             tok = self.sampler.accept(self.target.decode([toks[accepted]]), drafts[accepted] if accepted < k else None,
-                                      qs[accepted] if accepted < k and qs else None)
+                                      qs[accepted] if accepted < k and qs else None,
+                                      self._recent + drafts[:accepted])
             if tok is not None:
                 return accepted, tok
             accepted += 1

@@ -57,6 +57,8 @@ class ModelLayout:
     file_bytes: int
     tensor_bytes: int
     layers: list[MoELayer]
+    # sampling settings the model's author recommends (general.sampling.*), by SamplingParams field name
+    sampling: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_moe(self) -> bool:
@@ -149,5 +151,19 @@ def read_layout(path: str | Path) -> ModelLayout:
     return ModelLayout(
         path=p, arch=arch, name=str(name), n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used,
         n_shared_expert_layers=len(shexp_layers), file_bytes=file_bytes, tensor_bytes=tensor_bytes,
-        layers=[layers[k] for k in sorted(layers)],
+        layers=[layers[k] for k in sorted(layers)], sampling=_sampling_defaults(reader),
     )
+
+
+# general.sampling.* (written by convert_hf_to_gguf from generation_config.json) -> SamplingParams fields
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repeat_penalty", "penalty_last_n": "repeat_last_n"}
+
+
+def _sampling_defaults(reader) -> dict[str, float]:
+    out = {}
+    for key, name in _SAMPLING_KEYS.items():
+        v = _field_value(reader, f"general.sampling.{key}")
+        if isinstance(v, int | float) and v == v:  # a number, and not NaN
+            out[name] = int(v) if name in ("top_k", "repeat_last_n") else float(v)
+    return out

@@ -23,7 +23,7 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
 from pyspecter.prompts import render_prompt
-from pyspecter.sampling import Sampler
+from pyspecter.sampling import Sampler, SamplingParams
 from pyspecter.tiers import make_tier
 
 
@@ -38,6 +38,11 @@ class SessionConfig:
     k: int = 4
     adaptive: bool = True
     temperature: float = 0.0
+    # None: the model's own recommendation (general.sampling.* in its GGUF), else llama.cpp's default
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
     seed: int = 0
     n_ctx: int = 2048
     n_threads: int = 2
@@ -62,6 +67,14 @@ def check_draft(target: ModelLayout, draft: ModelLayout) -> None:
                            f"{target.n_expert} in {len(target.layers)}")
 
 
+def sampling_params(cfg: SessionConfig, layout: ModelLayout) -> SamplingParams:
+    """What the user set, else what the model recommends, else llama.cpp's defaults (greedy stays greedy)."""
+    given = {name: getattr(cfg, name) for name in ("top_k", "top_p", "min_p", "repeat_penalty")
+             if getattr(cfg, name) is not None}
+    model = {k: v for k, v in layout.sampling.items() if k != "temperature"}
+    return SamplingParams(**{**model, **given, "temperature": cfg.temperature}).check()
+
+
 class Session:
     def __init__(self, cfg: SessionConfig) -> None:
         self.cfg = cfg
@@ -71,6 +84,7 @@ class Session:
             dlay = read_layout(cfg.draft)
             check_draft(self.layout, dlay)
         self.tier = make_tier(cfg.tier)
+        self.sampling = sampling_params(cfg, self.layout)
         self.miss = cfg.miss or ("wait" if self.tier.name == "disk" else "cpu")
         self.surrogates = None
         if self.miss == "surrogate":
@@ -93,7 +107,7 @@ class Session:
             raise
         self.tokens_out = 0
         self.decode_s = 0.0
-        self.sampler = Sampler(cfg.temperature, cfg.seed)
+        self.sampler = Sampler(self.sampling, cfg.seed)
 
     def _build(self, dlay: ModelLayout | None) -> None:
         cfg = self.cfg
@@ -115,7 +129,7 @@ class Session:
             self.dctx = native.Context(self.draft, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
             pf = Prefetcher(self.cache, cfg.min_confidence, cutoff=cfg.prefetch_cutoff) if self.routing else None
             self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
-                                              routing=self.routing, prefetcher=pf, temperature=cfg.temperature,
+                                              routing=self.routing, prefetcher=pf, temperature=self.sampling,
                                               seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert,
                                               drop_draft=self._drop_draft if self.held else None)
             self.decoder.check = self.cache.check

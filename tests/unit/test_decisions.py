@@ -12,7 +12,7 @@ from pyspecter.governor import OFF, KGovernor
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
 from pyspecter.policies import LFU, LRU, GhostLRU, make_policy
 from pyspecter.residency import Residency
-from pyspecter.sampling import Sampler
+from pyspecter.sampling import Sampler, SamplingParams
 from pyspecter.study.bench import belady_misses
 
 
@@ -76,7 +76,7 @@ def test_speculative_sampling_preserves_target_distribution() -> None:
     p0 = np.exp(p_logits[0] - p_logits[0].max())
     p0 /= p0.sum()
     counts = np.zeros(V)
-    sampler = Sampler(1.0)
+    sampler = Sampler(SamplingParams(1.0, top_k=0, top_p=1.0, min_p=0.0))  # the plain softmax
     sampler.rng = rng
     N = 40000
     for _ in range(N):
@@ -224,3 +224,39 @@ def test_protected_experts_yield_only_to_a_need() -> None:
     res.layers[0].protected.update({1, 2})
     assert res.victim(0, set()) == -1
     assert res.victim(0, set(), need=True) in (0, 1)
+
+
+def test_filters_keep_what_llama_cpp_keeps() -> None:
+    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+    probs = lambda **kw: Sampler(SamplingParams(1.0, **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, **kw})).probs(logits)  # noqa: E731
+    assert np.count_nonzero(probs(top_k=2)) == 2
+    assert np.count_nonzero(probs(top_p=0.8)) == 3  # 0.5 + 0.2 < 0.8 <= 0.85
+    assert np.count_nonzero(probs(min_p=0.25)) == 3  # >= 0.125: 0.5, 0.2, 0.15
+    assert np.allclose(probs(top_k=2)[:2], [0.5 / 0.7, 0.2 / 0.7])
+    # repetition penalty: llama.cpp divides positive logits and multiplies negative ones
+    pen = Sampler(SamplingParams(0.0, repeat_penalty=2.0))
+    assert pen.pick(np.array([1.0, 0.9, -1.0]), recent=[0]) == 1
+    assert pen.pick(np.array([1.0, 0.9, -1.0])) == 0
+    with pytest.raises(SpecterError):
+        SamplingParams(1.0, top_p=0.0).check()
+
+
+def test_speculative_sampling_preserves_the_filtered_distribution() -> None:
+    """With top-k, top-p, min-p and a repetition penalty on, the first emitted token still follows the target's
+    processed distribution exactly, whatever the draft's (processed) distribution is."""
+    rng = np.random.default_rng(1)
+    V = 12
+    params = SamplingParams(0.8, top_k=8, top_p=0.9, min_p=0.05, repeat_penalty=1.3)
+    sampler = Sampler(params)
+    sampler.rng = rng
+    recent = [1, 4]
+    p_logits = rng.normal(size=(2, V)) * 2.0
+    q = Sampler(params).probs(rng.normal(size=V) * 2.0, recent)
+    p0 = sampler.probs(p_logits[0], recent)
+    counts = np.zeros(V)
+    N = 40000
+    for _ in range(N):
+        d = int(rng.choice(V, p=q))
+        accepted, tok = sampler.verify(p_logits, [d], [q], recent)
+        counts[d if accepted == 1 else tok] += 1
+    assert np.abs(counts / N - p0).max() < 0.01, (counts / N, p0)
