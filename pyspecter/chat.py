@@ -112,7 +112,8 @@ def repl(s: Session, *, n: int, system: str | None, stats_line: Callable[[dict],
             prompt, dropped = fit_history(s, turn, room)
             if dropped:
                 print(f"(context full: dropped the {dropped} oldest message(s))", file=sys.stderr)
-            out = interruptible(s.generate, prompt, room, on_token=stop_check(stream))
+            # the KV cache keeps the conversation: only the new turn (and whatever the template changed) is read
+            out = interruptible(s.generate, prompt, room, on_token=stop_check(stream), reuse=True)
         except Stopped:
             out = stream.tokens
             print(" [stopped]", end="")

@@ -25,11 +25,14 @@ from pyspecter.prefetch import Prefetcher
 from pyspecter.sampling import Sampler, SamplingParams
 
 
-def generate_step(ctx: Context, prompt: list[int], sampler: Sampler) -> Iterator[tuple[int, np.ndarray]]:
+def generate_step(ctx: Context, prompt: list[int], sampler: Sampler,
+                  history: list[int] | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """Plain decoding: decode ``prompt``, then yield (token, the logits it was chosen from) forever. The next
-    token is decoded only when the caller asks for it, so stopping costs nothing."""
+    token is decoded only when the caller asks for it, so stopping costs nothing. ``history``: everything before
+    the first sampled position when the context already holds part of it (default: ``prompt``)."""
     logits = ctx.decode(prompt)
-    recent = list(prompt[-sampler.params.repeat_last_n:]) if sampler.params.repeat_penalty != 1.0 else []
+    before = prompt if history is None else history
+    recent = list(before[-sampler.params.repeat_last_n:]) if sampler.params.repeat_penalty != 1.0 else []
     while True:
         tok = sampler.pick(logits, recent)
         yield tok, logits
@@ -136,21 +139,29 @@ class SpeculativeDecoder:
     def temperature(self) -> float:
         return self.sampler.temperature
 
-    def stream(self, prompt: list[int], *, stop_at_eog: bool = True) -> Iterator[int]:
+    def stream(self, prompt: list[int], *, stop_at_eog: bool = True, reuse: bool = False) -> Iterator[int]:
         """Yield tokens after ``prompt``, one speculative step's worth at a time, until an end-of-generation token
         (when ``stop_at_eog``) or until the caller stops. Whenever it stops, both caches hold the prompt and every
-        yielded token but the last (which is pending, as after plain decoding), so a caller can continue."""
+        yielded token but the last (which is pending, as after plain decoding), so a caller can continue.
+        ``reuse``: keep what both caches already hold of ``prompt`` and process only the rest (a chat turn)."""
         tgt = self.target
-        tgt.clear()
+        if reuse:
+            todo = tgt.reuse(prompt)
+        else:
+            tgt.clear()
+            todo = prompt
         self._recent = list(prompt)  # what the repetition penalty reads: the prompt and every emitted token
-        cur = self.sampler.pick(tgt.decode(prompt), self._recent)
+        cur = self.sampler.pick(tgt.decode(todo), self._recent)
         self._recent.append(cur)
         # The draft reads the prompt only when a step first needs it, as a catch-up: the first token waits for
         # the target's prefill alone, and a draft that ends up unused (OFF, dropped) never reads it.
         self._draft_lag = []
         if self.draft is not None:
-            self.draft.clear()
-            self._draft_lag = list(prompt)
+            if reuse:
+                self._draft_lag = self.draft.reuse(prompt)
+            else:
+                self.draft.clear()
+                self._draft_lag = list(prompt)
         n_out = 1
         try:
             yield cur
@@ -172,11 +183,11 @@ class SpeculativeDecoder:
             self._keep(len(prompt) + n_out - 1)
 
     def generate(self, prompt: list[int], n: int, *, stop_at_eog: bool = True,
-                 on_token: Callable[[int], None] | None = None) -> list[int]:
+                 on_token: Callable[[int], None] | None = None, reuse: bool = False) -> list[int]:
         """Up to n tokens after prompt (the governor never drafts past n)."""
         out: list[int] = []
         self._limit = n
-        gen = self.stream(prompt, stop_at_eog=stop_at_eog)
+        gen = self.stream(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
         try:
             for t in gen:
                 out.append(t)

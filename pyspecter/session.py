@@ -158,23 +158,28 @@ class Session:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.target.tokenize(text, add_special=add_special)
 
-    def stream(self, prompt: list[int], *, stop_at_eog: bool = True) -> Iterator[int]:
-        """Tokens after ``prompt``, from a fresh context, as they are decided (speculatively with a draft)."""
+    def stream(self, prompt: list[int], *, stop_at_eog: bool = True, reuse: bool = False) -> Iterator[int]:
+        """Tokens after ``prompt`` as they are decided (speculatively with a draft): from a fresh context, or with
+        ``reuse`` keeping what the KV cache already holds of ``prompt`` (a chat turn processes only what is new)."""
         if not prompt:
             raise SpecterError("empty prompt: nothing to continue from (this model adds no BOS token)")
         if self.decoder is not None:
-            yield from self.decoder.stream(prompt, stop_at_eog=stop_at_eog)
+            yield from self.decoder.stream(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
             return
-        self.tctx.clear()
-        for tok, _ in generate_step(self.tctx, prompt, self.sampler):
+        if reuse:
+            todo = self.tctx.reuse(prompt)
+        else:
+            self.tctx.clear()
+            todo = prompt
+        for tok, _ in generate_step(self.tctx, todo, self.sampler, history=prompt):
             self.cache.check()
             yield tok
             if stop_at_eog and self.target.is_eog(tok):
                 return
 
     def generate(self, prompt: list[int], n: int, on_token: Callable[[int], None] | None = None,
-                 stop_at_eog: bool = True) -> list[int]:
-        """Decode up to n tokens after prompt, from a fresh context."""
+                 stop_at_eog: bool = True, reuse: bool = False) -> list[int]:
+        """Decode up to n tokens after prompt, from a fresh context (or reusing the cached prefix)."""
         if not prompt:
             raise SpecterError("empty prompt: nothing to continue from (this model adds no BOS token)")
         t0 = time.perf_counter()
@@ -188,9 +193,9 @@ class Session:
         try:
             if self.decoder is not None:
                 # the decoder's own bounded loop: it never drafts past n
-                self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=emit)
+                self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=emit, reuse=reuse)
             else:
-                gen = self.stream(prompt, stop_at_eog=stop_at_eog)
+                gen = self.stream(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
                 try:
                     for tok in gen:
                         emit(tok)

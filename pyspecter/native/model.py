@@ -110,6 +110,8 @@ class Context:
             raise SpecterError("llama.cpp could not create a context")
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_past = 0
+        self.tokens: list[int] = []  # what the KV cache holds, position by position (prefix reuse reads it)
+        self.n_decoded = 0  # tokens run through the model since the context was made
 
     def decode(self, tokens: list[int], *, logits_all: bool = False, logits: bool = True):
         """Append tokens to sequence 0; return the logits of the last token (or of every token), float32.
@@ -135,6 +137,8 @@ class Context:
             if rc != 0:
                 raise SpecterError(f"llama_decode failed ({rc})")
             self.n_past += len(chunk)
+            self.tokens += chunk
+            self.n_decoded += len(chunk)
             n_vocab = self.model.n_vocab
             if logits_all:
                 for i in range(len(chunk)):
@@ -159,12 +163,25 @@ class Context:
 
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ptr), 0, n_keep, -1)
         self.n_past = min(self.n_past, n_keep)
+        del self.tokens[n_keep:]
 
     def clear(self) -> None:
         import llama_cpp
 
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ptr), True)
         self.n_past = 0
+        self.tokens = []
+
+    def reuse(self, tokens: list[int]) -> list[int]:
+        """Keep the longest cached prefix of ``tokens`` (at most all but the last, which must be decoded for its
+        logits), drop the rest of the cache, and return the tokens still to decode: a chat turn then processes
+        only what is new, as llama.cpp and mlx-lm do."""
+        n = 0
+        limit = min(len(self.tokens), len(tokens) - 1)
+        while n < limit and self.tokens[n] == tokens[n]:
+            n += 1
+        self.truncate(n)
+        return tokens[n:]
 
     def close(self) -> None:
         import llama_cpp
