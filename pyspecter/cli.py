@@ -39,6 +39,9 @@ MinPOpt = Annotated[float | None, typer.Option("--min-p", help=f"sampling: drop 
                                                                 f"most likely one (0: off); {_FROM_MODEL} 0.05")]
 RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help=f"penalise the last 64 tokens (1: off); "
                                                                           f"{_FROM_MODEL} 1.0")]
+# llama.cpp's default: one thread per physical core
+DEFAULT_THREADS = max(1, __import__("psutil").cpu_count(logical=False) or 1)
+ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", help="llama.cpp threads (default: physical cores)")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; chat "
                                                            "drops its oldest turns when full)")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
@@ -187,7 +190,7 @@ def verify(
     miss: Annotated[str, typer.Option(help="on a miss: wait (upload, then compute) or cpu (compute on host)")] = "wait",
     tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS, gpu")] = "ram",
     policy: Annotated[str, typer.Option(help="eviction policy: lru or lfu")] = "lru",
-    n: Annotated[int, typer.Option("-n", help="tokens to generate")] = 16,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 16,
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
@@ -233,7 +236,7 @@ def bench(
     prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill")] = 64,
     n: Annotated[int, typer.Option("-n", help="decode tokens per run")] = 32,
     repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,
-    threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    threads: ThreadsOpt = DEFAULT_THREADS,
     draft: DraftOpt = None,
     k: Annotated[int, typer.Option("-k", help="specter: draft tokens per step (start value)")] = 4,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="specter: do not adapt K (e.g. -k 0 --fixed-k: "
@@ -317,14 +320,14 @@ def generate(
     miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (the start value when adaptive)")] = 4,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="do not adapt K")] = False,
-    n: Annotated[int, typer.Option("-n", help="max tokens to generate")] = 128,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens to generate")] = 128,
     temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
     repeat_penalty: RepeatOpt = None,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
-    threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    threads: ThreadsOpt = DEFAULT_THREADS,
     ctx_size: CtxOpt = 2048,
     profile: ProfileOpt = None,
     surrogate_width: SurrogateOpt = 0.25,
@@ -373,15 +376,15 @@ def chat(
     tier: TierOpt = "ram",
     miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (start value)")] = 4,
-    n: Annotated[int, typer.Option("-n", help="max tokens per answer")] = 256,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens per answer")] = 256,
     temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
     repeat_penalty: RepeatOpt = None,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
-    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
-    threads: Annotated[int, typer.Option(help="llama.cpp threads")] = 2,
+    system: Annotated[str | None, typer.Option("--system", "-s", help="system prompt")] = None,
+    threads: ThreadsOpt = DEFAULT_THREADS,
     ctx_size: CtxOpt = 2048,
     profile: ProfileOpt = None,
     surrogate_width: SurrogateOpt = 0.25,
@@ -407,7 +410,7 @@ def trace(
     prompts: Annotated[str | None, typer.Option(help="JSONL prompt file (default: the packaged eval set)")] = None,
     n: Annotated[int, typer.Option("-n", help="tokens generated per prompt")] = 32,
     k: Annotated[int, typer.Option("-k", help="draft lookahead (tokens drafted ahead)")] = 4,
-    threads: Annotated[int | None, typer.Option(help="llama.cpp threads")] = None,
+    threads: ThreadsOpt = DEFAULT_THREADS,
 ) -> None:
     """Record per-token, per-layer routing of the target (and of the draft, on the same and on its own tokens)."""
     from pyspecter.study.trace import record_trace
@@ -436,7 +439,7 @@ def analyze(
 def demo(
     model: Annotated[str, typer.Option(help="model to run")] = "smol-moe",
     budget: Annotated[str, typer.Option(help="fast-tier budget for expert slots")] = "50%",
-    n: Annotated[int, typer.Option("-n", help="tokens to generate")] = 64,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 64,
     question: Annotated[str, typer.Option(help="chat prompt")] = "What are three good habits for staying healthy?",
 ) -> None:
     """Build smol-moe, show its expert layout, and answer a chat prompt through expert slots (half the experts

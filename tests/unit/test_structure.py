@@ -9,8 +9,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "pyspecter"
 STUDY_AND_BUILDERS = ("pyspecter.study", "pyspecter.models")
-# the thin CLI and the REPL wire everything together, so they may import study and model-building code
-ENTRY_POINTS = {"cli.py", "__main__.py"}
+# the thin CLI and the Python API are entry points: they may build a built-in model on demand
+ENTRY_POINTS = {"cli.py", "__main__.py", "api.py"}
 
 
 def _runtime_modules() -> list[Path]:
