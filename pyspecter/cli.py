@@ -39,6 +39,10 @@ MinPOpt = Annotated[float | None, typer.Option("--min-p", help=f"sampling: drop 
                                                                 f"most likely one (0: off); {_FROM_MODEL} 0.05")]
 RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help=f"penalise the last 64 tokens (1: off); "
                                                                           f"{_FROM_MODEL} 1.0")]
+# bench's policies, named here so --help can list them without importing the bench
+BENCH_POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
+                  "on-demand-lru-ordered", "specter", "specter-equal-slots", "surrogate")
+BENCH_DEFAULTS = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu")
 # llama.cpp's default: one thread per physical core
 DEFAULT_THREADS = max(1, __import__("psutil").cpu_count(logical=False) or 1)
 ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", help="llama.cpp threads (default: physical cores)")]
@@ -228,15 +232,19 @@ def verify(
 @app.command()
 def bench(
     model: ModelArg,
-    tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")] = "ram",
-    budget: Annotated[str, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%")] = "50%",
-    policies: Annotated[str, typer.Option(help="comma-separated: " + ", ".join(
-        ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
-         "on-demand-lru-ordered", "specter", "specter-equal-slots", "surrogate (approximate)")))] = "",
+    tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS; comma-separated to sweep")] = "ram",
+    budget: Annotated[str, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%; "
+                                             "comma-separated to sweep (30%,50%)")] = "50%",
+    policies: Annotated[str | None, typer.Option(help="comma-separated, from: " + ", ".join(BENCH_POLICIES) +
+                                                      " (surrogate is approximate; all-resident holds every "
+                                                      "expert and gives the oracle bound). Default: " +
+                                                      ",".join(BENCH_DEFAULTS) + " (+ specter,specter-equal-slots "
+                                                      "with --draft)", show_default=False)] = None,
     prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill")] = 64,
-    n: Annotated[int, typer.Option("-n", help="decode tokens per run")] = 32,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="decode tokens per run")] = 32,
     repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,
-    threads: ThreadsOpt = DEFAULT_THREADS,
+    threads: Annotated[str, typer.Option("--threads", "-t", help="llama.cpp threads; comma-separated to sweep "
+                                                                 "(default: physical cores)")] = str(DEFAULT_THREADS),
     draft: DraftOpt = None,
     k: Annotated[int, typer.Option("-k", help="specter: draft tokens per step (start value)")] = 4,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="specter: do not adapt K (e.g. -k 0 --fixed-k: "
@@ -244,41 +252,56 @@ def bench(
     no_cutoff: Annotated[bool, typer.Option("--no-cutoff", help="specter: prefetch every prediction, even ones "
                                                                 "the link cannot deliver in time")] = False,
     surrogate_width: SurrogateOpt = 0.25,
-    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
-    csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy (with a header)")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output (a list when sweeping)")] = False,
+    csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy and sweep point, with a header; "
+                                                        "each row carries its whole setting")] = False,
 ) -> None:
     """Time residency policies side by side on one model: same prompt, interleaved repeats, ratios.
 
-    The disk tier's stock baseline runs in a child process whose page cache a cgroup holds to the same memory
-    (budget + non-expert weights + runtime), starting cold."""
+    On the disk tier every capped policy runs in a child process whose memory, page cache included, a cgroup
+    (v1 or v2) holds to budget + non-expert weights + runtime, starting cold; rows say whether the cap held."""
+    import itertools
+
     from pyspecter.study.bench import CSV_FIELDS, run_bench, to_csv_rows
 
-    r = run_bench(resolve_model(model), tier=tier, budget=budget,
-                  policies=[p.strip() for p in policies.split(",") if p.strip()] or None,
-                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=threads,
-                  draft=resolve_model(draft) if draft else None, k=k, adaptive=not fixed_k, cutoff=not no_cutoff,
-                  surrogate_width=surrogate_width)
+    def split(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    try:
+        thread_counts = [int(x) for x in split(threads)]
+    except ValueError:
+        raise SpecterError(f"--threads takes integers, got {threads!r}") from None
+    path, dpath = resolve_model(model), resolve_model(draft) if draft else None
+    results = []
+    for t, b, th in itertools.product(split(tier), split(budget), thread_counts):
+        results.append(run_bench(path, tier=t, budget=b, policies=split(policies or "") or None,
+                                 prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=th, draft=dpath, k=k,
+                                 adaptive=not fixed_k, cutoff=not no_cutoff, surrogate_width=surrogate_width))
+        if not (json_out or csv_out):
+            _print_bench(results[-1])
     if json_out:
-        print(json.dumps(r, indent=1))
-        return
-    if csv_out:
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=1))
+    elif csv_out:
         import csv
 
         w = csv.DictWriter(sys.stdout, fieldnames=CSV_FIELDS)
         w.writeheader()
-        w.writerows(to_csv_rows(r))
-        return
+        for r in results:
+            w.writerows(to_csv_rows(r))
+
+
+def _print_bench(r: dict) -> None:
     print(f"{Path(r['model']).name}: {r['arch']}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
-          f"{r['slots_per_layer']}/{r['n_expert']} slots per layer, link {r['link_gbps']:.2f} GB/s, "
-          f"{r['prompt_tokens']}-token prompt, {r['decode_tokens']} decode tokens x {r['repeat']}; "
-          f"memory: {r['memory_cap']}")
-    print(f"{'policy':<15}{'TPOT ms':>9}{'tok/s':>9}{'prefill/s':>10}{'hit%':>7}{'KiB/tok':>9}{'stall ms':>9}"
+          f"budget {r['budget']} = {r['slots_per_layer']}/{r['n_expert']} slots per layer, link "
+          f"{r['link_gbps']:.2f} GB/s, {r['n_threads']} threads, {r['prompt_tokens']}-token prompt, "
+          f"{r['decode_tokens']} decode tokens x {r['repeat']}; memory: {r['memory_cap']}")
+    print(f"{'policy':<22}{'TPOT ms':>9}{'tok/s':>9}{'prefill/s':>10}{'hit%':>7}{'KiB/tok':>9}{'stall ms':>9}"
           f"{'hook us':>8}{'vs lru':>8}{'vs all':>8}")
     for name, p in r["policies"].items():
         if "skipped" in p:
-            print(f"{name:<15} skipped: {p['skipped']}")
+            print(f"{name:<22} skipped: {p['skipped']}")
             continue
-        print(f"{name:<15}{p['tpot_ms']:>9.2f}{p['decode_tok_s']:>9.1f}{p.get('prefill_tok_s', float('nan')):>10.1f}"
+        print(f"{name:<22}{p['tpot_ms']:>9.2f}{p['decode_tok_s']:>9.1f}{p.get('prefill_tok_s', float('nan')):>10.1f}"
               f"{100 * p.get('hit_rate', 1):>7.1f}{p['bytes_per_token'] / 1024:>9.1f}"
               f"{p.get('stall_ms_per_token', 0):>9.2f}{p.get('hook_us_per_call', 0):>8.1f}"
               f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}")

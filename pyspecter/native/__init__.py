@@ -12,6 +12,7 @@ from pyspecter.native.lib import (
     WAIT_CB,
     SlotAPI,
     Stats,
+    build_key,
     llama_lib,
     patch_series_version,
     quiet_logs,
@@ -22,5 +23,6 @@ from pyspecter.native.model import Context, Model
 
 __all__ = [
     "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "PATCH_SERIES_VERSION", "ROUTE_CB", "WAIT_CB",
+    "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",
 ]

@@ -44,6 +44,20 @@ def llama_lib() -> ctypes.CDLL:
     return lib
 
 
+def build_key() -> str:
+    """The cache key of the loaded llama.cpp build (tools/build_llama.py writes BUILD_INFO.json beside it)."""
+    import json
+    from pathlib import Path
+
+    import llama_cpp
+
+    info = Path(llama_cpp.__file__).resolve().parent.parent / "BUILD_INFO.json"
+    try:
+        return str(json.loads(info.read_text())["key"])
+    except (OSError, ValueError, KeyError):
+        return "unknown"
+
+
 def patch_series_version() -> int:
     return int(llama_lib().llama_pyspecter_version())
 

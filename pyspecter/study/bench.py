@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from pyspecter import native
 from pyspecter.budget import parse_budget, slots_for_budget
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
@@ -34,7 +35,8 @@ from pyspecter.tiers import make_tier
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "specter", "specter-equal-slots", "surrogate")
 APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their quality cost is measured apart)
-DEFAULT_POLICIES = ("stock", "all-resident", "on-demand-lru", "on-demand-lfu", "on-demand-cpu")
+# only policies that keep to the budget (all-resident holds every expert; ask for it to get the oracle bound)
+DEFAULT_POLICIES = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu")
 
 
 @dataclass
@@ -148,7 +150,8 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
         model.close()
 
 
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller
+CGROUP2_ROOT = Path("/sys/fs/cgroup")  # the unified (v2) hierarchy
 RUNTIME_HEADROOM = 256 * 2**20  # Python, llama.cpp buffers and KV cache on top of the weights
 CHILD_TIMEOUT_S = 1800  # one capped policy run; a stuck child must not hold the cgroup forever
 
@@ -165,19 +168,48 @@ def _drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, str]:
-    """Run one policy on the disk tier, fairly: in a child process whose memory, page cache included (cgroup v1
-    memory limit), is held to the fast-memory budget plus non-expert weights plus runtime, starting with the
+def _make_cgroup(cap_bytes: int) -> tuple[Path | None, str]:
+    """A child memory cgroup holding ``cap_bytes``, page cache included: cgroup v1 (``memory.limit_in_bytes`` under
+    the memory controller's root) or v2 (``memory.max`` in a child of the unified root, where the memory
+    controller is enabled for children, as systemd does). Returns (its folder, "v1" | "v2"), or (None, "none")
+    when neither is writable."""
+    name = f"pyspecter-bench-{os.getpid()}"
+    for kind, root, limit in (("v1", CGROUP_ROOT, "memory.limit_in_bytes"),
+                              ("v2", CGROUP2_ROOT, "memory.max")):
+        if kind == "v2" and "memory" not in _read(root / "cgroup.subtree_control").split():
+            continue
+        if kind == "v1" and not root.is_dir():
+            continue
+        cg = root / name
+        try:
+            cg.mkdir()
+        except OSError:
+            continue
+        try:
+            (cg / limit).write_text(str(cap_bytes))
+            return cg, kind
+        except OSError:
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+    return None, "none"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, dict]:
+    """Run one policy on the disk tier, fairly: in a child process whose memory, page cache included (a memory
+    cgroup, v1 or v2), is held to the fast-memory budget plus non-expert weights plus runtime, starting with the
     file's page cache dropped. That holds stock's mmap and our host path alike to the budget. Without a writable
     cgroup the page cache is only dropped before the run, and the result says so."""
-    cg: Path | None = CGROUP_ROOT / f"pyspecter-bench-{os.getpid()}"
-    how = f"cgroup memory cap {cap_bytes / 2**20:.0f} MiB (page cache included), cold start"
-    try:
-        cg.mkdir()
-        (cg / "memory.limit_in_bytes").write_text(str(cap_bytes))
-    except OSError:
-        cg = None
-        how = "no writable cgroup: page cache dropped before the run, not capped"
+    cg, kind = _make_cgroup(cap_bytes)
+    how = {"memory_cap": f"cgroup {kind} memory cap {cap_bytes / 2**20:.0f} MiB (page cache included), cold start"
+           if cg else "no writable cgroup: page cache dropped before the run, not capped",
+           "cap_bytes": cap_bytes, "capped": cg is not None, "cgroup": kind}
     _drop_page_cache(path)
     # a SIGTERM to the bench (a killed sweep) unwinds through the finally below like Ctrl-C does: the child is
     # killed by subprocess.run and the cgroup removed, instead of both outliving us
@@ -263,7 +295,9 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     _run("stock", path, layout, slots, tier, min(prompt_len, 8), 2, n_threads)
     runs: dict[str, list[Run]] = {p: [] for p in policies}
     skipped: dict[str, str] = {}  # policy -> why it could not run at this budget
-    capped_how = "page cache warm (ram tier)"
+    uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
+                "cgroup": "none"}
+    caps: dict[str, dict] = {}
     for _ in range(repeat):
         for p in policies:  # interleaved: drift hits every policy alike
             if p in skipped:
@@ -278,10 +312,10 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                         call = {"fn": "specter", "draft": str(draft), "budget_bytes": budget_bytes,
                                 "count_draft": p == "specter", "k": k, "adaptive": adaptive, "cutoff": cutoff,
                                 **common}
-                        run, capped_how = _run_capped(call, path, cap + extra)
+                        run, caps[p] = _run_capped(call, path, cap + extra)
                     else:
-                        run, capped_how = _run_capped({"fn": "run", "policy": p, "slots": p_slots,
-                                                       "surrogate_width": surrogate_width, **common}, path, cap)
+                        run, caps[p] = _run_capped({"fn": "run", "policy": p, "slots": p_slots,
+                                                    "surrogate_width": surrogate_width, **common}, path, cap)
                     runs[p].append(run)
                 elif p.startswith("specter"):
                     # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
@@ -297,8 +331,10 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
                  "n_expert_used": layout.n_expert_used, "prompt_tokens": prompt_len, "decode_tokens": n,
-                 "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps, "memory_cap": capped_how,
-                 "budget_bytes": budget_bytes, "policies": {}}
+                 "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps,
+                 "memory_cap": next(iter(caps.values()), uncapped)["memory_cap"],
+                 "budget_bytes": budget_bytes, "budget_pct": 100 * budget_bytes / layout.expert_total_bytes,
+                 "build": native.build_key(), "policies": {}}
     layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
     for p, why in skipped.items():
         out["policies"][p] = {"skipped": why}
@@ -321,6 +357,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             "route_us_per_call": c.get("route_us_per_call", 0.0),
             "hook_us_per_call": c.get("hook_us_per_call", 0.0),
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
+            **caps.get(p, uncapped),
         }
         if p == "surrogate":
             out["policies"][p].update(slots_per_layer=sur_slots, surrogate_width=surrogate_width, approximate=True,
@@ -346,7 +383,12 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     return out
 
 
-CSV_FIELDS = ("model", "draft", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer", "policy", "tpot_ms",
+# every row carries its whole setting: a CSV line read alone says what was run, on what, under which cap
+RUN_FIELDS = ("model", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer", "link_gbps",
+              "n_threads", "prompt_tokens", "decode_tokens", "repeat", "build")
+CSV_FIELDS = ("model", "draft", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer",
+              "memory_cap", "cap_bytes", "capped", "cgroup", "link_gbps", "n_threads", "prompt_tokens",
+              "decode_tokens", "repeat", "build", "policy", "tpot_ms",
               "tpot_p10_ms", "tpot_p90_ms", "decode_tok_s", "prefill_tok_s", "hit_rate", "coverage",
               "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "draft_off",
               "vs_on_demand_lru", "vs_all_resident", "vs_oracle_bound")
@@ -358,7 +400,7 @@ def to_csv_rows(result: dict) -> list[dict]:
     for name, p in result["policies"].items():
         if "skipped" in p:
             continue
-        row = {k: result.get(k) for k in ("model", "tier", "emulated", "budget", "budget_bytes", "slots_per_layer")}
+        row = {k: result.get(k) for k in RUN_FIELDS}
         row["model"] = Path(row["model"]).name
         row["draft"] = Path(result["draft"]).name if result.get("draft") and name.startswith("specter") else ""
         row["policy"] = name

@@ -8,7 +8,8 @@ from conftest import run_cli
 
 
 def test_bench_json_keys() -> None:
-    r = run_cli("bench", "tiny-mixtral", "--repeat", "1", "-n", "4", "--prompt-tokens", "8", "--json")
+    r = run_cli("bench", "tiny-mixtral", "--repeat", "1", "-n", "4", "--prompt-tokens", "8", "--json",
+                "--policies", "stock,all-resident,on-demand-lru,on-demand-lfu")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for key in ("model", "tier", "budget", "policies"):
@@ -40,3 +41,24 @@ def test_bench_engine_and_surrogate_policies_on_the_disk_tier(tmp_path) -> None:
     specter = out["policies"]["specter"]
     # the draft counted in the budget may leave no room; that is the one acceptable reason to skip it
     assert "tpot_ms" in specter or "fit" in specter["skipped"], specter
+
+
+def test_bench_sweeps_and_every_csv_row_describes_itself() -> None:
+    import csv
+    import io
+
+    from pyspecter.study.bench import CSV_FIELDS
+
+    r = run_cli("bench", "tiny-mixtral", "--budget", "50%,75%", "--threads", "1,2", "--policies",
+                "on-demand-lru,stock", "--repeat", "1", "-n", "2", "--prompt-tokens", "4", "--csv")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(io.StringIO(r.stdout)))
+    assert len(rows) == 2 * 2 * 2  # budgets x threads x policies
+    assert {(x["budget"], x["n_threads"], x["policy"]) for x in rows} == {
+        (b, t, p) for b in ("50%", "75%") for t in ("1", "2") for p in ("on-demand-lru", "stock")}
+    setting = ("model", "tier", "budget", "budget_bytes", "budget_pct", "slots_per_layer", "memory_cap", "capped",
+               "cgroup", "link_gbps", "n_threads", "prompt_tokens", "decode_tokens", "repeat", "build", "tpot_ms")
+    assert set(setting) <= set(CSV_FIELDS)
+    for row in rows:
+        assert all(row[k] != "" for k in setting), row
+        assert row["capped"] == "False" and row["cgroup"] == "none"  # the ram tier runs uncapped, and says so

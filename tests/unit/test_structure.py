@@ -54,3 +54,10 @@ def test_modules_stay_small() -> None:
     big = [p.relative_to(PKG) for p in PKG.rglob("*.py") if p.name != "cli.py"
            and len(p.read_text().splitlines()) > 420 and "Why this module is long" not in p.read_text()]
     assert not big, big
+
+
+def test_cli_lists_the_bench_policies_it_runs() -> None:
+    from pyspecter import cli
+    from pyspecter.study import bench
+
+    assert cli.BENCH_POLICIES == bench.POLICIES and cli.BENCH_DEFAULTS == bench.DEFAULT_POLICIES
