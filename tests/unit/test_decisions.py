@@ -260,3 +260,23 @@ def test_speculative_sampling_preserves_the_filtered_distribution() -> None:
         accepted, tok = sampler.verify(p_logits, [d], [q], recent)
         counts[d if accepted == 1 else tok] += 1
     assert np.abs(counts / N - p0).max() < 0.01, (counts / N, p0)
+
+
+def test_memory_cgroup_v1_then_v2_then_none(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's cap: v1's memory controller when present, else a v2 child with memory.max where the root
+    delegates the memory controller, else none (and the rows say so). Exercised on folders shaped like each."""
+    from pyspecter.study import bench
+
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    monkeypatch.setattr(bench, "CGROUP_ROOT", v1)
+    monkeypatch.setattr(bench, "CGROUP2_ROOT", v2)
+    assert bench._make_cgroup(1 << 20) == (None, "none")
+    v2.mkdir()
+    (v2 / "cgroup.subtree_control").write_text("cpu io\n")
+    assert bench._make_cgroup(1 << 20) == (None, "none")  # memory not delegated to children
+    (v2 / "cgroup.subtree_control").write_text("cpu memory io\n")
+    cg, kind = bench._make_cgroup(1 << 20)
+    assert kind == "v2" and (cg / "memory.max").read_text() == str(1 << 20)
+    v1.mkdir()
+    cg, kind = bench._make_cgroup(2 << 20)
+    assert kind == "v1" and (cg / "memory.limit_in_bytes").read_text() == str(2 << 20)
