@@ -16,7 +16,20 @@ import typer
 from pyspecter.errors import SpecterError
 from pyspecter.models.catalog import builtin_names, is_builtin, resolve_model
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
+
+class _ByUse(typer.core.TyperGroup):
+    """--help lists commands in the order people reach for them, not the order they were written."""
+
+    ORDER = ("chat", "generate", "serve", "inspect", "bench", "verify", "models", "draft", "trace", "analyze",
+             "surrogate", "demo")
+
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: self.ORDER.index(n) if n in self.ORDER else len(self.ORDER))
+
+
+app = typer.Typer(cls=_ByUse, add_completion=False, no_args_is_help=True, help=__doc__,
+                  pretty_exceptions_enable=False)
 models_app = typer.Typer(no_args_is_help=True, help="Build the project's own models (fixtures, smol-moe, drafts).")
 app.add_typer(models_app, name="models")
 
@@ -166,7 +179,7 @@ def surrogate(
     width: Annotated[float, typer.Option(help="fraction of each expert's neurons its surrogate keeps")] = 0.25,
     budget: Annotated[str, typer.Option(help="fast-tier bytes (slots + surrogates), e.g. 50% or 256MiB")] = "50%",
     tier: TierOpt = "ram",
-    n: Annotated[int, typer.Option("-n", help="held-out tokens to score")] = 256,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="held-out tokens to score")] = 256,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Measure what --miss surrogate costs in quality: perplexity on held-out text, exact misses vs surrogate
@@ -175,7 +188,7 @@ def surrogate(
 
     if not 0 < width <= 1:
         raise SpecterError(f"--width must be in (0, 1], got {width}")
-    r = measure(resolve_model(model), width, budget, tier, n_tokens=n)
+    r = measure(resolve_model(model), width, budget, tier, n_tokens=eval_tokens)
     print(json.dumps(r, indent=1) if json_out else describe(r))
 
 
@@ -189,9 +202,10 @@ def models_list() -> None:
 @app.command()
 def verify(
     model: ModelArg,
-    slots: Annotated[int, typer.Option(help="expert slots per MoE layer (>= top-k)")] = 0,
+    slots: Annotated[int | None, typer.Option(help="expert slots per MoE layer (>= top-k); this or --budget",
+                                              show_default=False)] = None,
     budget: Annotated[str | None, typer.Option(help="instead of --slots: fast-tier bytes, e.g. 64MiB or 40%")] = None,
-    miss: Annotated[str, typer.Option(help="on a miss: wait (upload, then compute) or cpu (compute on host)")] = "wait",
+    miss: MissOpt = None,
     tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS, gpu")] = "ram",
     policy: Annotated[str, typer.Option(help="eviction policy: lru or lfu")] = "lru",
     n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 16,
@@ -213,8 +227,9 @@ def verify(
         if slots == 0:
             raise SpecterError(f"budget {budget} fits no expert slot (one slot in every layer is "
                                f"{_fmt_bytes(sum(L.expert_bytes for L in lay.layers))})")
-    if slots <= 0:
+    if slots is None or slots <= 0:
         raise SpecterError("give --slots N or --budget SIZE")
+    miss = miss or ("wait" if tier == "disk" else "cpu")  # as generate and chat choose it
     r = run_verify(path, slots=slots, miss=miss, tier=tier, policy=policy, n_tokens=n,
                    prompt=prompt or DEFAULT_PROMPT)
     ok = r["identical_tokens"] and r["max_abs_logit_diff"] <= 1e-4
@@ -336,7 +351,9 @@ def _session(model: str, draft: str | None, budget: str | None, tier: str, miss:
 @app.command()
 def generate(
     model: ModelArg,
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="prompt text (raw, no chat template)")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="prompt text (raw, unless --chat)")],
+    chat_template: Annotated[bool, typer.Option("--chat", help="send the prompt as one user message through the "
+                                                               "model's chat template")] = False,
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
     tier: TierOpt = "ram",
@@ -361,7 +378,12 @@ def generate(
                  surrogate_width=surrogate_width, n_ctx=ctx_size,
                  sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
-        toks = s.tokenize(prompt)
+        if chat_template:
+            from pyspecter.prompts import render_prompt
+
+            toks = s.tokenize(render_prompt(s.target, [{"role": "user", "content": prompt}]), add_special=False)
+        else:
+            toks = s.tokenize(prompt)
         from pyspecter.chat import Streamer
 
         stream = None if json_out else Streamer(s.target)

@@ -69,7 +69,7 @@ def test_cli_measures_the_cost() -> None:
 
     from conftest import run_cli
 
-    r = run_cli("surrogate", "tiny-mixtral", "--width", "0.5", "--budget", "100%", "-n", "48", "--json")
+    r = run_cli("surrogate", "tiny-mixtral", "--width", "0.5", "--budget", "100%", "--eval-tokens", "48", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["surrogate"]["surrogate_uses"] > 0 and res["wait"]["surrogate_uses"] == 0
