@@ -291,24 +291,21 @@ def routing_trace(path: Path, tokens: list[int]) -> np.ndarray:
     host as stock llama.cpp would). Logits are requested for every token: llama skips the last layer's FFN for
     rows without output, and so would the hook."""
     from pyspecter import native
+    from pyspecter.native.hooks import Hooks
 
     lay = read_layout(path).require_moe()
     calls: dict[int, list[np.ndarray]] = {}
 
-    def on_route(_ud, il, n_tokens, n_used, ids, _weights) -> None:
+    def on_route(il, n_tokens, n_used, ids, _weights) -> None:
         calls.setdefault(int(il), []).append(
             np.ctypeslib.as_array(ids, shape=(n_tokens * n_used,)).reshape(n_tokens, n_used).copy())
 
-    cb = native.ROUTE_CB(on_route)  # referenced until the contexts are gone: the C side holds the pointer
     with native.Model(path) as model:
-        api = native.slots()
-        rc = api.slots_init(model.ptr, lay.n_expert)
-        if rc != 0:
-            raise SpecterError(f"{path}: could not enable the routing hook (slots_init rc {rc})")
-        api.set_route_cb(model.ptr, cb, None)
+        hooks = Hooks(model, on_route, n_slots=lay.n_expert)  # slots never written: they take no memory
         with native.Context(model, n_ctx=len(tokens) + 8, n_batch=512, n_threads=N_THREADS) as ctx:
             ctx.decode(tokens, logits_all=True)
-        api.set_route_cb(model.ptr, native.ROUTE_CB(), None)
+        hooks.close()
+        hooks.check()
     layers = sorted(calls)
     trace = np.stack([np.concatenate(calls[il]) for il in layers])
     if trace.shape[1] != len(tokens):
