@@ -448,6 +448,52 @@ def chat(
 
 
 @app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help="GGUF path or built-in name")] = "smol-moe",
+    host: Annotated[str, typer.Option(help="address to listen on; anything but localhost exposes the model to "
+                                           "the network (no TLS; unauthenticated unless --api-key)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8080,
+    draft: DraftOpt = None,
+    budget: BudgetOpt = None,
+    tier: TierOpt = "ram",
+    miss: MissOpt = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="PYSPECTER_API_KEY",
+                                                help="require 'Authorization: Bearer KEY' on every route but "
+                                                     "/health (or set PYSPECTER_API_KEY)")] = None,
+    queue: Annotated[int, typer.Option(help="requests that may wait for the one generating; more get 429")] = 8,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; "
+                                                                  "longer requests are refused with 400)")] = 2048,
+    threads: ThreadsOpt = DEFAULT_THREADS,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions (streamed or not), /v1/completions,
+    /v1/models, /health, /metrics. One answer at a time (batch size 1), the others wait in a bounded queue.
+    Needs the optional 'server' extra (FastAPI, uvicorn, sse-starlette)."""
+    from pyspecter.server import bind, require_deps
+    from pyspecter.server import serve as run_server
+
+    require_deps()
+    if not 0 < port < 65536:
+        raise SpecterError(f"--port must be in 1..65535, got {port}")
+    if queue < 0:
+        raise SpecterError(f"--queue must be >= 0, got {queue}")
+    if api_key is not None and not api_key.strip():
+        raise SpecterError("--api-key must not be empty")
+    sock = bind(host, port)  # before the model loads: a port in use costs no load
+    try:
+        s = _session(model, draft, budget, tier, miss, 4, 0.0, 0, threads, n_ctx=ctx_size)
+    except BaseException:
+        sock.close()
+        raise
+    path = resolve_model(model)
+    model_id = model if is_builtin(model) else path.name
+    try:
+        run_server(s, sock, model_id=model_id, aliases={model, path.name, path.stem, str(path)},
+                   api_key=api_key.strip() if api_key else None, queue_size=queue)
+    finally:
+        s.close()
+
+
+@app.command()
 def trace(
     model: ModelArg,
     out: Annotated[Path, typer.Option("--out", "-o", help="trace file to write (.npz)")],
@@ -484,26 +530,45 @@ def analyze(
 def demo(
     model: Annotated[str, typer.Option(help="model to run")] = "smol-moe",
     budget: Annotated[str, typer.Option(help="fast-tier budget for expert slots")] = "50%",
-    n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 64,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 24,
     question: Annotated[str, typer.Option(help="chat prompt")] = "What are three good habits for staying healthy?",
 ) -> None:
-    """Build smol-moe, show its expert layout, and answer a chat prompt through expert slots (half the experts
-    resident, misses computed exactly on the CPU), next to stock llama.cpp on the same prompt."""
+    """The point of the project in one run: smol-moe with half of its expert bytes as memory and the experts on
+    disk. Stock llama.cpp and pyspecter answer the same chat prompt, each in a process held to the same memory
+    (page cache included); tokens per second side by side, and the greedy tokens must be identical (exit 1 if
+    not)."""
     from pyspecter import native
     from pyspecter.study.demo import demo as run_demo
+    from pyspecter.study.demo import tok_s
 
     path = resolve_model(model)
     print(f"patched llama.cpp with pyspecter C API v{native.patch_series_version()}")
     inspect(str(path), json_out=False, budget=budget)
-    r = run_demo(path, budget=budget, n=n, question=question)
-    print(f"\nuser: {question}\n{path.stem}: {r['text'].strip()}\n")
-    print(f"expert slots ({r['slots']}/{r['n_expert']} per layer, misses on CPU, tier ram): {r['tok_s']:.1f} tok/s, "
-          f"hit rate {100 * r['stats']['hit_rate']:.1f}%, {r['stats']['uploads']} uploads; stock llama.cpp: "
-          f"{r['stock_tok_s']:.1f} tok/s")
-    print("greedy tokens identical to stock llama.cpp" if r["identical"]
-          else "WARNING: tokens differ from stock llama.cpp")
-    if not r["identical"]:
-        raise typer.Exit(1)
+    r = run_demo(path, budget=budget, n=n, question=question, n_threads=DEFAULT_THREADS)
+    st, ours, mem = r["stock"], r["specter"], r["memory"]
+    b, nonexp = r["budget_bytes"], r["nonexpert_bytes"]
+    cap = (f"{_fmt_bytes(mem['cap_bytes'])} each, page cache included (cgroup {mem['cgroup']})" if mem["capped"]
+           else "NOT capped (no writable memory cgroup here): stock's page cache may grow past the budget")
+    print(f"\nmemory: {cap}\n        = budget {_fmt_bytes(b)} + non-expert weights {_fmt_bytes(nonexp)} + runtime "
+          f"{_fmt_bytes(mem['cap_bytes'] - b - nonexp)};\n        the other {_fmt_bytes(r['expert_bytes'] - b)} of "
+          f"experts stay on disk (its page cache dropped before each run)")
+    print(f"\nuser: {question}\n{model if is_builtin(model) else path.stem}: {ours['text'].strip()}\n")
+    s = ours["stats"]
+    per_token = s["upload_mib"] / max(len(ours["tokens"]), 1)
+    rows = [("stock llama.cpp (mmap, same memory)", st, ""),
+            (f"pyspecter ({ours['slots']}/{ours['n_expert']} expert slots, disk)", ours,
+             f"hit {100 * s['hit_rate']:.0f}%, {per_token:.1f} MiB read/token (prefill included)")]
+    print(f"{'':<42}{'first token':>12}{'tok/s':>9}")
+    for name, run, extra in rows:
+        print(f"{name:<42}{run['ttft_s']:>10.2f} s{tok_s(run):>9.1f}   {extra}".rstrip())
+    print(f"pyspecter decodes {tok_s(ours) / tok_s(st):.1f}x as fast as stock llama.cpp in the same memory")
+    if r["identical"]:
+        print(f"greedy tokens identical ({len(ours['tokens'])} tokens)")
+        return
+    first = next((i for i, (a, b) in enumerate(zip(st["tokens"], ours["tokens"], strict=False)) if a != b),
+                 min(len(st["tokens"]), len(ours["tokens"])))
+    print(f"ERROR: greedy tokens differ from stock llama.cpp's from token {first}")
+    raise typer.Exit(1)
 
 
 def main() -> None:

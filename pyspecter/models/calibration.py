@@ -15,6 +15,8 @@ import numpy as np
 
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.models.progress import done as progress_done
+from pyspecter.models.progress import step as progress_step
 from pyspecter.paths import atomic_path, content_key, models_dir
 from pyspecter.surrogate import group_size
 
@@ -211,9 +213,9 @@ def select_neurons(path: Path, keep: float, n_calib: int = 512, progress: bool =
         score = neuron_importance(w, xs[L.index], routed).reshape(lay.n_expert, n_groups, g).sum(axis=2)
         out[L.index] = np.sort(np.argsort(-score, axis=1)[:, :n_keep], axis=1).astype(np.int32)
         if progress:
-            print(f"\rsurrogate: {i + 1}/{len(lay.layers)} layers", end="", file=sys.stderr, flush=True)
+            progress_step(f"surrogate: {i + 1}/{len(lay.layers)} layers", i + 1, len(lay.layers))
     if progress:
-        print(file=sys.stderr)
+        progress_done()
     with atomic_path(cached, suffix=".npz") as tmp:
         np.savez(tmp, **{str(k): v for k, v in out.items()})
     return out

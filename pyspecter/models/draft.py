@@ -24,6 +24,8 @@ import numpy as np
 from pyspecter.errors import SpecterError
 from pyspecter.layout import read_layout
 from pyspecter.models.calibration import calibration_tokens, ffn_inputs, neuron_importance
+from pyspecter.models.progress import done as progress_done
+from pyspecter.models.progress import step as progress_step
 from pyspecter.paths import content_key, models_dir
 
 __all__ = ["EXPERT_PATTERN", "build_smol_moe_draft", "make_draft", "routing_agreement", "routing_trace"]
@@ -250,7 +252,7 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
                         "down": np.take_along_axis(full["down"], top[:, None, :], axis=2)}
                 n_done += 1
                 if progress:
-                    print(f"\rdraft: narrowed {n_done}/{len(lay.layers)} layers", end="", file=sys.stderr, flush=True)
+                    progress_step(f"draft: narrowed {n_done}/{len(lay.layers)} layers", n_done, len(lay.layers))
             if suffix == "weight":
                 a = done[kind]
             else:
@@ -258,7 +260,7 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
                 a = b if kind == "down" else np.take_along_axis(b, done["top"], axis=1)
             w.write_tensor_data(np.ascontiguousarray(a, dtype=np.float32))
         if progress:
-            print(file=sys.stderr)
+            progress_done()
     finally:
         w.close()
     return out

@@ -46,6 +46,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from pyspecter.errors import SpecterError
+from pyspecter.models.progress import done as progress_done
+from pyspecter.models.progress import step as progress_step
 from pyspecter.paths import cache_dir, content_key, models_dir, write_text_atomic
 
 __all__ = [
@@ -665,6 +667,7 @@ def _write_moe(src: Path, out: Path, routers: list[np.ndarray], n_expert: int, t
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         experts: dict[str, np.ndarray] = {}
+        n_written = 0  # layers come in the GGUF's tensor order (blk.0, blk.1, blk.10, ...): count them
         for _tname, what in plan:
             if what[0] == "copy":
                 w.write_tensor_data(np.asarray(what[1].data))
@@ -678,9 +681,12 @@ def _write_moe(src: Path, out: Path, routers: list[np.ndarray], n_expert: int, t
                     experts = _expert_tensors(by_name[p + "ffn_gate.weight"], by_name[p + "ffn_up.weight"],
                                               by_name[p + "ffn_down.weight"], perms, group)
                 w.write_tensor_data(experts.pop(kind))
-                if kind == "down" and progress:
-                    print(f"\rsmol-moe: writing layer {il + 1}/{n_layer}", end="", file=sys.stderr, flush=True)
-        _log(progress, "")
+                if kind == "down":
+                    n_written += 1
+                    if progress:
+                        progress_step(f"smol-moe: wrote {n_written}/{n_layer} layers", n_written, n_layer)
+        if progress:
+            progress_done()
     finally:
         w.close()
 
@@ -735,10 +741,11 @@ def build_smol_moe(n_expert: int = 16, top_k: int = 2, progress: bool = True) ->
             routers.append(W)
             layer_stats.append(st)
             if progress:
-                print(f"\rsmol-moe: router {il + 1}/{len(X)} (top-{top_k} load {st['topk_load_min']:.2f}.."
-                      f"{st['topk_load_max']:.2f}, median top-1 p {st['median_top1_prob']:.2f})",
-                      end="", file=sys.stderr, flush=True)
-        _log(progress, "")
+                progress_step(f"smol-moe: router {il + 1}/{len(X)} (top-{top_k} load {st['topk_load_min']:.2f}.."
+                              f"{st['topk_load_max']:.2f}, median top-1 p {st['median_top1_prob']:.2f})",
+                              il + 1, len(X))
+        if progress:
+            progress_done()
         del X
     t_fit = time.monotonic() - t_start - t_gen - t_fwd
 

@@ -1,30 +1,139 @@
-"""`make demo`: one chat answer through expert slots next to stock llama.cpp on the same prompt."""
+"""`make demo`: what the project is for, in under two minutes on a warm cache.
+
+A MoE model given half of its expert bytes as memory, the rest of the experts on disk: stock llama.cpp (its
+weights mmap'd, so the page cache is its memory) beside pyspecter (expert slots, misses read from the GGUF with
+O_DIRECT), each in a child process whose memory, page cache included, a cgroup holds to the same cap (budget +
+non-expert weights + runtime headroom, the bench's rule), each starting with the file's page cache dropped. One
+short chat answer each: speed side by side, and the greedy tokens, which must be identical.
+
+The child runs as ``python -m pyspecter.study.demo CGROUP_PROCS ARGS_JSON`` (the bench's capped runner, with a
+job of its own: a chat answer and its tokens).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from pyspecter import native
-from pyspecter.engine import greedy
-from pyspecter.prompts import render_prompt
-from pyspecter.session import Session, SessionConfig
+from pyspecter.errors import SpecterError
+
+# the child imports no more than this before it joins the cgroup: everything else is imported where it is used
+N_CTX = 512
 
 
-def demo(path: Path, *, budget: str, n: int, question: str) -> dict:
-    """Greedy answers of stock llama.cpp and of a Session with ``budget`` of expert slots (misses on the CPU):
-    the tokens (which must be identical) and the speed of each."""
-    messages = [{"role": "user", "content": question}]
-    with native.Model(path) as m, native.Context(m) as ctx:
-        toks = m.tokenize(render_prompt(m, messages), add_special=False)
+def _stock(path: Path, messages: list[dict], n: int, n_threads: int) -> dict:
+    """llama.cpp's own decode loop, greedy: the model mmap'd, no slots, no hook (same kernels and settings as
+    the slot path, so the tokens can be compared)."""
+    import numpy as np
+
+    from pyspecter.native import Context, Model
+    from pyspecter.prompts import render_prompt
+
+    t0 = time.perf_counter()
+    with Model(path) as m, Context(m, n_ctx=N_CTX, n_threads=n_threads) as ctx:
+        prompt = m.tokenize(render_prompt(m, messages), add_special=False)
         ctx.warmup()
-        t0 = time.perf_counter()
-        stock, _ = greedy(ctx, toks, n, stop_at_eog=True)
-        stock_s = time.perf_counter() - t0
-    with Session(SessionConfig(model=path, budget=budget, miss="cpu", n_ctx=512)) as s:
-        t0 = time.perf_counter()
-        out = s.generate(toks, n)
-        dt = time.perf_counter() - t0
-        return {"tokens": out, "text": s.target.detokenize([t for t in out if not s.target.is_eog(t)]),
-                "tok_s": len(out) / dt, "stock_tok_s": len(stock) / stock_s, "identical": stock == out,
+        t1 = time.perf_counter()
+        logits = ctx.decode(prompt)
+        out, stamps = [], []
+        while True:
+            out.append(int(np.argmax(logits)))
+            stamps.append(time.perf_counter())
+            if m.is_eog(out[-1]) or len(out) >= n:
+                break
+            logits = ctx.decode([out[-1]])
+        return {"tokens": out, "prompt_tokens": len(prompt), "load_s": t1 - t0, "ttft_s": stamps[0] - t1,
+                "decode_s": stamps[-1] - stamps[0]}
+
+
+def _specter(path: Path, messages: list[dict], n: int, n_threads: int, budget: str) -> dict:
+    """A Session on the disk tier with ``budget`` of expert slots: what `pyspecter chat --tier disk` runs."""
+    from pyspecter.prompts import render_prompt
+    from pyspecter.session import Session, SessionConfig
+
+    t0 = time.perf_counter()
+    with Session(SessionConfig(model=path, budget=budget, tier="disk", n_ctx=N_CTX, n_threads=n_threads)) as s:
+        prompt = s.tokenize(render_prompt(s.target, messages), add_special=False)
+        stamps: list[float] = []
+        t1 = time.perf_counter()
+        out = s.generate(prompt, n, on_token=lambda _t: stamps.append(time.perf_counter()))
+        return {"tokens": out, "prompt_tokens": len(prompt), "load_s": t1 - t0, "ttft_s": stamps[0] - t1,
+                "decode_s": stamps[-1] - stamps[0], "text": s.target.detokenize([t for t in out
+                                                                                 if not s.target.is_eog(t)]),
                 "slots": s.n_slots, "n_expert": s.layout.n_expert, "stats": s.stats()}
+
+
+def _capped(job: dict, path: Path, cap_bytes: int) -> tuple[dict, dict]:
+    """One job in a child process under the memory cap, the file's page cache dropped first (bench._run_capped,
+    with a job of the demo's own)."""
+    from pyspecter.study.bench import CHILD_TIMEOUT_S, _drop_page_cache, _make_cgroup, _raise_interrupt
+
+    cg, kind = _make_cgroup(cap_bytes)
+    how = {"capped": cg is not None, "cgroup": kind, "cap_bytes": cap_bytes}
+    _drop_page_cache(path)
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed demo takes its child and cgroup along
+    try:
+        procs = str(cg / "cgroup.procs") if cg else "-"
+        try:
+            r = subprocess.run([sys.executable, "-m", "pyspecter.study.demo", procs,
+                                json.dumps({**job, "path": str(path)})],
+                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise SpecterError(f"a capped run took over {CHILD_TIMEOUT_S} s and was stopped") from None
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["killed (out of memory under the cap?)"])[-1]
+            raise SpecterError(last.removeprefix("pyspecter: error: "))
+        return json.loads(r.stdout.strip().splitlines()[-1]), how
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if cg is not None:
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+
+
+def demo(path: Path, *, budget: str = "50%", n: int = 24, question: str, n_threads: int = 2) -> dict:
+    """Stock llama.cpp and pyspecter under the same memory cap, experts on disk: one greedy chat answer each."""
+    from pyspecter.budget import parse_budget
+    from pyspecter.layout import read_layout
+    from pyspecter.study.bench import RUNTIME_HEADROOM
+
+    lay = read_layout(path).require_moe()
+    budget_bytes = parse_budget(budget, lay.expert_total_bytes)
+    cap = budget_bytes + lay.nonexpert_bytes + RUNTIME_HEADROOM
+    job = {"messages": [{"role": "user", "content": question}], "n": n, "n_threads": n_threads}
+    stock, how = _capped({**job, "fn": "stock"}, path, cap)
+    ours, _ = _capped({**job, "fn": "specter", "budget": budget}, path, cap)
+    return {"stock": stock, "specter": ours, "memory": how, "budget_bytes": budget_bytes,
+            "expert_bytes": lay.expert_total_bytes, "nonexpert_bytes": lay.nonexpert_bytes,
+            "identical": stock["tokens"] == ours["tokens"]}
+
+
+def tok_s(run: dict) -> float:
+    """Decode speed after the first token (the first is the prompt's prefill)."""
+    return (len(run["tokens"]) - 1) / run["decode_s"] if run["decode_s"] > 0 else float("nan")
+
+
+def main(argv: list[str]) -> None:
+    procs, job = argv[0], json.loads(argv[1])
+    if procs != "-":  # join the cgroup before llama.cpp maps a single page of the model
+        Path(procs).write_text(str(os.getpid()))
+    path = Path(job["path"])
+    if job["fn"] == "stock":
+        r = _stock(path, job["messages"], job["n"], job["n_threads"])
+    else:
+        r = _specter(path, job["messages"], job["n"], job["n_threads"], job["budget"])
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except SpecterError as e:
+        print(f"pyspecter: error: {e}", file=sys.stderr)
+        sys.exit(2)

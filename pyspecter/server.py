@@ -1,0 +1,309 @@
+"""`pyspecter serve`: an OpenAI-compatible HTTP server over one Session (FastAPI + uvicorn + sse-starlette, the
+optional ``server`` extra, imported only when a server is made).
+
+Batch size 1: llama.cpp's context here holds one sequence, so one worker thread generates one answer at a time
+(``serving.Worker``); requests wait in a bounded queue in front of it, and a request that finds it full is refused
+with 429 and a Retry-After header. Every request carries its own sampling settings. A client that goes away
+cancels its answer (checked between tokens). Wire format and validation: ``openai_api``.
+"""
+
+# no `from __future__ import annotations` here: FastAPI reads the handlers' annotations (``request: Request``,
+# imported inside create_app) at definition time
+import asyncio
+import contextlib
+import hmac
+import json
+import socket
+import sys
+from dataclasses import replace
+
+from pyspecter import openai_api as oa
+from pyspecter.errors import SpecterError
+from pyspecter.openai_api import ApiError
+from pyspecter.serving import Job, Worker, metrics, prometheus
+from pyspecter.session import Session
+
+MAX_BODY = 8 * 2**20
+_DEPS = ("fastapi", "uvicorn", "sse_starlette")
+
+
+def require_deps() -> None:
+    """A clear one-line error (exit 2 through the CLI) when the ``server`` extra is not installed."""
+    import importlib.util
+
+    missing = [m for m in _DEPS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecterError(f"`pyspecter serve` needs the server extra ({', '.join(missing)} missing): "
+                           f"pip install 'pyspecter[server]'")
+
+
+# --- HTTP -----------------------------------------------------------------------------------------------------------
+
+class _Auth:
+    """ASGI middleware: every route but /health needs ``Authorization: Bearer KEY`` when a key is set."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = got.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                from starlette.responses import JSONResponse
+
+                body = oa.error_body("Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                                     code="invalid_api_key")
+                await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None = None):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from sse_starlette.sse import EventSourceResponse
+    from starlette.background import BackgroundTask
+    from starlette.exceptions import HTTPException
+
+    from pyspecter.prompts import render_prompt
+
+    s = w.s
+    app = FastAPI(title="pyspecter", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req, e: ApiError):
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_req, e: RequestValidationError):
+        return JSONResponse(oa.error_body(f"invalid request: {e.errors()}"), 400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_req, e: HTTPException):
+        return JSONResponse(oa.error_body(str(e.detail), code="not_found" if e.status_code == 404 else None),
+                            e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_req, e: Exception):
+        return JSONResponse(oa.error_body(f"internal error: {e!r}", "server_error"), 500)
+
+    async def read_json(request: Request):
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise ApiError(413, f"request body over {MAX_BODY // 2**20} MiB", code="request_too_large")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
+
+    def prompt_tokens(req: oa.GenRequest) -> list[int]:
+        if req.messages is not None:  # the model's own chat template (ChatML if it has none llama.cpp knows)
+            return s.tokenize(render_prompt(s.target, req.messages), add_special=False)
+        if isinstance(req.prompt, str):
+            return s.tokenize(req.prompt)  # as `pyspecter generate -p`
+        bad = [t for t in req.prompt if not 0 <= t < s.target.n_vocab]
+        if bad:
+            raise ApiError(400, f"'prompt': token id {bad[0]} is not in the vocabulary (0..{s.target.n_vocab - 1})",
+                           code="invalid_value", param="prompt")
+        return req.prompt
+
+    async def start(request: Request, chat: bool) -> tuple[Job, asyncio.Queue, oa.GenRequest]:
+        body = await read_json(request)
+        req = oa.parse_chat(body) if chat else oa.parse_completion(body)
+        if req.model is not None and req.model not in aliases:
+            raise ApiError(404, f"The model `{req.model}` does not exist: this server serves `{model_id}`",
+                           code="model_not_found", param="model")
+        try:
+            replace(w.base, **req.sampling()).check()
+        except SpecterError as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
+        prompt = await asyncio.to_thread(prompt_tokens, req)
+        n_ctx, where = s.cfg.n_ctx, "messages" if chat else "prompt"
+        if not prompt:
+            raise ApiError(400, "empty prompt: nothing to continue from (this model adds no BOS token)",
+                           code="invalid_value", param="prompt")
+        if req.max_tokens is None:  # chat: as much as the context leaves
+            if len(prompt) >= n_ctx:
+                raise oa.context_error(n_ctx, len(prompt), None, where)
+            n = n_ctx - len(prompt)
+        elif len(prompt) + req.max_tokens > n_ctx:
+            raise oa.context_error(n_ctx, len(prompt), req.max_tokens, where)
+        else:
+            n = req.max_tokens
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(ev: tuple) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        job = Job(prompt, n, req, emit=emit)
+        w.submit(job)
+        return job, q, req
+
+    async def collect(request: Request, job: Job, q: asyncio.Queue) -> tuple | None:
+        """The whole answer, or None if the client went away (its answer is then cancelled)."""
+        parts: list[str] = []
+        getter = None
+        try:
+            while True:
+                getter = getter or asyncio.ensure_future(q.get())
+                done, _ = await asyncio.wait({getter}, timeout=0.25)
+                if not done:
+                    if await request.is_disconnected():
+                        return None
+                    continue
+                ev, getter = getter.result(), None
+                if ev[0] == "text":
+                    parts.append(ev[1])
+                elif ev[0] == "done":
+                    return "".join(parts), *ev[1:]
+                else:
+                    raise ApiError(500, ev[1], type="server_error", code="generation_failed")
+        finally:
+            if getter is not None:
+                getter.cancel()
+            job.cancel.set()  # nothing if it finished; stops it if the client left
+
+    def stream(job: Job, q: asyncio.Queue, req: oa.GenRequest, chat: bool):
+        rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None = None) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return json.dumps(oa.chat_chunk(rid, model_id, delta, finish))
+            return json.dumps(oa.completion_chunk(rid, model_id, text or "", finish))
+
+        async def events():
+            try:
+                if chat:
+                    yield json.dumps(oa.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}))
+                while True:
+                    ev = await q.get()
+                    if ev[0] == "text":
+                        yield chunk(ev[1])
+                    elif ev[0] == "done":
+                        yield chunk(None, ev[1])
+                        if req.include_usage:
+                            yield json.dumps(oa.usage_chunk(rid, model_id, obj, ev[2], ev[3]))
+                        yield "[DONE]"
+                        return
+                    else:
+                        yield json.dumps(oa.error_body(ev[1], "server_error", "generation_failed"))
+                        return
+            finally:
+                job.cancel.set()  # a client that disconnects cancels its answer
+
+        return EventSourceResponse(events(), ping=15, sep="\n", background=BackgroundTask(job.cancel.set))
+
+    async def complete(request: Request, chat: bool):
+        job, q, req = await start(request, chat)
+        if req.stream:
+            return stream(job, q, req, chat)
+        r = await collect(request, job, q)
+        if r is None:
+            return JSONResponse(oa.error_body("client disconnected"), 400)
+        text, finish, n_prompt, n_completion = r
+        make = oa.chat_response if chat else oa.completion_response
+        return make(oa.new_id("chatcmpl" if chat else "cmpl"), model_id, text, finish, n_prompt, n_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    def model_card() -> dict:
+        return {"id": model_id, "object": "model", "created": int(s.cfg.model.stat().st_mtime),
+                "owned_by": "pyspecter", "n_ctx": s.cfg.n_ctx, "tier": s.tier.name,
+                "slots_per_layer": s.n_slots, "n_expert": s.layout.n_expert}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name not in aliases:
+            raise ApiError(404, f"The model `{name}` does not exist: this server serves `{model_id}`",
+                           code="model_not_found", param="model")
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if not w._thread.is_alive():
+            return JSONResponse({"status": "error", "message": "the generation thread stopped"}, 503)
+        return {"status": "ok", "model": model_id, "busy": w.busy, "queue_depth": w.jobs.qsize()}
+
+    @app.get("/metrics")
+    async def get_metrics(request: Request):
+        m = metrics(w)
+        if request.query_params.get("format") == "json" or "application/json" in request.headers.get("accept", ""):
+            return m
+        return PlainTextResponse(prometheus(m), media_type="text/plain; version=0.0.4")
+
+    return _Auth(app, api_key) if api_key else app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, made before the model loads: a port in use is a one-line error, not a wasted load."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise SpecterError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+def serve(session: Session, sock: socket.socket, *, model_id: str, aliases: set[str], api_key: str | None,
+          queue_size: int) -> None:
+    """Serve until SIGINT/SIGTERM (graceful: answers in flight get 3 s), then free the session."""
+    import signal
+
+    import uvicorn
+
+    w = Worker(session, queue_size)
+    try:
+        app = create_app(w, model_id, aliases | {model_id}, api_key)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
+                                lifespan="off")
+        host, port = sock.getsockname()[:2]
+        where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        print(f"pyspecter serve: {model_id} at {where}/v1 (OpenAI-compatible; /health, /metrics), "
+              f"{session.n_slots}/{session.layout.n_expert} expert slots per layer, tier {session.tier.name}, "
+              f"context {session.cfg.n_ctx}, queue {queue_size}" + (", API key required" if api_key else ""),
+              file=sys.stderr, flush=True)
+        if not is_loopback(host) and not api_key:
+            print(f"pyspecter serve: WARNING: listening on {host} without --api-key: anyone who can reach this "
+                  f"port can use the model (and there is no TLS)", file=sys.stderr, flush=True)
+        # uvicorn re-raises the signal that stopped it once it is done; a no-op handler lets us free the model
+        # and exit 0 instead of dying mid-cleanup (SIGTERM) or printing a traceback (SIGINT)
+        old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+    finally:
+        w.close()
+        sock.close()

@@ -1,0 +1,227 @@
+"""Serving at batch size 1: one worker thread owns the Session and generates one answer at a time, from a
+bounded queue of jobs; every job brings its own sampling settings and can be cancelled between tokens. The HTTP
+side (``server``) only submits jobs and reads their events. No web framework here.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from pyspecter import openai_api as oa
+from pyspecter.errors import SpecterError
+from pyspecter.openai_api import ApiError
+from pyspecter.sampling import Sampler
+from pyspecter.session import Session
+
+
+class _Finish(Exception):
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+@dataclass
+class Job:
+    """One answer to generate. ``emit`` hands events to the request's event loop (thread-safe):
+    ("text", str) as the answer grows, then ("done", finish_reason, n_prompt, n_completion) or ("error", message)."""
+
+    prompt: list[int]
+    max_tokens: int
+    req: oa.GenRequest
+    emit: Callable[[tuple], None] = lambda ev: None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+class Worker:
+    """The one thread that touches the session after startup: it takes jobs from a bounded queue, one at a time."""
+
+    def __init__(self, session: Session, queue_size: int) -> None:
+        self.s = session
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.queue_size = queue_size  # jobs that may wait for the one generating (0: none may wait)
+        self.inflight = 0  # waiting + generating, under _admit
+        self._admit = threading.Lock()
+        self.lock = threading.Lock()  # held while the session generates (and while it is closed)
+        self.base = session.sampler.params  # the server's defaults: what a request does not set
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
+        self.ttft: deque[float] = deque(maxlen=512)  # seconds from arrival (queue wait included) to first token
+        self.durations: deque[float] = deque(maxlen=32)
+        self.prompt_tokens = 0
+        self.busy = False
+        self.stats = self._session_stats()  # refreshed by the worker itself, between tokens
+        self._thread = threading.Thread(target=self._loop, name="pyspecter-generate", daemon=True)
+        self._thread.start()
+
+    # --- the request side (event loop thread) ---
+
+    def submit(self, job: Job) -> None:
+        with self._admit:
+            full = self.inflight > self.queue_size
+            if not full:
+                self.inflight += 1
+                self.jobs.put_nowait(job)
+        if full:
+            self.counts["refused"] += 1
+            per = sum(self.durations) / len(self.durations) if self.durations else 1.0
+            wait = min(60, max(1, math.ceil(per * self.inflight)))
+            raise ApiError(429, f"the server is busy: {self.queue_size} requests already wait for the one "
+                                f"generating (batch size 1); retry after {wait} s", type="requests",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+
+    def close(self) -> None:
+        """Cancel what waits and what runs, stop the thread, then free the session."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel.set()
+                job.emit(("error", "the server is shutting down"))
+        self._current_cancel().set()
+        self.jobs.put_nowait(None)
+        self._thread.join(timeout=30)
+        with self.lock:
+            self.s.close()
+
+    _cancel: threading.Event | None = None
+
+    def _current_cancel(self) -> threading.Event:
+        return self._cancel or threading.Event()
+
+    # --- the worker thread ---
+
+    def _session_stats(self) -> dict:
+        try:
+            return self.s.stats()
+        except Exception:  # noqa: BLE001 - figures are best effort, never a reason to fail an answer
+            return getattr(self, "stats", {})
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                if job.cancel.is_set():  # its client left while it waited
+                    self.counts["cancelled"] += 1
+                    continue
+                with self.lock:
+                    self.busy, self._cancel = True, job.cancel
+                    try:
+                        self._generate(job)
+                    finally:
+                        self.busy, self._cancel = False, None
+                        self.stats = self._session_stats()
+            finally:
+                with self._admit:
+                    self.inflight -= 1
+
+    def _samplers(self, req: oa.GenRequest) -> None:
+        params = replace(self.base, **req.sampling()).check()
+        seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)
+        seed %= 2**64
+        self.s.sampler = Sampler(params, seed)
+        if self.s.decoder is not None:
+            self.s.decoder.sampler = Sampler(params, seed)
+
+    def _generate(self, job: Job) -> None:
+        s, model = self.s, self.s.target
+        text = oa.StopText(model.detokenize, model.is_eog, job.req.stop)
+        n_out = 0
+        t0 = time.perf_counter()
+
+        def on_token(tok: int) -> None:
+            nonlocal n_out
+            n_out += 1
+            if n_out == 1:
+                self.ttft.append(time.perf_counter() - job.t_submit)
+            delta = text.push(tok)
+            if delta:
+                job.emit(("text", delta))
+            if text.stopped:
+                raise _Finish("stop")
+            if job.cancel.is_set():
+                raise _Finish("cancelled")
+            if n_out % 16 == 0:
+                self.stats = self._session_stats()
+
+        try:
+            self._samplers(job.req)
+            out = s.generate(job.prompt, job.max_tokens, on_token=on_token)
+            reason = "stop" if out and model.is_eog(out[-1]) else "length"
+        except _Finish as f:
+            reason = f.reason
+        except Exception as e:  # noqa: BLE001 - one answer fails, the server goes on
+            self.counts["failed"] += 1
+            job.emit(("error", str(e) if isinstance(e, SpecterError) else repr(e)))
+            return
+        if reason == "cancelled":
+            self.counts["cancelled"] += 1
+            return
+        rest = text.flush()
+        if rest:
+            job.emit(("text", rest))
+        self.counts["completed"] += 1
+        self.prompt_tokens += len(job.prompt)
+        self.durations.append(time.perf_counter() - t0)
+        job.emit(("done", reason, len(job.prompt), n_out))
+
+
+def _pct(xs, q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def metrics(w: Worker) -> dict:
+    """The engine's live figures: the session's counters (refreshed between tokens) and the server's own."""
+    st = dict(w.stats)
+    tokens = st.get("tokens", 0)
+    out = {"requests": dict(w.counts), "queue_depth": w.jobs.qsize(), "queue_capacity": w.queue_size,
+           "busy": w.busy, "prompt_tokens": w.prompt_tokens,
+           "ttft_p50_s": _pct(w.ttft, 0.5), "ttft_p95_s": _pct(w.ttft, 0.95),
+           "bytes_read_per_token": st.get("upload_mib", 0.0) * 2**20 / tokens if tokens else 0.0,
+           "draft": "none" if "acceptance" not in st else
+           ("dropped" if st.get("draft_dropped_at") is not None else "active"),
+           "session": st}
+    return out
+
+
+def prometheus(m: dict) -> str:
+    """The same figures in Prometheus' text format (what llama.cpp's own server serves at /metrics)."""
+    st = m["session"]
+    gauges = [
+        ("queue_depth", "gauge", "requests waiting", m["queue_depth"]),
+        ("busy", "gauge", "1 while an answer is generated", int(m["busy"])),
+        ("prompt_tokens_total", "counter", "prompt tokens processed", m["prompt_tokens"]),
+        ("tokens_total", "counter", "tokens generated", st.get("tokens", 0)),
+        ("tokens_per_second", "gauge", "decode speed over all answers", st.get("tok_s", 0.0)),
+        ("ttft_p50_seconds", "gauge", "time to first token (queue wait included), median", m["ttft_p50_s"]),
+        ("ttft_p95_seconds", "gauge", "time to first token (queue wait included), p95", m["ttft_p95_s"]),
+        ("expert_hit_rate", "gauge", "experts resident when their layer needed them", st.get("hit_rate", 0.0)),
+        ("expert_slot_row_rate", "gauge", "expert rows computed from slots", st.get("coverage", 0.0)),
+        ("expert_slots_per_layer", "gauge", "expert slots per MoE layer", st.get("slots_per_layer", 0)),
+        ("expert_uploads_total", "counter", "experts read from the slow tier", st.get("uploads", 0)),
+        ("upload_bytes_total", "counter", "bytes read from the slow tier", st.get("upload_mib", 0.0) * 2**20),
+        ("upload_bytes_per_token", "gauge", "bytes read from the slow tier per token", m["bytes_read_per_token"]),
+        ("stall_seconds_total", "counter", "time in the routing hook (waiting for experts)",
+         st.get("stall_ms", 0.0) / 1e3),
+        ("failed_uploads_total", "counter", "failed uploads (served exactly on the host)",
+         st.get("failed_uploads", 0)),
+        ("draft_active", "gauge", "1 while a draft model runs", int(m["draft"] == "active")),
+        ("draft_acceptance", "gauge", "accepted / drafted tokens", st.get("acceptance", 0.0)),
+        ("draft_mean_k", "gauge", "mean draft tokens per step", st.get("mean_k", 0.0)),
+    ]
+    lines = ["# HELP pyspecter_requests_total requests by outcome", "# TYPE pyspecter_requests_total counter"]
+    lines += [f'pyspecter_requests_total{{outcome="{k}"}} {v}' for k, v in m["requests"].items()]
+    for name, kind, help_, value in gauges:
+        lines += [f"# HELP pyspecter_{name} {help_}", f"# TYPE pyspecter_{name} {kind}",
+                  f"pyspecter_{name} {float(value):g}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,366 @@
+"""`pyspecter serve` as users run it: a real server process on a free localhost port, driven with the official
+`openai` client (streamed and not) and with raw HTTP for what a client library would not send."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+SMOL_ARGS = ("smol-moe", "--budget", "50%", "-c", "1024")  # RAM tier, 8 of 16 slots: misses on the CPU
+TINY_ARGS = ("tiny-qwen3moe", "--budget", "50%", "-c", "256")
+
+
+@dataclass
+class Reply:
+    status_code: int
+    headers: dict[str, str]
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def http(method: str, url: str, body: str | bytes | None = None, headers: dict | None = None,
+         timeout: float = 60) -> Reply:
+    """Raw HTTP (stdlib): what a client library would not send, and the status of what it gets back."""
+    data = body.encode() if isinstance(body, str) else body
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json",
+                                                                        **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return Reply(r.status, dict(r.headers), r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, dict(e.headers), e.read().decode())
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def client(self, key: str = "none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120, **kw)
+
+    def metrics(self) -> dict:
+        return http("GET", self.url + "/metrics?format=json").json()
+
+    def get(self, path: str, **kw) -> Reply:
+        return http("GET", self.url + path, **kw)
+
+    def post(self, path: str, body, **kw) -> Reply:
+        return http("POST", self.url + path, body if isinstance(body, str | bytes) else json.dumps(body), **kw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, *args: str) -> Iterator[Server]:
+    """Start `python -m pyspecter serve ARGS` and wait for /health; always stopped (SIGTERM, then SIGKILL)."""
+    port = _free_port()
+    log = tmp / f"serve-{port}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pyspecter", "serve", *args, "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    srv = Server(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + 900  # a cold cache builds smol-moe first
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+            with contextlib.suppress(OSError):
+                if srv.get("/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "server did not come up:\n" + log.read_text()
+            time.sleep(0.25)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(tmp_path_factory.mktemp("tiny"), *TINY_ARGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(tmp_path_factory.mktemp("smol"), *SMOL_ARGS, "--queue", "8") as srv:
+        yield srv
+
+
+def _chat_stream(client: openai.OpenAI, model: str, messages: list[dict], **kw) -> tuple[str, str, float]:
+    """Streamed chat answer: (text, finish reason, seconds to the first content)."""
+    t0 = time.perf_counter()
+    ttft, parts, finish = None, [], None
+    for chunk in client.chat.completions.create(model=model, messages=messages, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        if c.delta.content:
+            ttft = ttft or time.perf_counter() - t0
+            parts.append(c.delta.content)
+        finish = c.finish_reason or finish
+    return "".join(parts), finish, ttft if ttft is not None else time.perf_counter() - t0
+
+
+# --- the openai client, streamed and not ---------------------------------------------------------------------------
+
+def test_tiny_openai_client(tiny: Server) -> None:
+    client = tiny.client()
+    assert [m.id for m in client.models.list().data] == ["tiny-qwen3moe"]
+    msgs = [{"role": "user", "content": "hello there"}]
+    r = client.chat.completions.create(model="tiny-qwen3moe", messages=msgs, max_tokens=10)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
+    text, finish, _ = _chat_stream(client, "tiny-qwen3moe", msgs, max_tokens=10)
+    assert (text, finish) == (r.choices[0].message.content, "length")  # greedy: streamed = whole
+    c = client.completions.create(model="tiny-qwen3moe", prompt="abc", max_tokens=6)
+    parts = [ch.choices[0].text for ch in client.completions.create(model="tiny-qwen3moe", prompt="abc",
+                                                                      max_tokens=6, stream=True) if ch.choices]
+    assert "".join(parts) == c.choices[0].text and c.usage.completion_tokens == 6
+    # stream_options.include_usage: the last chunk carries the usage
+    last = list(client.chat.completions.create(model="tiny-qwen3moe", messages=msgs, max_tokens=3, stream=True,
+                                               stream_options={"include_usage": True}))[-1]
+    assert last.usage.completion_tokens == 3 and last.usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_tiny_sampling_is_per_request(tiny: Server) -> None:
+    client = tiny.client()
+    kw = dict(model="tiny-qwen3moe", prompt="sample", max_tokens=12, temperature=1.0, top_p=0.95)
+    a, b = (client.completions.create(seed=7, **kw).choices[0].text for _ in range(2))
+    assert a == b  # same seed, same sample
+    assert len({client.completions.create(seed=s, **kw).choices[0].text for s in range(4)}) > 1
+    greedy = client.completions.create(model="tiny-qwen3moe", prompt="sample", max_tokens=12)
+    assert greedy.choices[0].text == client.completions.create(model="tiny-qwen3moe", prompt="sample",
+                                                               max_tokens=12, temperature=0).choices[0].text
+
+
+def test_tiny_greedy_equals_generate(tiny: Server) -> None:
+    prompt = "compare me with the command line"
+    g = run_cli("generate", *TINY_ARGS, "-p", prompt, "-n", "12", "--json")
+    assert g.returncode == 0, g.stderr
+    ref = json.loads(g.stdout)
+    r = tiny.client().completions.create(model="tiny-qwen3moe", prompt=prompt, max_tokens=12)
+    assert r.choices[0].text == ref["text"] and r.usage.completion_tokens == len(ref["tokens"])
+
+
+def test_smol_chat_uses_the_model_template(smol: Server) -> None:
+    client = smol.client()
+    msgs = [{"role": "user", "content": "What is the capital of Japan?"}]
+    r = client.chat.completions.create(model="smol-moe", messages=msgs, max_tokens=32)
+    assert r.choices[0].message.content.strip() == "The capital of Japan is Tokyo."  # as the dense model answers
+    assert r.choices[0].finish_reason == "stop"  # the template's end-of-turn token ended it
+    text, finish, _ = _chat_stream(client, "smol-moe", msgs, max_tokens=32)
+    assert (text, finish) == (r.choices[0].message.content, "stop")
+    # a stop sequence ends the answer before it, in both modes
+    r = client.chat.completions.create(model="smol-moe", messages=msgs, max_tokens=32, stop=["Tokyo"])
+    assert r.choices[0].message.content.strip() == "The capital of Japan is" and r.choices[0].finish_reason == "stop"
+    text, finish, _ = _chat_stream(client, "smol-moe", msgs, max_tokens=32, stop=["of Japan"])
+    assert text.strip() == "The capital" and finish == "stop"
+
+
+def test_smol_greedy_equals_generate(smol: Server) -> None:
+    prompt = "The three primary colors are"
+    g = run_cli("generate", *SMOL_ARGS, "-p", prompt, "-n", "24", "--json")
+    assert g.returncode == 0, g.stderr
+    ref = json.loads(g.stdout)
+    r = smol.client().completions.create(model="smol-moe", prompt=prompt, max_tokens=24)
+    assert r.choices[0].text == ref["text"] and r.usage.completion_tokens == len(ref["tokens"])
+    parts = [c.choices[0].text for c in smol.client().completions.create(model="smol-moe", prompt=prompt,
+                                                                         max_tokens=24, stream=True) if c.choices]
+    assert "".join(parts) == ref["text"]
+
+
+def test_with_a_draft(tmp_path: Path) -> None:
+    """Speculative decoding behind the server: greedy answers equal plain decoding's, and a request's own
+    sampler reaches the decoder (same seed, same sample)."""
+    import ctypes
+
+    import llama_cpp
+
+    from pyspecter import native
+    from pyspecter.models.tiny import build_tiny
+
+    native.quiet_logs()
+    draft = tmp_path / "tiny-mixtral-q4_0.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.allow_requantize = True
+    assert llama_cpp.llama_model_quantize(str(build_tiny("tiny-mixtral")).encode(), str(draft).encode(),
+                                          ctypes.byref(params)) == 0
+    g = run_cli("generate", "tiny-mixtral", "-p", "speculate on this", "-n", "16", "--json")
+    assert g.returncode == 0, g.stderr
+    with serving(tmp_path, "tiny-mixtral", "--draft", str(draft), "--budget", "100%") as srv:
+        client = srv.client()
+        r = client.completions.create(model="tiny-mixtral", prompt="speculate on this", max_tokens=16)
+        assert r.choices[0].text == json.loads(g.stdout)["text"]
+        kw = dict(model="tiny-mixtral", prompt="sample", max_tokens=12, temperature=0.9, seed=3)
+        assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+        m = srv.metrics()
+        assert m["draft"] in ("active", "dropped") and "acceptance" in m["session"]
+
+
+# --- refusals: the right 4xx, OpenAI's error shape ----------------------------------------------------------------
+
+def _error(r: Reply, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert {"message", "type", "code"} <= set(err) and err["message"]
+    return err
+
+
+def test_bad_requests(tiny: Server) -> None:
+    chat = "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "x"}]
+    assert _error(tiny.post(chat, "{not json"), 400)["code"] == "invalid_json"
+    assert _error(tiny.post(chat, "[1, 2]"), 400)
+    for body, param in (({"messages": msgs, "max_tokens": "5"}, "max_tokens"),
+                        ({"messages": msgs, "temperature": "warm"}, "temperature"),
+                        ({"messages": "x"}, "messages"), ({"messages": msgs, "stop": 3}, "stop"),
+                        ({"messages": msgs, "n": 2}, "n"), ({"messages": msgs, "top_p": 1.5}, "top_p")):
+        assert _error(tiny.post(chat, body), 400)["param"] == param
+    assert _error(tiny.post(chat, {"model": "gpt-4o", "messages": msgs}), 404)["code"] == "model_not_found"
+    assert _error(tiny.post("/v1/completions", {"prompt": [1] * 300, "max_tokens": 4}), 400)["code"] \
+        == "context_length_exceeded"  # the server runs with -c 256
+    assert _error(tiny.post("/v1/completions", {"prompt": [1] * 200, "max_tokens": 100}), 400)["code"] \
+        == "context_length_exceeded"
+    assert _error(tiny.post("/v1/completions", {"prompt": [10**9]}), 400)["param"] == "prompt"
+    _error(tiny.get("/v1/nothing-here"), 404)
+    with pytest.raises(openai.NotFoundError):
+        tiny.client().chat.completions.create(model="unknown", messages=msgs)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        tiny.client().chat.completions.create(model="tiny-qwen3moe", messages=[
+            {"role": "user", "content": "lorem ipsum " * 400}])
+    assert tiny.get("/health").json()["status"] == "ok"
+
+
+def test_api_key_and_clean_shutdown(tmp_path: Path) -> None:
+    with serving(tmp_path, *TINY_ARGS, "--api-key", "s3cret") as srv:
+        msgs = [{"role": "user", "content": "x"}]
+        assert srv.get("/health").status_code == 200  # the one open route
+        assert _error(srv.get("/v1/models"), 401)["code"] == "invalid_api_key"
+        assert _error(srv.get("/metrics", headers={"Authorization": "Bearer nope"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            srv.client("wrong").chat.completions.create(model="tiny-qwen3moe", messages=msgs, max_tokens=2)
+        r = srv.client("s3cret").chat.completions.create(model="tiny-qwen3moe", messages=msgs, max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=30) == 0
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "API key required" in log
+
+
+# --- batch 1 under load, cancellation ------------------------------------------------------------------------------
+
+QUESTIONS = ["What is the capital of France?", "Name a fruit that is yellow.", "What is 2 plus 2?",
+             "Say hello in Spanish.", "What color is the sky?", "Name a large animal.", "What do bees make?",
+             "Name a planet."]
+
+
+def test_load_every_request_answered_or_refused(smol: Server) -> None:
+    client = smol.client()
+    ask = {q: [{"role": "user", "content": q}] for q in QUESTIONS}
+    ref = {q: client.chat.completions.create(model="smol-moe", messages=m, max_tokens=8).choices[0].message.content
+           for q, m in ask.items()}
+    assert len(set(ref.values())) == len(QUESTIONS)  # distinct answers: a mix-up would show
+    before = smol.metrics()["requests"]
+    results: list[tuple] = []
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        for j in range(4):
+            q = QUESTIONS[(4 * i + j) % len(QUESTIONS)]
+            try:
+                if i % 2:  # half the clients stream
+                    text, _, ttft = _chat_stream(client, "smol-moe", ask[q], max_tokens=8)
+                    out = ("ok", q, text, ttft)
+                else:
+                    r = client.chat.completions.create(model="smol-moe", messages=ask[q], max_tokens=8)
+                    out = ("ok", q, r.choices[0].message.content, None)
+            except openai.RateLimitError as e:
+                out = ("429", q, e.response.headers.get("retry-after"), None)
+            except Exception as e:  # noqa: BLE001 - counted as lost below
+                out = ("lost", q, repr(e), None)
+            with lock:
+                results.append(out)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    answered = [r for r in results if r[0] == "ok"]
+    refused = [r for r in results if r[0] == "429"]
+    ttfts = sorted(r[3] for r in answered if r[3] is not None)
+    p95 = ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else float("nan")
+    print(f"\nload: 16 clients x 4 requests: {len(answered)} answered, {len(refused)} refused (429); streamed "
+          f"TTFT p50 {statistics.median(ttfts) if ttfts else float('nan'):.3f} s, p95 {p95:.3f} s")
+    assert len(results) == 64 and not [r for r in results if r[0] == "lost"], results
+    assert answered, "nothing was answered"
+    assert all(r[2] == ref[r[1]] for r in answered), [r for r in answered if r[2] != ref[r[1]]]
+    assert all(r[2] and int(r[2]) >= 1 for r in refused)  # Retry-After on every 429
+    after = smol.metrics()
+    assert after["requests"]["refused"] - before["refused"] == len(refused)
+    assert after["requests"]["completed"] - before["completed"] == len(answered)
+    assert smol.get("/health").json() == {"status": "ok", "model": "smol-moe", "busy": False,
+                                                      "queue_depth": 0}
+
+
+def test_disconnect_cancels_the_answer(smol: Server) -> None:
+    client = smol.client()
+    before = smol.metrics()["requests"]["cancelled"]
+    stream = client.chat.completions.create(model="smol-moe", stream=True, max_tokens=500, messages=[
+        {"role": "user", "content": "Write a long story about a dragon."}])
+    for n, _ in enumerate(stream):
+        if n == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while smol.metrics()["requests"]["cancelled"] == before:
+        assert time.monotonic() < deadline, "the disconnected client's answer was not cancelled"
+        time.sleep(0.1)
+    m = smol.metrics()
+    assert m["session"]["tokens"] > 0 and 0 <= m["session"]["hit_rate"] <= 1
+    for key in ("bytes_read_per_token", "ttft_p50_s", "draft", "queue_depth"):
+        assert key in m
+    text = smol.get("/metrics").text  # Prometheus text format by default
+    assert "pyspecter_expert_hit_rate" in text and 'pyspecter_requests_total{outcome="cancelled"}' in text
+
+
+def test_serve_refuses_a_port_in_use() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = run_cli("serve", "tiny-qwen3moe", "--port", str(s.getsockname()[1]), timeout=120)
+    assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
+
