@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,server]'
+	$(PY) -m pip install -q -e '.[dev,server,plot]'
 	@touch $(STAMP)
 
 # Fetch the pinned sdist, patch, build (cached by a key of its inputs; a second run is instant).

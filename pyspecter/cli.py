@@ -528,7 +528,8 @@ def analyze(
 
 @app.command()
 def demo(
-    model: Annotated[str, typer.Option(help="model to run")] = "smol-moe",
+    model: Annotated[str, typer.Argument(help="GGUF path or built-in name, positional like every command")]
+    = "smol-moe",
     budget: Annotated[str, typer.Option(help="fast-tier budget for expert slots")] = "50%",
     n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 24,
     question: Annotated[str, typer.Option(help="chat prompt")] = "What are three good habits for staying healthy?",

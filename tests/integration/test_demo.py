@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_on_a_fixture() -> None:
-    r = run_cli("demo", "--model", "tiny-mixtral", "--budget", "50%", "-n", "8")
+    r = run_cli("demo", "tiny-mixtral", "--budget", "50%", "-n", "8")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "greedy tokens identical" in r.stdout
     assert "stock llama.cpp" in r.stdout and "expert slots, disk" in r.stdout and "tok/s" in r.stdout
