@@ -572,10 +572,33 @@ def demo(
     raise typer.Exit(1)
 
 
+# commands whose first argument is a MODEL
+MODEL_COMMANDS = ("chat", "generate", "serve", "inspect", "bench", "verify", "draft", "trace", "surrogate", "demo")
+
+
+def model_flag_to_positional(argv: list[str]) -> list[str]:
+    """llama.cpp users type ``-m MODEL``; our commands take MODEL positionally (the first argument after the
+    command), so ``-m X`` / ``--model X`` / ``--model=X`` become exactly that."""
+    if not argv or argv[0] not in MODEL_COMMANDS:
+        return argv
+    rest, model, i = [], None, 1
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-m", "--model") and i + 1 < len(argv):
+            model, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--model="):
+            model = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return [argv[0], *([model] if model is not None else []), *rest]
+
+
 def main() -> None:
     # Standalone mode lets click turn usage errors into exit code 2; our own bad-input errors come out here.
     try:
-        app()
+        app(args=model_flag_to_positional(sys.argv[1:]))
     except SpecterError as e:
         print(f"pyspecter: error: {e}", file=sys.stderr)
         sys.exit(2)

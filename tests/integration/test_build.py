@@ -36,10 +36,21 @@ def test_second_build_is_a_cache_hit() -> None:
     assert "cached" in r.stdout  # no timing asserted: these machines are shared
 
 
-def test_loaded_library_is_patched() -> None:
-    from pyspecter import native
+def test_loaded_library_is_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bindings load this checkout's build (its patches, its key), and refuse a library without our code."""
+    import types
 
-    assert native.patch_series_version() == native.PATCH_SERIES_VERSION
+    import llama_cpp
+
+    from pyspecter import native
+    from pyspecter.errors import SpecterError
+
+    info = _build_info()
+    assert info["patches"] == sorted(p.name for p in (ROOT / "patches").glob("*.patch"))
+    assert native.build_key() == info["key"]
+    monkeypatch.setattr(llama_cpp.llama_cpp, "_lib", types.SimpleNamespace())  # a stock libllama: no symbol
+    with pytest.raises(SpecterError, match="lacks pyspecter"):
+        native.llama_lib()
 
 
 def test_bindings_match_the_header() -> None:

@@ -44,3 +44,18 @@ def test_commands_listed_by_use() -> None:
     names = group.list_commands(None)
     assert names[:2] == ["chat", "generate"] and names.index("inspect") < names.index("trace")
     assert set(names) == set(group.commands)  # every command listed, once
+
+
+def test_dash_m_names_the_model() -> None:
+    f = cli.model_flag_to_positional
+    assert f(["generate", "-m", "x.gguf", "-p", "hi"]) == ["generate", "x.gguf", "-p", "hi"]
+    assert f(["chat", "--model=x.gguf", "-n", "3"]) == ["chat", "x.gguf", "-n", "3"]
+    assert f(["inspect", "x.gguf", "--json"]) == ["inspect", "x.gguf", "--json"]
+    assert f(["models", "build", "-m"]) == ["models", "build", "-m"]  # not a model command: untouched
+
+
+def test_dash_m_through_the_real_entry_point() -> None:
+    from conftest import run_cli
+
+    r = run_cli("inspect", "-m", "nonexistent-model.gguf")
+    assert r.returncode == 2 and "nonexistent-model.gguf: no such file" in r.stderr, r.stderr
