@@ -52,11 +52,11 @@ def check_slots(layout: ModelLayout, n_slots: int, *, reserved: int = 0, held: i
     """Refuse a slot count that cannot serve one token: fewer usable slots than top-k, counting the ``reserved``
     (surrogate) and ``held`` (a draft's, for later) slots out."""
     k = layout.n_expert_used
+    if reserved and n_slots - reserved < k:
+        raise SpecterError(f"{max(n_slots, 0)} slots per layer: surrogate mode needs {2 * k} "
+                           f"(top-{k} for full experts, as many for surrogates)")
     if n_slots < k:
         raise SpecterError(f"{n_slots} slots per layer is below top-{k}: one token's experts would not fit")
-    if reserved and n_slots - reserved < k:
-        raise SpecterError(f"{n_slots} slots per layer: surrogate mode needs {2 * k} "
-                           f"(top-{k} for full experts, as many for surrogates)")
     if held and (reserved or n_slots - held < k):
         raise SpecterError("held slots need a usable top-k without them, and no surrogates")
 
@@ -96,10 +96,11 @@ class MemoryPlan:
         if surrogate_bytes:  # they live in fast memory too
             left -= surrogate_bytes
             if left <= 0:
-                raise SpecterError(f"the surrogates ({surrogate_bytes / 2**20:.1f} MiB) do not fit in "
-                                   f"budget {budget}")
+                raise SpecterError(f"the surrogates ({surrogate_bytes / 2**20:.1f} MiB) do not fit in budget "
+                                   f"{budget}; surrogate mode needs {2 * layout.n_expert_used} slots per layer "
+                                   "beside them")
         slots = slots_for_budget(layout, left)
-        if slots < layout.n_expert_used:
+        if slots < layout.n_expert_used and not surrogate_bytes:
             raise SpecterError(f"budget {budget} buys {slots} expert slots per layer, below "
                                f"top-{layout.n_expert_used}" + (" once the draft is counted" if draft_bytes else ""))
         # Slots the draft's memory would buy back: allocated now, used once the engine drops a draft that does

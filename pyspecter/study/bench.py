@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 
 from pyspecter import native
-from pyspecter.budget import parse_budget, slots_for_budget
+from pyspecter.budget import MemoryPlan, check_slots, parse_budget, slots_for_budget
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
@@ -280,16 +280,12 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         slots = slots_for_budget(layout, budget_bytes)
     else:
         budget_bytes = slots * sum(L.expert_bytes for L in layout.layers)
-    if slots < layout.n_expert_used:
-        raise SpecterError(f"budget gives {slots} slots per layer, below top-{layout.n_expert_used}")
+    check_slots(layout, slots)
     make_tier(tier)  # validate early
     sur_slots = slots
     if "surrogate" in policies:  # the surrogates live in fast memory too: fewer slots for the same budget
         sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
-        sur_slots = slots_for_budget(layout, budget_bytes - sur_bytes) if budget_bytes > sur_bytes else 0
-        if sur_slots < 2 * layout.n_expert_used:
-            raise SpecterError(f"the surrogates ({sur_bytes / 2**20:.1f} MiB) leave {sur_slots} slots per layer; "
-                               f"surrogate mode needs {2 * layout.n_expert_used}")
+        sur_slots = MemoryPlan.for_budget(layout, str(budget_bytes), surrogate_bytes=sur_bytes).slots
     link_gbps = measure_link(path, tier)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
     _run("stock", path, layout, slots, tier, min(prompt_len, 8), 2, n_threads)

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter import native
-from pyspecter.errors import SpecterError
 from pyspecter.layout import read_layout
 from pyspecter.models.calibration import select_neurons
 from pyspecter.paths import content_key, models_dir, write_text_atomic
@@ -78,14 +77,9 @@ def describe(res: dict) -> str:
 
 def measure(path: Path, width: float, budget: str, tier: str = "ram", n_tokens: int = 256) -> dict:
     """The surrogate mode's perplexity cost at the slots ``budget`` leaves once the surrogates are paid for."""
-    from pyspecter.budget import parse_budget, slots_for_budget
+    from pyspecter.budget import MemoryPlan
 
     lay = read_layout(path).require_moe()
     sur = Surrogates(lay, select_neurons(path, width))
-    left = parse_budget(budget, lay.expert_total_bytes) - sur.nbytes
-    slots = slots_for_budget(lay, left) if left > 0 else 0
-    if slots < 2 * lay.n_expert_used:
-        raise SpecterError(f"budget {budget} leaves {max(slots, 0)} slots per layer after "
-                           f"{sur.nbytes / 2**20:.1f} MiB of surrogates; surrogate mode needs "
-                           f"{2 * lay.n_expert_used}")
-    return perplexity_delta(path, width, slots, tier, n_tokens=n_tokens)
+    plan = MemoryPlan.for_budget(lay, budget, surrogate_bytes=sur.nbytes)  # refuses what cannot fit
+    return perplexity_delta(path, width, plan.slots, tier, n_tokens=n_tokens)
