@@ -111,3 +111,44 @@ class MemoryPlan:
         plan = cls(slots=slots + held, held=held, reserved=reserved, budget_bytes=left)
         check_slots(layout, plan.slots, reserved=reserved, held=held)
         return plan
+
+
+RUNTIME_HEADROOM = 512 * 2**20  # KV cache, compute buffers, Python: kept free beside the weights
+MARGIN = 0.10  # of the available memory, left to the rest of the machine
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Where a model's experts live when the user did not say: ``tier`` and ``budget`` (None: every expert
+    resident), and the one line that says why."""
+
+    tier: str
+    budget: str | None
+    why: str
+
+
+def usable_memory(available_bytes: int) -> int:
+    """What the weights may take of the memory available now: a margin and the runtime's headroom stay free."""
+    return int(available_bytes * (1 - MARGIN)) - RUNTIME_HEADROOM
+
+
+def fit_to_memory(layout: ModelLayout, available_bytes: int) -> Fit:
+    """Choose the tier and budget from the model's size and the memory available now (``psutil``'s figure),
+    keeping a margin and the runtime's headroom free. A model that fits runs all-resident from RAM; one that does
+    not streams its experts from disk with as many slots as the rest of the memory holds."""
+    gb = 1e9
+    usable = usable_memory(available_bytes)
+    size = layout.file_bytes
+    kept = f"{MARGIN:.0%} margin and {RUNTIME_HEADROOM / 2**30:.1f} GiB runtime kept free"
+    if size <= usable:
+        return Fit("ram", None, f"model {size / gb:.1f} GB fits in {available_bytes / gb:.1f} GB available ({kept}): "
+                                "every expert resident")
+    slot_bytes = usable - layout.nonexpert_bytes
+    slots = slots_for_budget(layout, max(slot_bytes, 0))
+    if slots < layout.n_expert_used:
+        raise SpecterError(f"model {size / gb:.1f} GB does not fit: {available_bytes / gb:.1f} GB available leaves "
+                           f"room for {slots} expert slots per layer ({kept}), top-{layout.n_expert_used} needed")
+    budget = slots * sum(L.expert_bytes for L in layout.layers)
+    return Fit("disk", str(budget), f"model {size / gb:.1f} GB > {usable / gb:.1f} GB usable of "
+                                    f"{available_bytes / gb:.1f} GB available: experts stream from disk, "
+                                    f"{budget / gb:.1f} GB of slots ({100 * budget / layout.expert_total_bytes:.0f}%)")

@@ -35,8 +35,12 @@ app.add_typer(models_app, name="models")
 
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a built-in name such as tiny-qwen3moe")]
 DraftOpt = Annotated[str | None, typer.Option(help="draft GGUF (or built-in name): speculative decoding + prefetch")]
-BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: all")]
+BudgetOpt = Annotated[str | None, typer.Option(help="fast-tier bytes for experts (64MiB, 40%); default: fitted to "
+                                                    "the memory available (every expert when the model fits)")]
 TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")]
+AutoTierOpt = Annotated[str | None, typer.Option(help="slow tier: ram, disk, emulated:GBPS; default: chosen with "
+                                                      "--budget from the model's size and the memory available "
+                                                      "(one line says what and why)")]
 MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first); "
                                                     "default: wait on the disk tier (its host copy is on disk too), "
                                                     "else cpu. surrogate: APPROXIMATE, computes single-token misses "
@@ -95,6 +99,15 @@ def inspect(
                     "tensors": {k: {"type": t.ggml_type, "shape": list(t.shape), "expert_bytes": t.expert_bytes}
                                 for k, t in L.tensors.items()}} for L in lay.layers],
     }
+    import psutil
+
+    from pyspecter.budget import fit_to_memory
+
+    try:
+        fit = fit_to_memory(lay, psutil.virtual_memory().available)
+        info["fit"] = {"tier": fit.tier, "budget_bytes": int(fit.budget) if fit.budget else None, "why": fit.why}
+    except SpecterError as e:
+        info["fit"] = {"tier": None, "budget_bytes": None, "why": str(e)}
     if budget is not None:
         b = parse_budget(budget, lay.expert_total_bytes)
         slots = slots_for_budget(lay, b)
@@ -118,6 +131,7 @@ def inspect(
         note = "" if info["budget_fits_top_k"] else f"  (below top-{lay.n_expert_used}: every token will miss)"
         print(f"budget {_fmt_bytes(info['budget_bytes'])}: {info['slots_per_layer']} of {lay.n_expert} "
               f"expert slots per layer{note}")
+    print(f"on this machine, without --tier/--budget: {info['fit']['why']}")
 
 
 @models_app.command("build")
@@ -322,7 +336,8 @@ def _print_bench(r: dict) -> None:
               f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}")
 
 
-def _session(model: str, draft: str | None, budget: str | None, tier: str, miss: str | None, k: int, temp: float,
+def _session(model: str, draft: str | None, budget: str | None, tier: str | None, miss: str | None, k: int,
+             temp: float,
              seed: int, threads: int, adaptive: bool = True, profile: Path | None = None,
              surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None):
     from pyspecter.session import Session, SessionConfig
@@ -333,6 +348,19 @@ def _session(model: str, draft: str | None, budget: str | None, tier: str, miss:
         raise SpecterError(f"{profile}: no such file")
     if not 0 < surrogate_width <= 1:
         raise SpecterError(f"--surrogate-width must be in (0, 1], got {surrogate_width}")
+    if tier is None:  # the user said nothing about where experts live: fit the model to this machine
+        import psutil
+
+        from pyspecter.budget import fit_to_memory, usable_memory
+        from pyspecter.layout import read_layout
+
+        lay, available = read_layout(path).require_moe(), psutil.virtual_memory().available
+        if budget is None:
+            fit = fit_to_memory(lay, available)
+            tier, budget = fit.tier, fit.budget
+            print(f"pyspecter: {fit.why}", file=sys.stderr)
+        else:  # a budget alone: the rest of the experts stay in RAM if the file fits there, else on disk
+            tier = "ram" if lay.file_bytes <= usable_memory(available) else "disk"
     groups = None
     if miss == "surrogate":
         from pyspecter.models.calibration import select_neurons
@@ -356,7 +384,7 @@ def generate(
                                                                "model's chat template")] = False,
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
-    tier: TierOpt = "ram",
+    tier: AutoTierOpt = None,
     miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (the start value when adaptive)")] = 4,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="do not adapt K")] = False,
@@ -418,7 +446,7 @@ def chat(
     model: Annotated[str, typer.Argument(help="GGUF path or built-in name")] = "smol-moe",
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
-    tier: TierOpt = "ram",
+    tier: AutoTierOpt = None,
     miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (start value)")] = 4,
     n: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens per answer")] = 256,
@@ -455,7 +483,7 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port")] = 8080,
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
-    tier: TierOpt = "ram",
+    tier: AutoTierOpt = None,
     miss: MissOpt = None,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="PYSPECTER_API_KEY",
                                                 help="require 'Authorization: Bearer KEY' on every route but "

@@ -280,3 +280,23 @@ def test_memory_cgroup_v1_then_v2_then_none(tmp_path, monkeypatch: pytest.Monkey
     v1.mkdir()
     cg, kind = bench._make_cgroup(2 << 20)
     assert kind == "v1" and (cg / "memory.limit_in_bytes").read_text() == str(2 << 20)
+
+
+def test_fitting_a_model_to_the_memory_available() -> None:
+    """Without --tier/--budget: all-resident from RAM when the file fits beside a margin and the runtime, else
+    experts from disk with as many slots as the rest of the memory holds; refused when not even top-k fits."""
+    from pyspecter.budget import RUNTIME_HEADROOM, fit_to_memory, usable_memory
+
+    lay = _layout(n_expert=8, n_used=2, n_layers=2, expert_bytes=100 * 2**20)  # 1.6 GB of experts
+    lay.file_bytes = lay.tensor_bytes
+    roomy = fit_to_memory(lay, 8 * 2**30)
+    assert (roomy.tier, roomy.budget) == ("ram", None) and "every expert resident" in roomy.why
+    tight = 2 * lay.file_bytes // 3 + RUNTIME_HEADROOM
+    fit = fit_to_memory(lay, tight)
+    assert fit.tier == "disk" and "stream from disk" in fit.why
+    budget = int(fit.budget)
+    slot_row = 2 * 100 * 2**20
+    assert budget % slot_row == 0 and budget + lay.nonexpert_bytes <= usable_memory(tight)
+    assert MemoryPlan.for_budget(lay, fit.budget).slots == budget // slot_row >= 2
+    with pytest.raises(SpecterError, match="does not fit"):
+        fit_to_memory(lay, RUNTIME_HEADROOM + 300 * 2**20)
