@@ -204,6 +204,10 @@ class SpeculativeDecoder:
     _limit: int | None = None  # tokens still wanted: no step drafts past them
     _recent: list[int] = []  # the prompt and every token emitted so far (the repetition penalty's window)
 
+    def _before(self, drafts: list[int]) -> list[int]:
+        """The tokens before a draft position, for the repetition penalty (no copy when it is off)."""
+        return self._recent + drafts if self.sampler.params.repeat_penalty != 1.0 else []
+
     def _keep(self, keep: int) -> None:
         for ctx in (self.target, self.draft):
             if ctx is not None and ctx.n_past > keep:
@@ -275,7 +279,7 @@ class SpeculativeDecoder:
         # at the price of that one layer's prediction for that one position.
         logits = self.draft.decode([cur], logits=k > 0)
         for i in range(k):
-            recent = self._recent + drafts
+            recent = self._before(drafts)
             q = self.sampler.probs(logits, recent)
             d = self.sampler.pick(logits, recent) if q is None else int(self.sampler.rng.choice(len(q), p=q))
             drafts.append(d)
@@ -297,7 +301,7 @@ class SpeculativeDecoder:
         while True:
             tok = self.sampler.accept(self.target.decode([toks[accepted]]), drafts[accepted] if accepted < k else None,
                                       qs[accepted] if accepted < k and qs else None,
-                                      self._recent + drafts[:accepted])
+                                      self._before(drafts[:accepted]))
             if tok is not None:
                 return accepted, tok
             accepted += 1

@@ -6,13 +6,7 @@ run, with policies interleaved across repeats so drift hits all of them alike.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +23,7 @@ from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model
 from pyspecter.session import Session, SessionConfig
 from pyspecter.study.analyze import simulate_cache
+from pyspecter.study.capped import run_capped
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
@@ -150,87 +145,14 @@ def _run(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, pr
         model.close()
 
 
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller
-CGROUP2_ROOT = Path("/sys/fs/cgroup")  # the unified (v2) hierarchy
 RUNTIME_HEADROOM = 256 * 2**20  # Python, llama.cpp buffers and KV cache on top of the weights
-CHILD_TIMEOUT_S = 1800  # one capped policy run; a stuck child must not hold the cgroup forever
-
-
-def _raise_interrupt(_sig, _frame) -> None:
-    raise KeyboardInterrupt
-
-
-def _drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _make_cgroup(cap_bytes: int) -> tuple[Path | None, str]:
-    """A child memory cgroup holding ``cap_bytes``, page cache included: cgroup v1 (``memory.limit_in_bytes`` under
-    the memory controller's root) or v2 (``memory.max`` in a child of the unified root, where the memory
-    controller is enabled for children, as systemd does). Returns (its folder, "v1" | "v2"), or (None, "none")
-    when neither is writable."""
-    name = f"pyspecter-bench-{os.getpid()}"
-    for kind, root, limit in (("v1", CGROUP_ROOT, "memory.limit_in_bytes"),
-                              ("v2", CGROUP2_ROOT, "memory.max")):
-        if kind == "v2" and "memory" not in _read(root / "cgroup.subtree_control").split():
-            continue
-        if kind == "v1" and not root.is_dir():
-            continue
-        cg = root / name
-        try:
-            cg.mkdir()
-        except OSError:
-            continue
-        try:
-            (cg / limit).write_text(str(cap_bytes))
-            return cg, kind
-        except OSError:
-            with contextlib.suppress(OSError):
-                cg.rmdir()
-    return None, "none"
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
 
 
 def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, dict]:
-    """Run one policy on the disk tier, fairly: in a child process whose memory, page cache included (a memory
-    cgroup, v1 or v2), is held to the fast-memory budget plus non-expert weights plus runtime, starting with the
-    file's page cache dropped. That holds stock's mmap and our host path alike to the budget. Without a writable
-    cgroup the page cache is only dropped before the run, and the result says so."""
-    cg, kind = _make_cgroup(cap_bytes)
-    how = {"memory_cap": f"cgroup {kind} memory cap {cap_bytes / 2**20:.0f} MiB (page cache included), cold start"
-           if cg else "no writable cgroup: page cache dropped before the run, not capped",
-           "cap_bytes": cap_bytes, "capped": cg is not None, "cgroup": kind}
-    _drop_page_cache(path)
-    # a SIGTERM to the bench (a killed sweep) unwinds through the finally below like Ctrl-C does: the child is
-    # killed by subprocess.run and the cgroup removed, instead of both outliving us
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        procs = str(cg / "cgroup.procs") if cg else "-"
-        try:
-            r = subprocess.run([sys.executable, "-m", "pyspecter.study.bench_child", procs,
-                                json.dumps({**call, "path": str(path)})],
-                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise SpecterError(f"a capped run took over {CHILD_TIMEOUT_S} s and was stopped") from None
-        if r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or ["killed (out of memory under the cap?)"])[-1]
-            raise SpecterError(last.removeprefix("pyspecter: error: "))
-        return Run(**json.loads(r.stdout.strip().splitlines()[-1])), how
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        if cg is not None:
-            with contextlib.suppress(OSError):
-                cg.rmdir()
+    """One policy on the disk tier in a capped child (``study/capped.py``): budget plus non-expert weights plus
+    runtime, page cache included, starting cold."""
+    result, how = run_capped("pyspecter.study.bench_child", call, path, cap_bytes)
+    return Run(**result), how
 
 
 def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0) -> float:

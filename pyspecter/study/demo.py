@@ -12,16 +12,9 @@ job of its own: a chat answer and its tokens).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-
-from pyspecter.errors import SpecterError
 
 # the child imports no more than this before it joins the cgroup: everything else is imported where it is used
 N_CTX = 512
@@ -70,31 +63,10 @@ def _specter(path: Path, messages: list[dict], n: int, n_threads: int, budget: s
 
 
 def _capped(job: dict, path: Path, cap_bytes: int) -> tuple[dict, dict]:
-    """One job in a child process under the memory cap, the file's page cache dropped first (bench._run_capped,
-    with a job of the demo's own)."""
-    from pyspecter.study.bench import CHILD_TIMEOUT_S, _drop_page_cache, _make_cgroup, _raise_interrupt
+    """One job in a child process under the memory cap, the file's page cache dropped first (the bench's runner)."""
+    from pyspecter.study.capped import run_capped
 
-    cg, kind = _make_cgroup(cap_bytes)
-    how = {"capped": cg is not None, "cgroup": kind, "cap_bytes": cap_bytes}
-    _drop_page_cache(path)
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed demo takes its child and cgroup along
-    try:
-        procs = str(cg / "cgroup.procs") if cg else "-"
-        try:
-            r = subprocess.run([sys.executable, "-m", "pyspecter.study.demo", procs,
-                                json.dumps({**job, "path": str(path)})],
-                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise SpecterError(f"a capped run took over {CHILD_TIMEOUT_S} s and was stopped") from None
-        if r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or ["killed (out of memory under the cap?)"])[-1]
-            raise SpecterError(last.removeprefix("pyspecter: error: "))
-        return json.loads(r.stdout.strip().splitlines()[-1]), how
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        if cg is not None:
-            with contextlib.suppress(OSError):
-                cg.rmdir()
+    return run_capped("pyspecter.study.demo", job, path, cap_bytes)
 
 
 def demo(path: Path, *, budget: str = "50%", n: int = 24, question: str, n_threads: int = 2) -> dict:
@@ -119,21 +91,14 @@ def tok_s(run: dict) -> float:
     return (len(run["tokens"]) - 1) / run["decode_s"] if run["decode_s"] > 0 else float("nan")
 
 
-def main(argv: list[str]) -> None:
-    procs, job = argv[0], json.loads(argv[1])
-    if procs != "-":  # join the cgroup before llama.cpp maps a single page of the model
-        Path(procs).write_text(str(os.getpid()))
+def _run_job(job: dict) -> dict:
     path = Path(job["path"])
     if job["fn"] == "stock":
-        r = _stock(path, job["messages"], job["n"], job["n_threads"])
-    else:
-        r = _specter(path, job["messages"], job["n"], job["n_threads"], job["budget"])
-    print(json.dumps(r))
+        return _stock(path, job["messages"], job["n"], job["n_threads"])
+    return _specter(path, job["messages"], job["n"], job["n_threads"], job["budget"])
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except SpecterError as e:
-        print(f"pyspecter: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from pyspecter.study.capped import child_main
+
+    child_main(sys.argv[1:], _run_job)

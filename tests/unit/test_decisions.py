@@ -265,7 +265,7 @@ def test_speculative_sampling_preserves_the_filtered_distribution() -> None:
 def test_memory_cgroup_v1_then_v2_then_none(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The bench's cap: v1's memory controller when present, else a v2 child with memory.max where the root
     delegates the memory controller, else none (and the rows say so). Exercised on folders shaped like each."""
-    from pyspecter.study import bench
+    from pyspecter.study import capped as bench
 
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     monkeypatch.setattr(bench, "CGROUP_ROOT", v1)
