@@ -138,7 +138,9 @@ def inspect(
 def models_build(
     name: Annotated[str, typer.Argument(help="smol-moe, smol-moe-draft (or e.g. smol-moe-draft-Q4_0-w0.25: "
                                              "experts Q4_0, narrowed to a quarter), tiny-qwen3moe, tiny-qwen2moe, "
-                                             "tiny-mixtral, tiny-gptoss or bench-qwen3moe")],
+                                             "tiny-mixtral, tiny-gptoss, bench-qwen3moe, or big-qwen3moe / "
+                                             "big-qwen3moe-q4 (Qwen3-30B-A3B's shapes, random weights, Q8_0 / "
+                                             "Q4_0 experts: 33 / 18 GB, bigger than most machines' RAM)")],
     experts: Annotated[int, typer.Option("--experts", help="smol-moe: experts per layer")] = 16,
     top_k: Annotated[int, typer.Option("--top-k", help="smol-moe: experts used per token")] = 2,
 ) -> None:

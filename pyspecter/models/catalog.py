@@ -11,9 +11,10 @@ DRAFT_NAME = re.compile(r"smol-moe-draft(?:-(Q\w+))?(?:-w([0-9.]+))?")  # smol-m
 
 
 def builtin_names() -> list[str]:
-    from pyspecter.models import tiny
+    from pyspecter.models import big, tiny
 
-    return ["smol-moe", "smol-moe-draft", "smol-moe-draft-TYPE-wKEEP", *tiny.TINY_MODELS, *tiny.BENCH_MODELS]
+    return ["smol-moe", "smol-moe-draft", "smol-moe-draft-TYPE-wKEEP", *tiny.TINY_MODELS, *tiny.BENCH_MODELS,
+            *big.BIG_MODELS]
 
 
 def is_builtin(name: str) -> bool:
@@ -29,6 +30,10 @@ def resolve_model(spec: str) -> Path:
 
     if spec in tiny.TINY_MODELS or spec in tiny.BENCH_MODELS:
         return tiny.build_tiny(spec)
+    from pyspecter.models import big
+
+    if spec in big.BIG_MODELS:  # bigger than RAM: streamed to disk on first use (minutes; refused if no room)
+        return big.build_big(spec)
     if spec == "smol-moe":
         from pyspecter.models.smol import build_smol_moe
 
