@@ -127,6 +127,9 @@ class Fit:
     why: str
 
 
+_KEPT = f"{MARGIN:.0%} margin and {RUNTIME_HEADROOM / 2**30:.1f} GiB runtime kept free"
+
+
 def usable_memory(available_bytes: int) -> int:
     """What the weights may take of the memory available now: a margin and the runtime's headroom stay free."""
     return int(available_bytes * (1 - MARGIN)) - RUNTIME_HEADROOM
@@ -139,16 +142,29 @@ def fit_to_memory(layout: ModelLayout, available_bytes: int) -> Fit:
     gb = 1e9
     usable = usable_memory(available_bytes)
     size = layout.file_bytes
-    kept = f"{MARGIN:.0%} margin and {RUNTIME_HEADROOM / 2**30:.1f} GiB runtime kept free"
     if size <= usable:
-        return Fit("ram", None, f"model {size / gb:.1f} GB fits in {available_bytes / gb:.1f} GB available ({kept}): "
+        return Fit("ram", None, f"model {size / gb:.1f} GB fits in {available_bytes / gb:.1f} GB available ({_KEPT}): "
                                 "every expert resident")
     slot_bytes = usable - layout.nonexpert_bytes
     slots = slots_for_budget(layout, max(slot_bytes, 0))
     if slots < layout.n_expert_used:
         raise SpecterError(f"model {size / gb:.1f} GB does not fit: {available_bytes / gb:.1f} GB available leaves "
-                           f"room for {slots} expert slots per layer ({kept}), top-{layout.n_expert_used} needed")
+                           f"room for {slots} expert slots per layer ({_KEPT}), top-{layout.n_expert_used} needed")
     budget = slots * sum(L.expert_bytes for L in layout.layers)
     return Fit("disk", str(budget), f"model {size / gb:.1f} GB > {usable / gb:.1f} GB usable of "
                                     f"{available_bytes / gb:.1f} GB available: experts stream from disk, "
                                     f"{budget / gb:.1f} GB of slots ({100 * budget / layout.expert_total_bytes:.0f}%)")
+
+
+def check_budget_fits(layout: ModelLayout, budget_bytes: int, available_bytes: int) -> None:
+    """Refuse a budget whose slots, beside the non-expert weights, need more than the usable share of the memory
+    available now (the share fit_to_memory fills). Slots are allocated memory that cannot be paged out (these
+    machines have no swap): past that share the process is killed mid-run instead of refused at the start."""
+    gb = 1e9
+    usable = usable_memory(available_bytes)
+    if budget_bytes + layout.nonexpert_bytes <= usable:
+        return
+    most = max(usable - layout.nonexpert_bytes, 0) // 10**8 / 10  # GB, rounded down: the figure given must fit
+    raise SpecterError(f"budget {budget_bytes / gb:.1f} GB + {layout.nonexpert_bytes / gb:.1f} GB of non-expert "
+                       f"weights > {usable / gb:.1f} GB usable of {available_bytes / gb:.1f} GB available ({_KEPT}); "
+                       f"give --budget {most:.1f}GB or less, or --force to run anyway")

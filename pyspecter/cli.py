@@ -65,6 +65,9 @@ DEFAULT_THREADS = max(1, __import__("psutil").cpu_count(logical=False) or 1)
 ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", help="llama.cpp threads (default: physical cores)")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; chat "
                                                            "drops its oldest turns when full)")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="run even when --budget and the non-expert weights need more "
+                                                        "than the memory available (refused by default, with the "
+                                                        "numbers)")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
                                                       "hottest experts before the first token")]
 
@@ -263,9 +266,13 @@ def verify(
 @app.command()
 def bench(
     model: ModelArg,
-    tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS; comma-separated to sweep")] = "ram",
-    budget: Annotated[str, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%; "
-                                             "comma-separated to sweep (30%,50%)")] = "50%",
+    tier: Annotated[str | None, typer.Option(help="slow tier: ram, disk, emulated:GBPS; comma-separated to sweep. "
+                                                  "Default: with --budget, chosen from the model's size and the "
+                                                  "memory available (one line says what and why)")] = None,
+    budget: Annotated[str | None, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%; "
+                                                    "comma-separated to sweep (30%,50%). Default: what the memory "
+                                                    "available holds beside the non-expert weights when the model "
+                                                    "does not fit, else 50%")] = None,
     policies: Annotated[str | None, typer.Option(help="comma-separated, from: " + ", ".join(BENCH_POLICIES) +
                                                       " (surrogate is approximate; all-resident holds every "
                                                       "expert and gives the oracle bound). Default: " +
@@ -286,6 +293,7 @@ def bench(
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output (a list when sweeping)")] = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy and sweep point, with a header; "
                                                         "each row carries its whole setting")] = False,
+    force: ForceOpt = False,
 ) -> None:
     """Time residency policies side by side on one model: same prompt, interleaved repeats, ratios.
 
@@ -303,6 +311,7 @@ def bench(
     except ValueError:
         raise SpecterError(f"--threads takes integers, got {threads!r}") from None
     path, dpath = resolve_model(model), resolve_model(draft) if draft else None
+    tier, budget = _place(path, tier, budget, force, partial="50%")
     results = []
     for t, b, th in itertools.product(split(tier), split(budget), thread_counts):
         results.append(run_bench(path, tier=t, budget=b, policies=split(policies or "") or None,
@@ -338,10 +347,41 @@ def _print_bench(r: dict) -> None:
               f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}")
 
 
+def _place(path: Path, tier: str | None, budget: str | None, force: bool,
+           partial: str | None = None) -> tuple[str, str | None]:
+    """Where the experts live: the user's --tier/--budget, with what they left out fitted to this machine
+    (budget.fit_to_memory; one line on stderr says what and why), and a budget the memory available cannot hold
+    refused unless ``force``. ``tier``/``budget`` may be comma-separated sweeps (bench). ``partial``: the budget
+    to use where every expert would be resident (bench: its caching policies would have nothing to do)."""
+    import psutil
+
+    from pyspecter.budget import check_budget_fits, fit_to_memory, parse_budget, usable_memory
+    from pyspecter.layout import read_layout
+
+    lay, available = read_layout(path).require_moe(), psutil.virtual_memory().available
+    if tier is None and budget is None:  # the user said nothing about where experts live
+        fit = fit_to_memory(lay, available)
+        why = fit.why
+        if fit.budget is None and partial is not None:
+            why += (f"; for bench that would leave the caching policies nothing to do, so they run at a budget of "
+                    f"{partial} (--budget to choose)")
+        print(f"pyspecter: {why}", file=sys.stderr)
+        return fit.tier, fit.budget or partial
+    if tier is None:  # a budget alone: the rest of the experts stay in RAM if the file fits there, else on disk
+        tier = "ram" if lay.file_bytes <= usable_memory(available) else "disk"
+    # slots of the host tiers are RAM; a device's budget is its own memory, not checked here
+    host = any(t.strip() in ("ram", "disk") or t.strip().startswith("emulated:") for t in tier.split(","))
+    budget = budget or partial
+    if budget is not None and host and not force:
+        for b in filter(None, (x.strip() for x in budget.split(","))):
+            check_budget_fits(lay, parse_budget(b, lay.expert_total_bytes), available)
+    return tier, budget
+
+
 def _session(model: str, draft: str | None, budget: str | None, tier: str | None, miss: str | None, k: int,
              temp: float,
              seed: int, threads: int, adaptive: bool = True, profile: Path | None = None,
-             surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None):
+             surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None, force: bool = False):
     from pyspecter.session import Session, SessionConfig
 
     path = resolve_model(model)
@@ -350,19 +390,7 @@ def _session(model: str, draft: str | None, budget: str | None, tier: str | None
         raise SpecterError(f"{profile}: no such file")
     if not 0 < surrogate_width <= 1:
         raise SpecterError(f"--surrogate-width must be in (0, 1], got {surrogate_width}")
-    if tier is None:  # the user said nothing about where experts live: fit the model to this machine
-        import psutil
-
-        from pyspecter.budget import fit_to_memory, usable_memory
-        from pyspecter.layout import read_layout
-
-        lay, available = read_layout(path).require_moe(), psutil.virtual_memory().available
-        if budget is None:
-            fit = fit_to_memory(lay, available)
-            tier, budget = fit.tier, fit.budget
-            print(f"pyspecter: {fit.why}", file=sys.stderr)
-        else:  # a budget alone: the rest of the experts stay in RAM if the file fits there, else on disk
-            tier = "ram" if lay.file_bytes <= usable_memory(available) else "disk"
+    tier, budget = _place(path, tier, budget, force)
     groups = None
     if miss == "surrogate":
         from pyspecter.models.calibration import select_neurons
@@ -401,11 +429,12 @@ def generate(
     ctx_size: CtxOpt = 2048,
     profile: ProfileOpt = None,
     surrogate_width: SurrogateOpt = 0.25,
+    force: ForceOpt = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the text and stats as JSON")] = False,
 ) -> None:
     """Generate text through expert slots, speculatively when a draft is given."""
     s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k, profile=profile,
-                 surrogate_width=surrogate_width, n_ctx=ctx_size,
+                 surrogate_width=surrogate_width, n_ctx=ctx_size, force=force,
                  sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
         if chat_template:
@@ -463,13 +492,14 @@ def chat(
     ctx_size: CtxOpt = 2048,
     profile: ProfileOpt = None,
     surrogate_width: SurrogateOpt = 0.25,
+    force: ForceOpt = False,
 ) -> None:
     """Chat with a model. /stats shows speed and cache figures, /reset forgets the conversation, /quit leaves;
     Ctrl-C stops the current answer."""
     from pyspecter.chat import repl
 
     s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, profile=profile,
-                 surrogate_width=surrogate_width, n_ctx=ctx_size,
+                 surrogate_width=surrogate_width, n_ctx=ctx_size, force=force,
                  sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
         repl(s, n=n, system=system, stats_line=_stats_line)
@@ -494,6 +524,7 @@ def serve(
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; "
                                                                   "longer requests are refused with 400)")] = 2048,
     threads: ThreadsOpt = DEFAULT_THREADS,
+    force: ForceOpt = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions (streamed or not), /v1/completions,
     /v1/models, /health, /metrics. One answer at a time (batch size 1), the others wait in a bounded queue.
@@ -510,7 +541,7 @@ def serve(
         raise SpecterError("--api-key must not be empty")
     sock = bind(host, port)  # before the model loads: a port in use costs no load
     try:
-        s = _session(model, draft, budget, tier, miss, 4, 0.0, 0, threads, n_ctx=ctx_size)
+        s = _session(model, draft, budget, tier, miss, 4, 0.0, 0, threads, n_ctx=ctx_size, force=force)
     except BaseException:
         sock.close()
         raise
