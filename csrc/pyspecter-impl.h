@@ -95,11 +95,17 @@ struct llama_pyspecter_slots {
     std::unordered_map<const ggml_tensor *, slot_ref> slot_of_host; // a model expert tensor -> where its slots are
     std::vector<ggml_context *> ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
+    // With slots on a device: a one-element tensor in a host weights buffer, a source of every route and wait op.
+    // The scheduler runs an op where its weights live, so this keeps our CPU custom ops on the CPU; a device that
+    // claims to support every op (RPC) would otherwise be sent a host function pointer to run.
+    ggml_tensor * cpu_anchor = nullptr;
 
     llama_pyspecter_route_cb route_cb = nullptr;
     void * route_ud = nullptr;
     llama_pyspecter_wait_cb wait_cb = nullptr; // set: graphs get the late path (a third plane in the route)
     void * wait_ud = nullptr;
+    llama_pyspecter_input_cb input_cb = nullptr; // set: the route op also reads the layer's router input
+    void * input_ud = nullptr;
 
     llama_pyspecter_counters counters;
     llama_pyspecter_link link;

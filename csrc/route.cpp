@@ -13,6 +13,13 @@ void llama_pyspecter_set_route_cb(llama_model * model, llama_pyspecter_route_cb 
     }
 }
 
+void llama_pyspecter_set_input_cb(llama_model * model, llama_pyspecter_input_cb cb, void * user_data) {
+    if (auto * s = pyspecter_slots_of(model)) {
+        s->input_cb = cb;
+        s->input_ud = user_data;
+    }
+}
+
 void llama_pyspecter_set_wait_cb(llama_model * model, llama_pyspecter_wait_cb cb, void * user_data) {
     if (auto * s = pyspecter_slots_of(model)) {
         s->wait_cb = cb;
@@ -58,6 +65,12 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     int32_t * late_ids = with_late ? host_ids + (size_t) n_used * n_tokens : nullptr;
     if (with_late) {
         std::fill(L->late.begin(), L->late.end(), -1);
+    }
+    const ggml_tensor * x = dst->src[2]; // the router input, when an input hook was set at graph build
+    if (x && s->input_cb) {
+        const int64_t c0 = pyspecter_now_ns();
+        s->input_cb(s->input_ud, L->il, n_tokens, (int32_t) x->ne[0], (const float *) x->data);
+        s->counters.hook_ns += pyspecter_now_ns() - c0;
     }
     if (s->route_cb) {
         // router weights, packed the same way (slot_ids is scratch until the remap below)
@@ -123,15 +136,21 @@ static void wait_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 }
 
 ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspecter_slots * slots, int il,
-                                          ggml_tensor * selected_experts, ggml_tensor * weights) {
+                                          ggml_tensor * selected_experts, ggml_tensor * weights,
+                                          ggml_tensor * ffn_inp) {
     llama_pyspecter_layer * L = slots ? slots->layer(il) : nullptr;
     if (!L) {
         return nullptr;
     }
-    ggml_tensor * args[2] = { selected_experts, weights };
+    // the input is read as contiguous f32 rows; any other form is simply not offered to the hook
+    const bool with_input = slots->input_cb && ffn_inp && ffn_inp->type == GGML_TYPE_F32 &&
+            ggml_is_contiguous(ffn_inp);
+    // fixed places: 2 the input (or null), 3 the CPU anchor of device layers (or null)
+    ggml_tensor * args[4] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor };
+    const int n_args = slots->cpu_anchor ? 4 : with_input ? 3 : 2;
     // one task: the op is tiny (route_op itself makes sure only thread 0 works)
     return ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1],
-                          slots->wait_cb ? 3 : 2, 1, args, 2, route_op, 1, (void *) L);
+                          slots->wait_cb ? 3 : 2, 1, args, n_args, route_op, 1, (void *) L);
 }
 
 ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspecter_slots * slots,
@@ -154,9 +173,9 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
     ggml_tensor * res = ggml_add(ctx, a, b);
     if (route->ne[2] > 2) {
         // late rows: from their slots, once uploaded; the wait depends on `res` so resident rows go first
-        ggml_tensor * args[2] = { route, res };
-        ggml_tensor * late_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], 1, 1, args, 2,
-                                                wait_op, 1, (void *) L);
+        ggml_tensor * args[3] = { route, res, slots->cpu_anchor }; // the anchor keeps the op on the CPU
+        ggml_tensor * late_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], 1, 1, args,
+                                                slots->cpu_anchor ? 3 : 2, wait_op, 1, (void *) L);
         res = ggml_add(ctx, res, ggml_mul_mat_id(ctx, slot_w, cur, late_ids));
     }
     return res;

@@ -5,6 +5,8 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 
+#include "ggml-cpu.h"
+
 #include <algorithm>
 #include <exception>
 #include <new>
@@ -106,6 +108,25 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     return LLAMA_PYSPECTER_OK;
 }
 
+static int32_t alloc_cpu_anchor(llama_pyspecter_slots * s) {
+    ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    if (!ctx) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+    s->ctxs.push_back(ctx);
+    s->cpu_anchor = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
+    ggml_set_name(s->cpu_anchor, "pyspecter.cpu_anchor");
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+    if (!buf) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+    s->bufs.push_back(buf);
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_buffer_clear(buf, 0);
+    return LLAMA_PYSPECTER_OK;
+}
+
 int32_t llama_pyspecter_slots_init(llama_model * model, int32_t n_slots) {
     if (!model || n_slots <= 0) {
         return LLAMA_PYSPECTER_ERR_ARG;
@@ -132,6 +153,15 @@ int32_t llama_pyspecter_slots_init(llama_model * model, int32_t n_slots) {
             const int32_t rc = alloc_layer(model, s.get(), il, host);
             if (rc != LLAMA_PYSPECTER_OK) {
                 return rc; // s frees what was allocated so far
+            }
+        }
+        const bool any_device = std::any_of(s->layers.begin(), s->layers.end(), [](const auto & L) {
+            return L && L->miss_slot >= 0; // a zero slot: the layer's slots are not on the CPU
+        });
+        if (any_device) {
+            const int32_t rc = alloc_cpu_anchor(s.get());
+            if (rc != LLAMA_PYSPECTER_OK) {
+                return rc;
             }
         }
         s->uploads.start();

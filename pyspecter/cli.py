@@ -20,7 +20,8 @@ from pyspecter.models.catalog import builtin_names, is_builtin, resolve_model
 class _ByUse(typer.core.TyperGroup):
     """--help lists commands in the order people reach for them, not the order they were written."""
 
-    ORDER = ("chat", "generate", "serve", "inspect", "bench", "verify", "models", "draft", "trace", "analyze",
+    ORDER = ("chat", "generate", "serve", "rpc-server", "inspect", "bench", "verify", "models", "draft", "trace",
+             "analyze",
              "surrogate", "demo")
 
     def list_commands(self, ctx) -> list[str]:
@@ -68,6 +69,10 @@ CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context length in
 ForceOpt = Annotated[bool, typer.Option("--force", help="run even when --budget and the non-expert weights need more "
                                                         "than the memory available (refused by default, with the "
                                                         "numbers)")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="where layers and expert slots live: cpu (default), "
+                                                             "a ggml device such as cuda0, or rpc:HOST:PORT (a "
+                                                             "`pyspecter rpc-server`); experts stay in host RAM "
+                                                             "and --budget is the device's memory for slots")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
                                                       "hottest experts before the first token")]
 
@@ -85,8 +90,10 @@ def inspect(
     model: ModelArg,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     budget: Annotated[str | None, typer.Option(help="fast-tier budget for experts: 64MiB, 1.5GB or 40%")] = None,
+    device: DeviceOpt = None,
 ) -> None:
-    """Show a MoE GGUF's expert layout: bytes per expert, expert vs non-expert bytes, slots a budget buys."""
+    """Show a MoE GGUF's expert layout: bytes per expert, expert vs non-expert bytes, slots a budget buys, and
+    how the model fits this machine (or --device)."""
     from pyspecter.budget import parse_budget, slots_for_budget
     from pyspecter.layout import read_layout
 
@@ -117,6 +124,8 @@ def inspect(
         info["budget_bytes"] = b
         info["slots_per_layer"] = slots
         info["budget_fits_top_k"] = slots >= lay.n_expert_used
+    if device is not None and device.strip().lower() != "cpu":
+        info["device"] = _device_fit(lay, device)
     if json_out:
         print(json.dumps(info, indent=1))
         return
@@ -135,6 +144,10 @@ def inspect(
         print(f"budget {_fmt_bytes(info['budget_bytes'])}: {info['slots_per_layer']} of {lay.n_expert} "
               f"expert slots per layer{note}")
     print(f"on this machine, without --tier/--budget: {info['fit']['why']}")
+    if "device" in info:
+        d = info["device"]
+        print(f"on {d['name']} ({d['description']}): {_fmt_bytes(d['free_bytes'])} free of "
+              f"{_fmt_bytes(d['total_bytes'])}; {d['why']}")
 
 
 @models_app.command("build")
@@ -225,7 +238,8 @@ def verify(
                                               show_default=False)] = None,
     budget: Annotated[str | None, typer.Option(help="instead of --slots: fast-tier bytes, e.g. 64MiB or 40%")] = None,
     miss: MissOpt = None,
-    tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS, gpu")] = "ram",
+    tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")] = "ram",
+    device: DeviceOpt = None,
     policy: Annotated[str, typer.Option(help="eviction policy: lru or lfu")] = "lru",
     n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 16,
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
@@ -249,13 +263,15 @@ def verify(
     if slots is None or slots <= 0:
         raise SpecterError("give --slots N or --budget SIZE")
     miss = miss or ("wait" if tier == "disk" else "cpu")  # as generate and chat choose it
+    _native_errors_exit()
     r = run_verify(path, slots=slots, miss=miss, tier=tier, policy=policy, n_tokens=n,
-                   prompt=prompt or DEFAULT_PROMPT)
+                   prompt=prompt or DEFAULT_PROMPT, device=device)
     ok = r["identical_tokens"] and r["max_abs_logit_diff"] <= 1e-4
     if json_out:
         print(json.dumps(r, indent=1))
     else:
-        print(f"{r['arch']} slots={r['slots']}/{r['n_expert']} miss={miss} tier={r['tier']} policy={policy}: "
+        print(f"{r['arch']} on {r['device']} slots={r['slots']}/{r['n_expert']} miss={miss} tier={r['tier']} "
+              f"policy={policy}: "
               f"{'IDENTICAL' if r['identical_tokens'] else 'DIFFERENT'} tokens ({r['n_tokens']}), "
               f"max |dlogit| {r['max_abs_logit_diff']:.2e}, hit rate {100 * r['hit_rate']:.1f}%, "
               f"{r['uploads']} uploads ({_fmt_bytes(r['upload_bytes'])})")
@@ -378,10 +394,57 @@ def _place(path: Path, tier: str | None, budget: str | None, force: bool,
     return tier, budget
 
 
+def _device_fit(lay, device: str) -> dict:
+    """What a device holds of this model: non-expert weights first, then as many expert slots as fit."""
+    from pyspecter.budget import slots_for_budget, usable_memory
+    from pyspecter.native.devices import open_device
+
+    _native_errors_exit()
+    dev = open_device(device)
+    assert dev is not None
+    free, total = dev.memory()
+    room = max(usable_memory(free) - lay.nonexpert_bytes, 0)
+    slots = slots_for_budget(lay, room)
+    if room >= lay.expert_total_bytes:
+        why = "the whole model fits on the device"
+    elif slots < lay.n_expert_used:
+        why = (f"after {_fmt_bytes(lay.nonexpert_bytes)} of non-expert weights, {_fmt_bytes(room)} buys "
+               f"{slots} slots per layer, below top-{lay.n_expert_used}: too small")
+    else:
+        why = (f"after {_fmt_bytes(lay.nonexpert_bytes)} of non-expert weights, {_fmt_bytes(room)} of expert "
+               f"slots: {slots} of {lay.n_expert} per layer ({100 * room / lay.expert_total_bytes:.0f}%)")
+    return {"name": dev.name, "description": dev.description, "free_bytes": free, "total_bytes": total,
+            "slot_bytes": room, "slots_per_layer": slots, "why": why}
+
+
+def _place_on_device(path: Path, device: str, tier: str | None, budget: str | None) -> tuple[str, str | None]:
+    """With a device, the host copy stays in RAM (--tier ram) and an unset budget is fitted to the device's free
+    memory, less the non-expert weights that go there too; one line says what and why."""
+    from pyspecter.budget import usable_memory
+    from pyspecter.layout import read_layout
+    from pyspecter.native.devices import open_device
+
+    dev = open_device(device)
+    assert dev is not None
+    if budget is None:
+        lay = read_layout(path).require_moe()
+        free, _ = dev.memory()
+        room = usable_memory(free) - lay.nonexpert_bytes
+        if room >= lay.expert_total_bytes:
+            why = f"every expert fits in {dev.name}'s {_fmt_bytes(free)} free"
+        else:
+            budget = str(max(room, 0))
+            why = (f"{dev.name} has {_fmt_bytes(free)} free: {_fmt_bytes(max(room, 0))} of expert slots "
+                   f"({100 * max(room, 0) / lay.expert_total_bytes:.0f}% of the experts), the rest in host RAM")
+        print(f"pyspecter: {why}", file=sys.stderr)
+    return tier or "ram", budget
+
+
 def _session(model: str, draft: str | None, budget: str | None, tier: str | None, miss: str | None, k: int,
              temp: float,
              seed: int, threads: int, adaptive: bool = True, profile: Path | None = None,
-             surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None, force: bool = False):
+             surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None, force: bool = False,
+             device: str | None = None):
     from pyspecter.session import Session, SessionConfig
 
     path = resolve_model(model)
@@ -390,7 +453,11 @@ def _session(model: str, draft: str | None, budget: str | None, tier: str | None
         raise SpecterError(f"{profile}: no such file")
     if not 0 < surrogate_width <= 1:
         raise SpecterError(f"--surrogate-width must be in (0, 1], got {surrogate_width}")
-    tier, budget = _place(path, tier, budget, force)
+    if device is not None and device.strip().lower() != "cpu":
+        _native_errors_exit()
+        tier, budget = _place_on_device(path, device, tier, budget)
+    else:
+        tier, budget = _place(path, tier, budget, force)
     groups = None
     if miss == "surrogate":
         from pyspecter.models.calibration import select_neurons
@@ -398,7 +465,8 @@ def _session(model: str, draft: str | None, budget: str | None, tier: str | None
         groups = select_neurons(path, surrogate_width)
     s = Session(SessionConfig(model=path, draft=dpath, budget=budget, tier=tier, miss=miss, k=k,
                               adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
-                              profile=profile, surrogate_groups=groups, n_ctx=n_ctx, **(sampling or {})))
+                              profile=profile, surrogate_groups=groups, n_ctx=n_ctx, device=device,
+                              **(sampling or {})))
     if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
         from pyspecter.study.quality import describe, perplexity_delta
 
@@ -415,6 +483,7 @@ def generate(
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
     tier: AutoTierOpt = None,
+    device: DeviceOpt = None,
     miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (the start value when adaptive)")] = 4,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="do not adapt K")] = False,
@@ -434,7 +503,7 @@ def generate(
 ) -> None:
     """Generate text through expert slots, speculatively when a draft is given."""
     s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, adaptive=not fixed_k, profile=profile,
-                 surrogate_width=surrogate_width, n_ctx=ctx_size, force=force,
+                 surrogate_width=surrogate_width, n_ctx=ctx_size, device=device, force=force,
                  sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
         if chat_template:
@@ -478,6 +547,7 @@ def chat(
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
     tier: AutoTierOpt = None,
+    device: DeviceOpt = None,
     miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (start value)")] = 4,
     n: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens per answer")] = 256,
@@ -499,7 +569,7 @@ def chat(
     from pyspecter.chat import repl
 
     s = _session(model, draft, budget, tier, miss, k, temp, seed, threads, profile=profile,
-                 surrogate_width=surrogate_width, n_ctx=ctx_size, force=force,
+                 surrogate_width=surrogate_width, n_ctx=ctx_size, device=device, force=force,
                  sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
         repl(s, n=n, system=system, stats_line=_stats_line)
@@ -516,6 +586,7 @@ def serve(
     draft: DraftOpt = None,
     budget: BudgetOpt = None,
     tier: AutoTierOpt = None,
+    device: DeviceOpt = None,
     miss: MissOpt = None,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="PYSPECTER_API_KEY",
                                                 help="require 'Authorization: Bearer KEY' on every route but "
@@ -541,7 +612,8 @@ def serve(
         raise SpecterError("--api-key must not be empty")
     sock = bind(host, port)  # before the model loads: a port in use costs no load
     try:
-        s = _session(model, draft, budget, tier, miss, 4, 0.0, 0, threads, n_ctx=ctx_size, force=force)
+        s = _session(model, draft, budget, tier, miss, 4, 0.0, 0, threads, n_ctx=ctx_size, force=force,
+                     device=device)
     except BaseException:
         sock.close()
         raise
@@ -635,6 +707,41 @@ def demo(
 
 # commands whose first argument is a MODEL
 MODEL_COMMANDS = ("chat", "generate", "serve", "inspect", "bench", "verify", "draft", "trace", "surrogate", "demo")
+
+
+@app.command("rpc-server")
+def rpc_server(
+    host: Annotated[str, typer.Option(help="address to listen on; the server has NO authentication: anyone who "
+                                           "reaches the port can run code on this machine's memory, so keep "
+                                           "127.0.0.1 unless the network is yours alone")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 50052,
+    threads: ThreadsOpt = DEFAULT_THREADS,
+) -> None:
+    """Serve this machine's CPU as a ggml RPC device (llama.cpp's rpc-server, in-process), for --device
+    rpc:HOST:PORT. It serves one client at a time and runs until stopped (Ctrl-C)."""
+    import socket
+
+    from pyspecter.native.devices import serve_rpc
+
+    if not 0 < port < 65536:
+        raise SpecterError(f"--port {port}: out of range")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:  # a clear error, not ggml's
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise SpecterError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"pyspecter: warning: listening on {host}: the RPC server has no authentication", file=sys.stderr)
+    _native_errors_exit()
+    serve_rpc(host, port, threads)
+
+
+def _native_errors_exit() -> None:
+    """A fatal error inside ggml (an RPC server gone mid-answer among them) ends the command with one line and
+    exit code 2, like any other error here, instead of a backtrace and a core dump."""
+    from pyspecter.native.lib import llama_pyspecter_exit_on_abort
+
+    llama_pyspecter_exit_on_abort(2)
 
 
 def model_flag_to_positional(argv: list[str]) -> list[str]:

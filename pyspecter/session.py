@@ -20,6 +20,7 @@ from pyspecter.cache import ExpertCache
 from pyspecter.engine import SpeculativeDecoder, generate_step
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.native.devices import Device, open_device
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
 from pyspecter.prompts import render_prompt
@@ -33,6 +34,7 @@ class SessionConfig:
     draft: Path | None = None
     budget: str | None = None  # fast-tier bytes for target expert slots; None: all experts resident
     tier: str = "ram"
+    device: str | None = None  # None/cpu: slots in RAM; cuda0, rpc:HOST:PORT: layers and slots on that device
     miss: str | None = None  # None: "wait" on the disk tier (the host copy is on disk too), else "cpu"
     policy: str = "lru"
     k: int = 4
@@ -67,6 +69,20 @@ def check_draft(target: ModelLayout, draft: ModelLayout) -> None:
                            f"{target.n_expert} in {len(target.layers)}")
 
 
+def check_device_memory(device: Device, layout: ModelLayout, plan: MemoryPlan, draft_bytes: int) -> None:
+    """Refuse, with the numbers, a placement the device cannot hold: non-expert weights, the slots and the draft
+    go there (compute buffers come on top, so this is a floor)."""
+    free, _total = device.memory()
+    slot_bytes = plan.slots * sum(L.expert_bytes for L in layout.layers)
+    asked = plan.budget_bytes if plan.budget_bytes is not None else slot_bytes
+    need = layout.nonexpert_bytes + max(asked, slot_bytes + draft_bytes)
+    if need > free:
+        gib = 2**30
+        raise SpecterError(f"{device.name}: {need / gib:.2f} GiB needed (non-expert weights "
+                           f"{layout.nonexpert_bytes / gib:.2f} GiB + budget {max(asked, slot_bytes) / gib:.2f} GiB) "
+                           f"but the device has {free / gib:.2f} GiB free; lower --budget")
+
+
 def sampling_params(cfg: SessionConfig, layout: ModelLayout) -> SamplingParams:
     """What the user set, else what the model recommends, else llama.cpp's defaults (greedy stays greedy)."""
     given = {name: getattr(cfg, name) for name in ("top_k", "top_p", "min_p", "repeat_penalty")
@@ -98,7 +114,10 @@ class Session:
                                           count_draft=cfg.draft_counts_in_budget,
                                           surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
-        self.target = native.Model(cfg.model)
+        self.device = open_device(cfg.device)
+        if self.device is not None:
+            check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)
+        self.target = native.Model(cfg.model, device=self.device)
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
         try:
             self._build(dlay)
@@ -122,7 +141,8 @@ class Session:
             self.cache.warm(routing_profile(cfg.profile, self.layout))
         self.tctx = native.Context(self.target, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
         if dlay is not None:
-            self.draft = native.Model(cfg.draft)
+            # a draft lives whole on the device (its bytes are in the budget)
+            self.draft = native.Model(cfg.draft, device=self.device, n_cpu_moe=0 if self.device else None)
             if self.draft.n_vocab != self.target.n_vocab:
                 raise SpecterError(f"{cfg.draft}: draft vocabulary ({self.draft.n_vocab}) differs from the target's")
             self.routing = DraftRouting(self.draft, dlay) if dlay.is_moe else None

@@ -284,7 +284,8 @@ class DiskTier(Tier):
 
 
 def make_tier(spec: str) -> Tier:
-    """'ram', 'disk', 'emulated:GBPS' or 'gpu'."""
+    """'ram', 'disk' or 'emulated:GBPS': where the experts that are not in slots live. Where the slots live is the
+    device's business (``--device``)."""
     if spec == "ram":
         return RamTier()
     if spec == "disk":
@@ -295,5 +296,6 @@ def make_tier(spec: str) -> Tier:
         except ValueError:
             raise SpecterError(f"cannot parse tier {spec!r}: expected emulated:GBPS, e.g. emulated:16") from None
     if spec == "gpu":
-        raise SpecterError("tier 'gpu' needs a CUDA build of the library (SPECTER_CUDA=1 make build) and a GPU")
-    raise SpecterError(f"unknown tier {spec!r}: use ram, disk, emulated:GBPS or gpu")
+        raise SpecterError("tier 'gpu' is now --device (cuda0, rpc:HOST:PORT): slots go to the device, experts stay "
+                           "in host RAM (--tier ram)")
+    raise SpecterError(f"unknown tier {spec!r}: use ram, disk or emulated:GBPS")

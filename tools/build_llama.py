@@ -223,6 +223,8 @@ def cmake_options(cuda: bool, amx: bool = True, asan: bool = False) -> list[str]
         "-DLLAMA_BUILD_COMMON=OFF",
         "-DLLAMA_CURL=OFF",
         "-DGGML_NATIVE=ON",
+        # the RPC backend: a device every machine has (a localhost server), so the device tier is tested everywhere
+        "-DGGML_RPC=ON",
         f"-DPYSPECTER_AMX={'ON' if amx else 'OFF'}",
         # all libraries end up in one folder beside the bindings; they find each other there
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",

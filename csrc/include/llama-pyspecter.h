@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 6
+#define LLAMA_PYSPECTER_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -102,6 +102,13 @@ LLAMA_API void    llama_pyspecter_set_link_gbps(struct llama_model * model, doub
 
 LLAMA_API void    llama_pyspecter_set_route_cb(struct llama_model * model, llama_pyspecter_route_cb cb, void * user_data);
 
+// Called once per MoE layer per ubatch from the compute thread, just before the routing hook, with the layer's
+// router input x: [n_tokens][n_embd] contiguous f32 rows, valid only during the call (learned routing predictors
+// read it to predict later layers). Set it before creating a context: graphs built earlier do not pass x.
+typedef void (*llama_pyspecter_input_cb)(void * user_data, int32_t il, int32_t n_tokens, int32_t n_embd,
+                                         const float * x);
+LLAMA_API void    llama_pyspecter_set_input_cb(struct llama_model * model, llama_pyspecter_input_cb cb, void * user_data);
+
 // Late experts (cache-aware ordering). With a wait hook set before the context is created, each expert matmul
 // also gets a "late" path: an expert the routing hook marks late with set_late(il, e, slot) (its upload into slot
 // started but not finished) is left out of the slot and host paths, and computed from that slot after the
@@ -115,6 +122,17 @@ LLAMA_API int32_t llama_pyspecter_set_late   (struct llama_model * model, int32_
 // page-aligned inside of every expert tensor that lives in a file mapping; mmap loading pre-faults the whole file).
 // The tensors stay valid: a later read faults the bytes back in from the file. Returns the bytes released.
 LLAMA_API size_t  llama_pyspecter_release_host_experts(struct llama_model * model);
+
+// Batch-invariant CPU matmuls: off (the default) the CPU backend uses llamafile's sgemm where it can, as stock does,
+// and a matmul's bits may depend on how many tokens share the batch; on, every mul_mat takes ggml's own kernel,
+// whose rows are the same bits at any batch size (so a K+1-token verification pass equals K+1 one-token decodes).
+// Process-wide; change it only between decodes.
+LLAMA_API void    llama_pyspecter_set_batch_invariant(bool enabled);
+
+// For command-line programs: when ggml aborts (an assertion, or a lost RPC connection, which ggml treats as fatal),
+// print one line "pyspecter: fatal: <first line of the message>" to stderr and exit with `code` instead of dumping
+// a backtrace and dumping core. A library user who wants the default behaviour never calls this.
+LLAMA_API void    llama_pyspecter_exit_on_abort(int32_t code);
 
 // Counters since the last reset (all zero when slots are not enabled).
 struct llama_pyspecter_stats {

@@ -2,6 +2,7 @@
 models and contexts opened through those bindings (``model``)."""
 
 from pyspecter.native.lib import (
+    INPUT_CB,
     KIND_DOWN,
     KIND_GATE,
     KIND_GATE_UP,
@@ -22,7 +23,8 @@ from pyspecter.native.lib import (
 from pyspecter.native.model import Context, Model
 
 __all__ = [
-    "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "PATCH_SERIES_VERSION", "ROUTE_CB", "WAIT_CB",
+    "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB", "PATCH_SERIES_VERSION", "ROUTE_CB",
+    "WAIT_CB",
     "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",
 ]

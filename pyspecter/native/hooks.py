@@ -13,20 +13,23 @@ import ctypes
 from collections.abc import Callable
 
 from pyspecter.errors import SpecterError
-from pyspecter.native.lib import ROUTE_CB, WAIT_CB, slots
+from pyspecter.native.lib import INPUT_CB, ROUTE_CB, WAIT_CB, slots
 
 # on_route(il, n_tokens, n_used, ids, weights): ids and weights are ctypes pointers to [n_tokens][n_used]
 RouteFn = Callable[[int, int, int, "ctypes._Pointer", "ctypes._Pointer"], None]
 WaitFn = Callable[[int], None]
+# on_input(il, x): x is a float32 numpy view [n_tokens, n_embd] of the layer's router input, valid during the call
+InputFn = Callable[[int, "object"], None]
 
 
 class Hooks:
-    """Route (and optionally wait) hooks on one model. ``n_slots``: enable the model's slots first with that many
-    per layer (observers that only watch the routing pass 1 or top-k: nothing is ever uploaded into them, so
-    every row stays on the host path, which is stock llama.cpp's computation)."""
+    """Route (and optionally wait and input) hooks on one model. ``n_slots``: enable the model's slots first with
+    that many per layer (observers that only watch the routing pass 1 or top-k: nothing is ever uploaded into
+    them, so every row stays on the host path, which is stock llama.cpp's computation). The wait and input hooks
+    change the graph, so they must be registered before the model's context is created."""
 
-    def __init__(self, model, on_route: RouteFn, on_wait: WaitFn | None = None, *,
-                 n_slots: int | None = None) -> None:
+    def __init__(self, model, on_route: RouteFn | None, on_wait: WaitFn | None = None, *,
+                 n_slots: int | None = None, on_input: InputFn | None = None) -> None:
         self.model = model
         self.api = slots()
         if n_slots is not None:
@@ -34,12 +37,16 @@ class Hooks:
             if rc != 0:
                 raise SpecterError(f"{model.path}: could not enable the routing hook (slots_init returned {rc})")
         self.error: BaseException | None = None
-        self._route_fn, self._wait_fn = on_route, on_wait
-        self._route_cb = ROUTE_CB(self._route)
-        self.api.set_route_cb(model.ptr, self._route_cb, None)
+        self._route_fn, self._wait_fn, self._input_fn = on_route, on_wait, on_input
+        self._route_cb = ROUTE_CB(self._route) if on_route is not None else None
+        if self._route_cb is not None:
+            self.api.set_route_cb(model.ptr, self._route_cb, None)
         self._wait_cb = WAIT_CB(self._wait) if on_wait is not None else None
         if self._wait_cb is not None:
             self.api.set_wait_cb(model.ptr, self._wait_cb, None)
+        self._input_cb = INPUT_CB(self._input) if on_input is not None else None
+        if self._input_cb is not None:
+            self.api.set_input_cb(model.ptr, self._input_cb, None)
 
     def _route(self, _ud, il, n_tokens, n_used, ids_p, w_p) -> None:
         try:
@@ -53,6 +60,14 @@ class Hooks:
         except BaseException as e:  # noqa: BLE001 - never unwind into C
             self.error = self.error or e
 
+    def _input(self, _ud, il, n_tokens, n_embd, x_p) -> None:
+        try:
+            import numpy as np
+
+            self._input_fn(il, np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)))
+        except BaseException as e:  # noqa: BLE001 - never unwind into C
+            self.error = self.error or e
+
     def check(self) -> None:
         """Re-raise the first error a hook parked (call after each decode)."""
         if self.error is not None:
@@ -61,6 +76,9 @@ class Hooks:
 
     def close(self) -> None:
         if self.model.ptr:
-            self.api.set_route_cb(self.model.ptr, ROUTE_CB(), None)
+            if self._route_cb is not None:
+                self.api.set_route_cb(self.model.ptr, ROUTE_CB(), None)
+            if self._input_cb is not None:
+                self.api.set_input_cb(self.model.ptr, INPUT_CB(), None)
             if self._wait_cb is not None:
                 self.api.set_wait_cb(self.model.ptr, WAIT_CB(), None)

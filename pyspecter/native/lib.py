@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 6
+PATCH_SERIES_VERSION = 7
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -123,6 +123,9 @@ ROUTE_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int3
                             ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float))
 # llama_pyspecter_wait_cb(user_data, il): the layer's late uploads must have landed when it returns
 WAIT_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+# llama_pyspecter_input_cb(user_data, il, n_tokens, n_embd, x): the layer's router input, [n_tokens][n_embd] f32
+INPUT_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                            ctypes.POINTER(ctypes.c_float))
 
 # enum llama_pyspecter_status
 OK = 0
@@ -290,6 +293,25 @@ def llama_pyspecter_set_link_gbps(model: ModelPtr, gbps: float, /) -> None:
 @ctypes_function("llama_pyspecter_set_route_cb", [_model, ROUTE_CB, ctypes.c_void_p], None)
 def llama_pyspecter_set_route_cb(model: ModelPtr, cb: Any, user_data: int | None, /) -> None:
     """The routing hook (a ROUTE_CB; keep a reference while it is set). ROUTE_CB() clears it."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_input_cb", [_model, INPUT_CB, ctypes.c_void_p], None)
+def llama_pyspecter_set_input_cb(model: ModelPtr, cb: Any, user_data: int | None, /) -> None:
+    """The input hook (an INPUT_CB): each MoE layer's router input, before the routing hook; set before creating
+    the context. INPUT_CB() clears it."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_batch_invariant", [ctypes.c_bool], None)
+def llama_pyspecter_set_batch_invariant(enabled: bool, /) -> None:
+    """Process-wide: CPU matmuls give the same bits at any batch size (llamafile's sgemm off); between decodes."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_exit_on_abort", [_i32], None)
+def llama_pyspecter_exit_on_abort(code: int, /) -> None:
+    """For the CLI: a fatal ggml error (a lost RPC server among them) prints one line and exits with code."""
     ...
 
 

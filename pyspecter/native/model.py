@@ -6,7 +6,8 @@ import ctypes
 import os
 
 from pyspecter.errors import SpecterError
-from pyspecter.native.lib import llama_lib, quiet_logs
+from pyspecter.native.devices import Device, Placement
+from pyspecter.native.lib import llama_lib, quiet_logs, slots
 
 
 class Model:
@@ -17,21 +18,29 @@ class Model:
     LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1}
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, load_mode: str = "mmap",
-                 extra_bufts: bool = False) -> None:
+                 extra_bufts: bool = False, device: Device | None = None, n_cpu_moe: int | None = None) -> None:
+        """device: every layer on that ggml device, routed experts in host memory (all of them, or only the first
+        n_cpu_moe layers' as llama.cpp's --n-cpu-moe). None: everything on the CPU."""
         import llama_cpp
 
         llama_lib()
         quiet_logs()
         self.path = str(path)
+        self.device = device
         p = llama_cpp.llama_model_default_params()
         p.n_gpu_layers = n_gpu_layers
         # mmap: the model's expert tensors are then a view of the file, which is what the ram and disk tiers use
         # as the host copy
         p.load_mode = self.LOAD_MODES[load_mode]
         p.use_extra_bufts = extra_bufts
+        placement = Placement(device, n_cpu_moe) if device is not None else None
+        if placement is not None:
+            placement.apply(p)  # its arrays stay alive until the load below has read them
         self.ptr = llama_cpp.llama_model_load_from_file(self.path.encode(), p)
+        del placement
         if not self.ptr:
-            raise SpecterError(f"{self.path}: llama.cpp could not load this model")
+            where = f" on {device.name}" if device is not None else ""
+            raise SpecterError(f"{self.path}: llama.cpp could not load this model{where}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.n_layer = int(llama_cpp.llama_model_n_layer(self.ptr))
@@ -86,9 +95,12 @@ class Context:
     """A llama_context with the settings exactness depends on held explicit: flash attention off, fixed batch."""
 
     def __init__(self, model: Model, *, n_ctx: int = 512, n_batch: int = 512, n_threads: int = 2,
-                 flash_attn: bool = False, cb_eval=None) -> None:
+                 flash_attn: bool = False, cb_eval=None, op_offload: bool | None = None) -> None:
         """cb_eval: llama.cpp's eval callback (a llama_cpp.ggml_backend_sched_eval_callback), for observing
-        graph nodes; keep a reference to it while the context lives."""
+        graph nodes; keep a reference to it while the context lives. op_offload: llama.cpp's (send a host-weight
+        matmul of a >= 32-token batch to the device); None: on, except for a model with expert slots on a
+        device, whose host path carries negative ids that only the CPU kernel skips (the scheduler's copy of the
+        used experts asserts on them) and whose misses belong on the CPU by design."""
         import llama_cpp
 
         self.model = model
@@ -100,6 +112,9 @@ class Context:
         p.n_threads_batch = n_threads
         p.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_{DISABLED=0,ENABLED=1}
         p.no_perf = True
+        if op_offload is None:
+            op_offload = model.device is None or slots().n_slots(model.ptr) == 0
+        p.op_offload = op_offload
         if cb_eval is not None:
             p.cb_eval = cb_eval
             p.cb_eval_user_data = None

@@ -10,6 +10,7 @@ from pyspecter.cache import ExpertCache
 from pyspecter.engine import greedy
 from pyspecter.layout import read_layout
 from pyspecter.native import Context, Model
+from pyspecter.native.devices import open_device
 from pyspecter.tiers import make_tier
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the sky is blue, step by step."
@@ -17,16 +18,19 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the s
 
 def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram", policy: str = "lru",
            prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512,
-           ordered: bool = False) -> dict:
+           ordered: bool = False, device: str | None = None) -> dict:
     """Greedy tokens and logits of stock vs slot path. Attention and batching settings are identical in both
-    (docs/DESIGN.md, exactness: routing near-ties make any difference there look like a slot bug)."""
+    (docs/DESIGN.md, exactness: routing near-ties make any difference there look like a slot bug). With a device,
+    stock gets the same placement (layers on the device, experts in host memory, no op offload)."""
     layout = read_layout(path).require_moe()
     the_tier = make_tier(tier)  # validate before the expensive part
-    with Model(path) as stock_model, Context(stock_model, n_threads=n_threads, n_batch=n_batch) as ctx:
+    dev = open_device(device)
+    with (Model(path, device=dev) as stock_model,
+          Context(stock_model, n_threads=n_threads, n_batch=n_batch, op_offload=False) as ctx):
         toks = stock_model.tokenize(prompt)
         ref_tokens, ref_logits = greedy(ctx, toks, n_tokens)
 
-    with Model(path) as model:
+    with Model(path, device=dev) as model:
         cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered)
         try:
             with Context(model, n_threads=n_threads, n_batch=n_batch) as ctx:
@@ -42,7 +46,8 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
     k = min(same_prefix + 1, n)
     diff = float(np.max(np.abs(ref_logits[:k] - got_logits[:k]))) if k else 0.0
     return {
-        "model": str(path), "arch": layout.arch, "tier": the_tier.name, "emulated": the_tier.emulated,
+        "model": str(path), "arch": layout.arch, "device": dev.name if dev else "CPU", "tier": the_tier.name,
+        "emulated": the_tier.emulated,
         "slots": cache.n_slots, "n_expert": layout.n_expert, "n_expert_used": layout.n_expert_used,
         "miss": miss, "policy": policy,
         "identical_tokens": ref_tokens == got_tokens, "max_abs_logit_diff": diff, "n_tokens": len(got_tokens),

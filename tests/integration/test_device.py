@@ -1,0 +1,168 @@
+"""The device tier on a device every machine has: llama.cpp's RPC backend, served by `pyspecter rpc-server` on a
+free localhost port. Its buffers are not host memory, exactly a GPU's situation: layers and expert slots on the
+device, the experts' host copy in RAM, misses computed on the CPU or uploaded first. Greedy tokens and logits must
+equal stock llama.cpp's with the same placement, including a prompt of >= 32 tokens (the batch size at which
+llama.cpp's op offload would send a host-weight matmul, with our negative ids, to the device)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from pyspecter import native
+from pyspecter.cache import ExpertCache
+from pyspecter.engine import SpeculativeDecoder, greedy
+from pyspecter.layout import read_layout
+from pyspecter.models.draft import make_draft
+from pyspecter.models.tiny import TINY_MODELS, build_tiny
+from pyspecter.native.devices import open_device
+from pyspecter.predict import DraftRouting
+from pyspecter.prefetch import Prefetcher
+from pyspecter.study.verify import verify
+
+# >= 32 tokens with every fixture's tokenizer
+LONG_PROMPT = ("The device tier keeps expert slots in the accelerator's memory and computes every miss exactly "
+               "on the host, so the output never depends on what is resident. " * 2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "pyspecter", "rpc-server", "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rpc-server exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("rpc-server did not start listening")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def rpc() -> Iterator[str]:
+    """One server for this process's in-process tests (ggml keeps one connection per endpoint per process)."""
+    port = free_port()
+    proc = start_server(port)
+    yield f"rpc:127.0.0.1:{port}"
+    stop_server(proc)
+
+
+@pytest.fixture
+def own_rpc() -> Iterator[tuple[str, subprocess.Popen]]:
+    """A server for one CLI run (the server serves one client at a time, and this process may hold another)."""
+    port = free_port()
+    proc = start_server(port)
+    yield f"rpc:127.0.0.1:{port}", proc
+    if proc.poll() is None:
+        stop_server(proc)
+
+
+@pytest.mark.parametrize("miss", ["wait", "cpu"])
+@pytest.mark.parametrize("share", ["top-k", "half", "all"])
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_slots_on_rpc_device_are_exact(name: str, share: str, miss: str, rpc: str) -> None:
+    path = build_tiny(name)
+    lay = read_layout(path)
+    slots = {"top-k": lay.n_expert_used, "half": lay.n_expert // 2, "all": lay.n_expert}[share]
+    r = verify(path, slots=slots, miss=miss, prompt=LONG_PROMPT, n_tokens=12, device=rpc)
+    assert r["device"].startswith("RPC")
+    assert r["n_prompt_tokens"] >= 32
+    assert r["identical_tokens"], (r["stock_tokens"], r["slot_tokens"])
+    assert r["max_abs_logit_diff"] == 0.0
+    if share != "all":
+        assert r["uploads"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_speculative_on_rpc_device_is_exact(name: str, rpc: str, tmp_path: Path) -> None:
+    """Target layers and slots on the device, a whole draft on the device too, prefetch from its routing."""
+    dev = open_device(rpc)
+    path = build_tiny(name)
+    draft = make_draft(path, tmp_path / "draft.gguf", experts_type="Q4_0", progress=False)
+    lay, dlay = read_layout(path), read_layout(draft)
+    with native.Model(path, device=dev) as m, native.Context(m, op_offload=False) as ctx:
+        toks = m.tokenize(LONG_PROMPT)
+        ref = greedy(ctx, toks, 24)[0]
+    with native.Model(path, device=dev) as tm, native.Model(draft, device=dev, n_cpu_moe=0) as dm:
+        cache = ExpertCache(tm, lay, lay.n_expert // 2, miss="cpu")
+        routing = DraftRouting(dm, dlay)
+        try:
+            with native.Context(tm) as tctx, native.Context(dm) as dctx:
+                eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, routing=routing,
+                                         prefetcher=Prefetcher(cache))
+                out = eng.generate(toks, 24, stop_at_eog=False)
+                cache.check()
+            assert out == ref
+            assert cache.counters()["prefetches"] > 0
+        finally:
+            routing.close()
+            cache.close()
+
+
+def test_cli_verify_on_rpc_device(own_rpc: tuple[str, subprocess.Popen]) -> None:
+    endpoint, _ = own_rpc
+    r = run_cli("verify", "tiny-qwen3moe", "--slots", "8", "--device", endpoint, "--prompt", LONG_PROMPT, "-n", "8")
+    assert r.returncode == 0, r.stderr
+    assert "on RPC0" in r.stdout and "IDENTICAL" in r.stdout
+
+
+def test_bad_device_name_is_one_line_exit_2() -> None:
+    r = run_cli("verify", "tiny-qwen3moe", "--slots", "8", "--device", "nosuch0")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "nosuch0" in r.stderr.lower()
+    r = run_cli("verify", "tiny-qwen3moe", "--slots", "8", "--device", "cuda")
+    assert r.returncode == 2 and "--device" in r.stderr
+
+
+def test_unreachable_rpc_endpoint_is_one_line_exit_2() -> None:
+    r = run_cli("generate", "tiny-qwen3moe", "-p", "hi", "-n", "2", "--device", f"rpc:127.0.0.1:{free_port()}",
+                timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "cannot connect" in r.stderr
+
+
+def test_budget_above_device_memory_is_refused(own_rpc: tuple[str, subprocess.Popen]) -> None:
+    endpoint, _ = own_rpc
+    r = run_cli("generate", "tiny-qwen3moe", "-p", "hi", "-n", "2", "--device", endpoint, "--budget", "100TB",
+                timeout=120)
+    assert r.returncode == 2
+    assert "free" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_server_dying_mid_answer_ends_with_one_line_exit_2(own_rpc: tuple[str, subprocess.Popen]) -> None:
+    endpoint, server = own_rpc
+    proc = subprocess.Popen([sys.executable, "-m", "pyspecter", "generate", "tiny-qwen3moe", "-p", "once upon",
+                             "-n", "100000", "--ctx-size", "100000", "--device", endpoint],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.read(16)  # it is answering
+        stop_server(server)
+        _, err = proc.communicate(timeout=120)  # nothing hangs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err
+    lines = err.decode().strip().splitlines()
+    assert lines and lines[-1].startswith("pyspecter: fatal:"), lines
