@@ -114,9 +114,8 @@ class ExpertCache:
         t0 = time.perf_counter_ns()
         try:
             res = self.residency
-            res.clock += 1
+            st = res.begin_call(il)
             self.stats.hook_calls += 1
-            st = res.layers.get(il)
             if st is None:
                 return
             needed = set(ids_p[: n_tokens * n_used])

@@ -240,7 +240,7 @@ def verify(
     miss: MissOpt = None,
     tier: Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS")] = "ram",
     device: DeviceOpt = None,
-    policy: Annotated[str, typer.Option(help="eviction policy: lru or lfu")] = "lru",
+    policy: Annotated[str, typer.Option(help="eviction policy: lru, lfu or prev-token")] = "lru",
     n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 16,
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,

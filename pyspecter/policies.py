@@ -1,5 +1,5 @@
 """Eviction policies: which resident expert to give up. Strategy objects, so the cache's victim loop does not
-know which policy it runs.
+know which policy it runs. Also the static hot set, for caches that never evict.
 
 A policy only ranks slots; the cache decides which slots are candidates (not pending, not needed now, not
 protected by a prediction). Lower rank is evicted first.
@@ -8,14 +8,19 @@ protected by a prediction). Lower rank is evicted first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspecter.residency import LayerSlots
 
 
 class Policy:
     name = "?"
 
-    def rank(self, last_use: int, freq: int) -> tuple[int, ...]:
-        """Eviction order of a slot whose expert was last used at clock ``last_use`` and selected ``freq`` times."""
+    def rank(self, st: LayerSlots, slot: int) -> tuple[int, ...]:
+        """Eviction order of a resident ``slot`` of the layer ``st`` (its expert is ``st.owner[slot]``). Called
+        in the victim loop inside the routing hook, once per candidate slot: keep it a few list reads."""
         raise NotImplementedError
 
 
@@ -25,8 +30,8 @@ class LRU(Policy):
 
     name = "lru"
 
-    def rank(self, last_use: int, freq: int) -> tuple[int, ...]:
-        return (last_use,)
+    def rank(self, st: LayerSlots, slot: int) -> tuple[int, ...]:
+        return (st.last_use[slot],)
 
 
 class LFU(Policy):
@@ -34,11 +39,25 @@ class LFU(Policy):
 
     name = "lfu"
 
-    def rank(self, last_use: int, freq: int) -> tuple[int, ...]:
-        return (freq, last_use)
+    def rank(self, st: LayerSlots, slot: int) -> tuple[int, ...]:
+        return (st.freq[st.owner[slot]], st.last_use[slot])
 
 
-POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lfu": LFU}
+class PrevToken(Policy):
+    """Previous-token reuse, the baseline that remembers one token: the experts the layer's previous routing call
+    (the previous token, in decode) used are kept, and the others go first-in first-out, by when they were
+    loaded. No recency or frequency beyond one token, which is what it measures against LRU. Keeping is all its
+    prefetching: with misses waited for, the previous token's experts are resident once it has run."""
+
+    name = "prev-token"
+
+    def rank(self, st: LayerSlots, slot: int) -> tuple[int, ...]:
+        # last_use >= prev_call: hit or mapped during the previous call (or since); the current call's experts
+        # are never candidates
+        return (st.last_use[slot] >= st.prev_call, st.loaded[slot])
+
+
+POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lfu": LFU, "prev-token": PrevToken}
 
 
 def make_policy(name: str) -> Policy:
@@ -48,6 +67,13 @@ def make_policy(name: str) -> Policy:
         return POLICIES[name]()
     except KeyError:
         raise SpecterError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}") from None
+
+
+def hot_experts(counts: Sequence[int], n: int) -> list[int]:
+    """The static hot set: the ``n`` experts of a layer selected most often in a routing profile (``counts[e]``
+    = times expert e was selected), most used first; ties go to the lower id, so a profile gives one answer."""
+    order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
+    return order[: max(n, 0)]
 
 
 class GhostLRU:

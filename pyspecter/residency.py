@@ -29,6 +29,9 @@ class LayerSlots:
     sur_mapped: set = field(default_factory=set)  # experts routed to a reserved slot for the current ubatch
     late: dict = field(default_factory=dict)  # ordered mode: expert -> slot, computed after the resident ones
     ghost: GhostLRU | None = None  # held slots: plain LRU over every allocated slot, in bookkeeping only
+    loaded: list[int] = field(default_factory=list)  # slot -> clock its expert was mapped (FIFO order)
+    prev_call: int = 0  # clock of this layer's previous routing call (the previous token's, in decode)
+    last_call: int = 0  # ... and of its latest
 
     def inflight(self) -> dict[int, object]:
         """expert -> handle of its upload in flight."""
@@ -48,11 +51,19 @@ class Residency:
         E = layout.n_expert
         self.layers = {
             L.index: LayerSlots(owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E,
-                                ghost=GhostLRU(ghost_capacity) if ghost_capacity else None)
+                                ghost=GhostLRU(ghost_capacity) if ghost_capacity else None, loaded=[0] * n_slots)
             for L in layout.layers
         }
         self.clock = 0
         self.failed_uploads = 0
+
+    def begin_call(self, il: int) -> LayerSlots | None:
+        """A routing call of layer il starts: tick the clock and note the call (None: not a MoE layer)."""
+        self.clock += 1
+        st = self.layers.get(il)
+        if st is not None:
+            st.prev_call, st.last_call = st.last_call, self.clock
+        return st
 
     def assign(self, il: int, expert: int, slot: int) -> None:
         st = self.layers[il]
@@ -61,7 +72,7 @@ class Residency:
             st.where[prev] = -1
         st.owner[slot] = expert
         st.where[expert] = slot
-        st.last_use[slot] = self.clock
+        st.last_use[slot] = st.loaded[slot] = self.clock
         self.api.set_slot(self.model.ptr, il, expert, slot)
 
     def evict(self, il: int, slot: int) -> None:
@@ -92,7 +103,7 @@ class Residency:
             if e in st.protected:
                 spared = s
                 continue
-            key = self.policy.rank(st.last_use[s], st.freq[e])
+            key = self.policy.rank(st, s)
             if best_key is None or key < best_key:
                 best, best_key = s, key
         if best < 0 and need and spared >= 0:

@@ -138,8 +138,11 @@ def test_memory_plan() -> None:
 
 
 def test_policies_rank() -> None:
-    assert make_policy("lru").rank(5, 100) < LRU().rank(6, 0)
-    assert LFU().rank(9, 1) < LFU().rank(1, 2) and LFU().rank(1, 2) < LFU().rank(2, 2)
+    st = _residency(4)[0].layers[0]
+    st.owner[:], st.last_use[:] = [0, 1, 2, 3], [5, 6, 1, 2]
+    st.freq[:4] = [100, 0, 1, 2]
+    assert make_policy("lru").rank(st, 0) < LRU().rank(st, 1)
+    assert LFU().rank(st, 2) < LFU().rank(st, 3) < LFU().rank(st, 0) and LFU().rank(st, 1) < LFU().rank(st, 2)
     with pytest.raises(SpecterError):
         make_policy("fifo")
 
