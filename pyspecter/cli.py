@@ -59,8 +59,13 @@ RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help=f"pena
                                                                           f"{_FROM_MODEL} 1.0")]
 # bench's policies, named here so --help can list them without importing the bench
 BENCH_POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
-                  "on-demand-lru-ordered", "specter", "specter-equal-slots", "surrogate")
-BENCH_DEFAULTS = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu")
+                  "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate")
+BENCH_DEFAULTS = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu", "static-hot",
+                  "prev-token")
+PromptsOpt = Annotated[Path | None, typer.Option(help="your prompts: a text file, one prompt a line, or JSONL "
+                                                      "(objects with \"prompt\", \"text\" or \"messages\", or JSON "
+                                                      "strings; chosen per file); each is sent as a user message "
+                                                      "through the model's chat template", show_default=False)]
 # llama.cpp's default: one thread per physical core
 DEFAULT_THREADS = max(1, __import__("psutil").cpu_count(logical=False) or 1)
 ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", help="llama.cpp threads (default: physical cores)")]
@@ -291,11 +296,19 @@ def bench(
                                                     "does not fit, else 50%")] = None,
     policies: Annotated[str | None, typer.Option(help="comma-separated, from: " + ", ".join(BENCH_POLICIES) +
                                                       " (surrogate is approximate; all-resident holds every "
-                                                      "expert and gives the oracle bound). Default: " +
+                                                      "expert and gives the oracle bound; static-hot pins the "
+                                                      "experts most used on the packaged calibration prompts, "
+                                                      "misses on the CPU; prev-token keeps what the previous token "
+                                                      "used, first-in first-out otherwise, misses waited for). "
+                                                      "Default: " +
                                                       ",".join(BENCH_DEFAULTS) + " (+ specter,specter-equal-slots "
                                                       "with --draft)", show_default=False)] = None,
-    prompt_tokens: Annotated[int, typer.Option(help="prompt length for prefill")] = 64,
-    n: Annotated[int, typer.Option("-n", "--n-predict", help="decode tokens per run")] = 32,
+    prompts: PromptsOpt = None,
+    prompt_tokens: Annotated[int | None, typer.Option(help="prompt length for prefill (default 64 tokens of the "
+                                                           "packaged prompts); with --prompts, each prompt is used "
+                                                           "whole unless this cuts it to its first N tokens",
+                                                      show_default=False)] = None,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="decode tokens after each prompt")] = 32,
     repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,
     threads: Annotated[str, typer.Option("--threads", "-t", help="llama.cpp threads; comma-separated to sweep "
                                                                  "(default: physical cores)")] = str(DEFAULT_THREADS),
@@ -311,7 +324,7 @@ def bench(
                                                         "each row carries its whole setting")] = False,
     force: ForceOpt = False,
 ) -> None:
-    """Time residency policies side by side on one model: same prompt, interleaved repeats, ratios.
+    """Time residency policies side by side on one model: same prompts, interleaved repeats, ratios.
 
     On the disk tier every capped policy runs in a child process whose memory, page cache included, a cgroup
     (v1 or v2) holds to budget + non-expert weights + runtime, starting cold; rows say whether the cap held."""
@@ -326,13 +339,18 @@ def bench(
         thread_counts = [int(x) for x in split(threads)]
     except ValueError:
         raise SpecterError(f"--threads takes integers, got {threads!r}") from None
+    if prompts is not None:  # a bad prompt file is the one line printed, before any fitting or loading
+        from pyspecter.prompts import load_prompts
+
+        load_prompts(prompts)
     path, dpath = resolve_model(model), resolve_model(draft) if draft else None
     tier, budget = _place(path, tier, budget, force, partial="50%")
     results = []
     for t, b, th in itertools.product(split(tier), split(budget), thread_counts):
         results.append(run_bench(path, tier=t, budget=b, policies=split(policies or "") or None,
                                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=th, draft=dpath, k=k,
-                                 adaptive=not fixed_k, cutoff=not no_cutoff, surrogate_width=surrogate_width))
+                                 adaptive=not fixed_k, cutoff=not no_cutoff, surrogate_width=surrogate_width,
+                                 prompts=prompts))
         if not (json_out or csv_out):
             _print_bench(results[-1])
     if json_out:
@@ -346,10 +364,16 @@ def bench(
             w.writerows(to_csv_rows(r))
 
 
+def _prompt_desc(r: dict) -> str:
+    if not r.get("prompts"):
+        return f"{r['prompt_tokens']}-token prompt"
+    return f"{r['n_prompts']} prompts of {Path(r['prompts']).name} ({r['prompt_tokens']} tokens)"
+
+
 def _print_bench(r: dict) -> None:
     print(f"{Path(r['model']).name}: {r['arch']}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
           f"budget {r['budget']} = {r['slots_per_layer']}/{r['n_expert']} slots per layer, link "
-          f"{r['link_gbps']:.2f} GB/s, {r['n_threads']} threads, {r['prompt_tokens']}-token prompt, "
+          f"{r['link_gbps']:.2f} GB/s, {r['n_threads']} threads, {_prompt_desc(r)}, "
           f"{r['decode_tokens']} decode tokens x {r['repeat']}; memory: {r['memory_cap']}")
     print(f"{'policy':<22}{'TPOT ms':>9}{'tok/s':>9}{'prefill/s':>10}{'hit%':>7}{'KiB/tok':>9}{'stall ms':>9}"
           f"{'hook us':>8}{'vs lru':>8}{'vs all':>8}")
@@ -631,7 +655,10 @@ def trace(
     model: ModelArg,
     out: Annotated[Path, typer.Option("--out", "-o", help="trace file to write (.npz)")],
     draft: Annotated[str | None, typer.Option(help="draft GGUF: also record its routing")] = None,
-    prompts: Annotated[str | None, typer.Option(help="JSONL prompt file (default: the packaged eval set)")] = None,
+    prompts: Annotated[Path | None, typer.Option(help="your prompts: a text file, one prompt a line, or JSONL "
+                                                       "(objects with \"prompt\", \"text\" or \"messages\", or "
+                                                       "JSON strings; chosen per file). Default: the packaged eval "
+                                                       "set", show_default=False)] = None,
     n: Annotated[int, typer.Option("-n", help="tokens generated per prompt")] = 32,
     k: Annotated[int, typer.Option("-k", help="draft lookahead (tokens drafted ahead)")] = 4,
     threads: ThreadsOpt = DEFAULT_THREADS,

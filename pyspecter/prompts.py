@@ -1,4 +1,5 @@
-"""Prompts: the packaged prompt sets, and rendering a conversation with the model's own chat template."""
+"""Prompts: the packaged prompt sets, users' prompt files (plain text or JSONL), and rendering a conversation
+with the model's own chat template."""
 
 from __future__ import annotations
 
@@ -16,44 +17,79 @@ SPLITS = ("tune", "eval")
 
 
 def load_prompts(path: str | os.PathLike | None = None, split: str | None = None) -> list[dict]:
-    """Prompts from a JSONL file (default: the packaged eval_prompts.jsonl): one object a line with "id", "split"
-    ("tune" | "eval"), "kind" and "messages" [{role, content}]. A line may instead give "prompt": text, which is
-    taken as one user message. Blank lines and lines starting with '#' are skipped."""
+    """Prompts from a file (default: the packaged eval_prompts.jsonl), as dicts with "id", "split" ("tune" |
+    "eval"), "kind" and "messages" [{role, content}].
+
+    The format is detected per file: JSONL when the name ends in .jsonl or .ndjson, or when the first line that is
+    neither empty nor a '#' comment is a JSON object or string; otherwise plain text. JSONL: one JSON object a line,
+    with "messages", or a "prompt" or "text" string (one user message), or a bare JSON string; '#' lines are
+    comments. Plain text: every non-empty line is one prompt, a user message (a '#' line too: it is text there).
+    Empty lines are skipped in both. A missing, unreadable, non-UTF-8 or empty file, or a line of a JSONL file
+    that is not a prompt, is a SpecterError naming the file (and line)."""
     if path is None:
         text = resources.files("pyspecter.data").joinpath("eval_prompts.jsonl").read_text(encoding="utf-8")
-        where = "eval_prompts.jsonl"
+        where, jsonl = "eval_prompts.jsonl", True
     else:
         p = Path(path)
         if not p.is_file():
             raise SpecterError(f"{p}: no such prompt file")
-        text, where = p.read_text(encoding="utf-8"), str(p)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise SpecterError(f"{p}: not UTF-8 text") from None
+        except OSError as e:
+            raise SpecterError(f"{p}: cannot read the prompt file ({e.strerror or e})") from None
+        where, jsonl = str(p), p.suffix.lower() in (".jsonl", ".ndjson") or _looks_like_jsonl(text)
     if split is not None and split not in SPLITS:
         raise SpecterError(f"unknown split {split!r}: use {' or '.join(SPLITS)}")
     out = []
     for lineno, line in enumerate(text.splitlines(), 1):
         s = line.strip()
-        if not s or s.startswith("#"):
+        if not s or (jsonl and s.startswith("#")):
+            continue
+        if not jsonl:
+            out.append({"id": f"line{lineno}", "split": "eval", "kind": "text",
+                        "messages": [{"role": "user", "content": s}]})
             continue
         try:
             obj = json.loads(s)
         except json.JSONDecodeError as e:
             raise SpecterError(f"{where}:{lineno}: not JSON ({e.msg})") from None
         out.append(normalize_prompt(obj, f"{where}:{lineno}", len(out)))
+    if not out:
+        raise SpecterError(f"{where}: no prompts (every line is empty{' or a comment' if jsonl else ''})")
     return [p for p in out if split is None or p["split"] == split]
 
 
+def _looks_like_jsonl(text: str) -> bool:
+    """The first line that is neither empty nor a '#' comment parses as a JSON object or string."""
+    for line in text.splitlines():
+        s = line.strip()
+        if s and not s.startswith("#"):
+            try:
+                return isinstance(json.loads(s), dict | str)
+            except json.JSONDecodeError:
+                return False
+    return False
+
+
 def normalize_prompt(obj: Any, where: str, index: int) -> dict:
+    """One prompt (an object or a bare string) as load_prompts returns it; ``where`` names it in errors."""
     if isinstance(obj, str):
         obj = {"prompt": obj}
     if not isinstance(obj, dict):
         raise SpecterError(f"{where}: a prompt must be an object or a string")
     messages = obj.get("messages")
-    if messages is None and isinstance(obj.get("prompt"), str):
-        messages = [{"role": "user", "content": obj["prompt"]}]
+    text = next((obj[k] for k in ("prompt", "text") if isinstance(obj.get(k), str)), None)
+    if messages is None and text is not None:
+        if not text.strip():
+            raise SpecterError(f"{where}: empty prompt")
+        messages = [{"role": "user", "content": text}]
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in messages)):
-        raise SpecterError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+        raise SpecterError(f"{where}: a prompt needs a \"prompt\" or \"text\" string, or \"messages\": a "
+                           "non-empty list of {role, content} strings")
     split = obj.get("split", "eval")
     if split not in SPLITS:
         raise SpecterError(f"{where}: split {split!r} is not {' or '.join(SPLITS)}")

@@ -7,6 +7,7 @@ every page it maps; the run comes back as one JSON line.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -15,16 +16,19 @@ from pyspecter.study.capped import child_main
 
 def run(args: dict) -> dict:
     from pyspecter.layout import read_layout
-    from pyspecter.study import bench
+    from pyspecter.study.bench_runs import run_policy, run_specter
 
     p = Path(args["path"])
+    # what every run shares (bench.run_bench wrote it): the prompts' tokens and static-hot's profile
+    inputs = json.loads(Path(args["inputs"]).read_text())
+    prompts, hot = inputs["prompts"], inputs["hot"]
     if args["fn"] == "run":
-        r = bench._run(args["policy"], p, read_layout(p), args["slots"], "disk", args["prompt_len"], args["n"],
-                       args["n_threads"], args["surrogate_width"])
+        r = run_policy(args["policy"], p, read_layout(p), args["slots"], "disk", prompts, args["n"],
+                       args["n_threads"], args["surrogate_width"],
+                       {int(il): c for il, c in hot.items()} if hot else None)  # JSON keys are strings
     else:
-        r = bench._run_specter(p, Path(args["draft"]), args["budget_bytes"], args["count_draft"], "disk",
-                               args["prompt_len"], args["n"], args["n_threads"], args["k"], args["adaptive"],
-                               args["cutoff"])
+        r = run_specter(p, Path(args["draft"]), args["budget_bytes"], args["count_draft"], "disk", prompts,
+                        args["n"], args["n_threads"], args["k"], args["adaptive"], args["cutoff"])
     return dataclasses.asdict(r)
 
 

@@ -214,7 +214,8 @@ def record_trace(model_path: str | os.PathLike, out_path: str | os.PathLike,
                  stop_at_eog: bool = True) -> dict:
     """Record a routing trace (format in the module docstring) and return a summary.
 
-    prompts: a JSONL path, a list of prompt dicts / strings, or None for the packaged eval_prompts.jsonl.
+    prompts: a prompt file (plain text, one prompt a line, or JSONL: ``prompts.load_prompts``), a list of prompt
+    dicts / strings, or None for the packaged eval_prompts.jsonl.
     n: tokens the target generates per prompt (fewer if it ends the turn and stop_at_eog).
     k: draft lookahead (tokens drafted ahead of each true prefix). gate_lookahead: MoE layers the next-layer gate
     looks ahead (0 turns the eval callback off). verify: also record the target's routing on the drafted tokens.

@@ -1,0 +1,168 @@
+"""One timed run of one bench policy: load the model, set its experts up as the policy says, then for every prompt
+of the set prefill it and decode ``n`` greedy tokens, counting decode only.
+
+The residency outlives each prompt (the KV cache does not): a cache serves one request after another, as a server
+would. ``bench.py`` decides what runs, in which order and under which memory cap; this module only runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from pyspecter.cache import ExpertCache
+from pyspecter.errors import SpecterError
+from pyspecter.layout import ModelLayout
+from pyspecter.models.calibration import select_neurons
+from pyspecter.native import Context, Model
+from pyspecter.policies import hot_experts
+from pyspecter.session import Session, SessionConfig
+from pyspecter.surrogate import Surrogates
+from pyspecter.tiers import make_tier
+
+
+@dataclass
+class Run:
+    prefill_s: float  # every prompt's prefill, summed
+    tpots: list[float]  # every decode token of every prompt
+    counters: dict  # the cache's counters over decode only, summed over the prompts
+    peak_rss: int
+    trace: list | None = None  # routing of decode [(layer, experts)], prompts one after another
+    tokens: list[int] | None = None  # the greedy tokens decoded after each prompt, one prompt after another
+
+
+# counters that are ratios: recomputed from the summed counts, never summed themselves
+_RATIOS = ("hit_rate", "slot_row_rate", "route_us_per_call", "hook_us_per_call")
+
+
+def merge_counters(parts: list[dict]) -> dict:
+    """The cache's counters (``ExpertCache.counters``) of several decode phases as one: counts summed, rates
+    recomputed from them (per-call times weighted by calls)."""
+    if len(parts) <= 1:
+        return dict(parts[0]) if parts else {}
+    out = {k: sum(p.get(k, 0) for p in parts) for k in parts[0] if k not in _RATIOS}
+    rows = out.get("hit_rows", 0) + out.get("miss_rows", 0)
+    out["slot_row_rate"] = out.get("hit_rows", 0) / rows if rows else 0.0
+    out["hit_rate"] = (out["resident_at_need"] / out["needed"] if out.get("needed")
+                       else out["slot_row_rate"])
+    calls = out.get("route_calls", 0)
+    for k in ("route_us_per_call", "hook_us_per_call"):
+        out[k] = sum(p.get(k, 0.0) * p.get("route_calls", 0) for p in parts) / calls if calls else 0.0
+    return out
+
+
+def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier: str, path: Path,
+               surrogate_width: float, hot: dict[int, list[int]] | None) -> ExpertCache | None:
+    """The residency a policy runs with (None: stock, llama.cpp alone)."""
+    if policy.startswith("all-resident"):
+        # -hooked keeps the Python routing hook on with nothing to do: the hook's own cost per layer
+        cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"), hook=policy.endswith("hooked"))
+        cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
+        return cache
+    if policy == "static-hot":
+        # the profile's hottest experts, loaded once; no hook, so nothing ever moves and every miss is computed on
+        # the host (as on-demand-cpu computes its misses, without the uploads)
+        if hot is None:
+            raise SpecterError("static-hot needs a routing profile")
+        cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False)
+        cache.warm({il: hot_experts(hot[il], cache.n_usable) for il in cache.layers})
+        return cache
+    if policy == "prev-token":
+        # misses waited for, as on-demand-lru and -lfu do: only the eviction order differs
+        return ExpertCache(model, layout, slots, policy="prev-token", miss="wait", tier=make_tier(tier), record=True)
+    if policy == "on-demand-lru-ordered":
+        # wait mode, but a layer's misses are computed after its resident experts, while they land (0005)
+        return ExpertCache(model, layout, slots, policy="lru", miss="wait", tier=make_tier(tier), record=True,
+                           ordered=True)
+    if policy.startswith("on-demand-"):
+        kind = policy.removeprefix("on-demand-")
+        return ExpertCache(model, layout, slots, policy="lru" if kind == "cpu" else kind,
+                           miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True)
+    if policy == "surrogate":
+        # approximate: single-token misses computed by the expert's surrogate; `slots` already paid for them
+        sur = Surrogates(layout, select_neurons(path, surrogate_width, progress=False))
+        return ExpertCache(model, layout, slots, miss="surrogate", surrogates=sur, tier=make_tier(tier))
+    if policy != "stock":
+        raise SpecterError(f"unknown policy {policy!r}")
+    return None
+
+
+def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompts: list[list[int]],
+               n: int, n_threads: int, surrogate_width: float = 0.25,
+               hot: dict[int, list[int]] | None = None) -> Run:
+    """One run of a non-speculative policy over every prompt. ``hot``: static-hot's profile, per MoE layer the
+    times each expert was selected (``bench.calibration_profile``: the model reading the packaged calibration
+    prompts, text the bench never measures); its slots get the most selected, once."""
+    proc = psutil.Process()
+    # stock is llama.cpp as users run it (repacked weights where the CPU has kernels for them)
+    model = Model(path, extra_bufts=policy == "stock")
+    cache = None
+    try:
+        cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot)
+        prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss
+        with Context(model, n_threads=n_threads, n_ctx=max(map(len, prompts)) + n + 8) as ctx:
+            ctx.warmup()
+            for prompt in prompts:
+                ctx.clear()
+                mark = len(cache.trace) if cache and cache.trace is not None else 0
+                t0 = time.perf_counter()
+                logits = ctx.decode(prompt)
+                prefill += time.perf_counter() - t0
+                if cache:
+                    cache.check()
+                    cache.reset_counters()
+                    if cache.trace is not None:
+                        del cache.trace[mark:]  # prefill's routing is a batch, not what decode must predict
+                for _ in range(n):
+                    tokens.append(int(np.argmax(logits)))
+                    t0 = time.perf_counter()
+                    logits = ctx.decode([tokens[-1]])
+                    tpots.append(time.perf_counter() - t0)
+                    peak = max(peak, proc.memory_info().rss)
+                if cache:
+                    parts.append(cache.counters())
+                    cache.check()
+        return Run(prefill, tpots, merge_counters(parts), peak, cache.trace if cache else None, tokens)
+    finally:
+        if cache:
+            cache.close()
+        model.close()
+
+
+def run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, tier: str,
+                prompts: list[list[int]], n: int, n_threads: int, k: int, adaptive: bool = True,
+                cutoff: bool = True) -> Run:
+    """One run of the engine (draft, prefetch, governor) over every prompt; the session and its slots persist."""
+    proc = psutil.Process()
+    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k, adaptive=adaptive,
+                              n_ctx=max(map(len, prompts)) + n + 16, n_threads=n_threads,
+                              draft_counts_in_budget=count_draft, prefetch_cutoff=cutoff))
+    try:
+        prefill, tpots, parts, tokens = 0.0, [], [], []
+        for prompt in prompts:
+            stamps: list[float] = []
+
+            def on_token(_t: int, stamps: list[float] = stamps) -> None:
+                stamps.append(time.perf_counter())
+                if len(stamps) == 1:  # decode counters only, as for the other policies
+                    s.cache.reset_counters()
+
+            t0 = time.perf_counter()
+            # the first token comes straight from the target's prefill; the rest are decode
+            out = s.generate(prompt, n + 1, stop_at_eog=False, on_token=on_token)
+            prefill += stamps[0] - t0
+            tpots += [(stamps[-1] - stamps[0]) / max(len(out) - 1, 1)] * (len(out) - 1)
+            parts.append(s.cache.counters())
+            tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
+        c = merge_counters(parts)
+        ds = s.decoder.stats
+        c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off, slots=s.n_slots,
+                 draft_dropped_at=ds.dropped_at,
+                 skipped_late=s.decoder.prefetcher.skipped_late if s.decoder.prefetcher else 0)
+        return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens)
+    finally:
+        s.close()
