@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pyspecter.governor import OFF, KGovernor
-from pyspecter.native import Context
+from pyspecter.native import Context, batch_invariant
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
 from pyspecter.sampling import Sampler, SamplingParams
@@ -106,7 +106,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
                  routing: DraftRouting | None = None, prefetcher: Prefetcher | None = None,
-                 temperature: float | SamplingParams = 0.0, seed: int = 0, batch_verify: bool = False,
+                 temperature: float | SamplingParams = 0.0, seed: int = 0, batch_verify: bool | None = None,
                  predict_at_k0: bool = False, drop_draft: Callable[[], None] | None = None) -> None:
         if target.model.n_vocab != draft.model.n_vocab:
             raise ValueError("draft and target must share a vocabulary")
@@ -120,11 +120,15 @@ class SpeculativeDecoder:
         if routing is not None and prefetcher is not None:
             routing.on_layer = prefetcher.on_draft_layer
         self.sampler = Sampler(temperature, seed)
-        # llama.cpp's numbers depend on the ubatch size (kernels differ for 1 vs many rows; on Q4 models logits
-        # move by up to ~2, docs/DESIGN.md), so a batched verification pass can flip a near-tie that token-by-
-        # token decoding would not. Exact (default): the target verifies one token at a time, stopping at the
-        # first rejection; the window's experts are already resident, so the I/O saving remains.
-        # batch_verify=True is the faster, approximate mode.
+        # Stock CPU kernels give different bits for 1 and for K+1 rows (llamafile's sgemm tiles them differently:
+        # max |dlogit| 0.98 on smol-moe), so a batched pass could flip a near-tie that token-by-token decoding
+        # would not. With batch-invariant matmuls (patch 0004) for the verification pass only, its K+1 rows are
+        # bit for bit what K+1 one-token stock decodes give (measured on smol-moe, bench-qwen3moe and the
+        # fixtures), so the target verifies the whole window in one pass by default. The switch reaches only
+        # this process's CPU backend: a target on a device verifies token by token, stopping at the first
+        # rejection (its window's experts are already resident, so the I/O saving remains).
+        if batch_verify is None:
+            batch_verify = getattr(target.model, "device", None) is None
         self.batch_verify = batch_verify
         self.stats = SpecStats()
         self._draft_lag: list[int] = []  # tokens the draft has not read yet: the prompt, and steps run without it
@@ -246,9 +250,10 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         if watch:
             self._off.add(t2 - t0, before, tot)
-        if not self.batch_verify:
-            per = (t2 - t1) / (accepted + 1)
-            self._t_token = per if self._t_token is None else 0.8 * self._t_token + 0.2 * per
+        # the prefetch deadlines' time per target pass: one token, or the whole batched window (every layer of
+        # which needs its experts for all K+1 rows at once)
+        per = (t2 - t1) if self.batch_verify else (t2 - t1) / (accepted + 1)
+        self._t_token = per if self._t_token is None else 0.8 * self._t_token + 0.2 * per
         self._keep(base + 1 + accepted)  # roll both caches back to the accepted prefix: cur + accepted drafts
         self._record(k, accepted, t1 - t0, t2 - t1)
         return [*drafts[:accepted], bonus]
@@ -293,7 +298,8 @@ class SpeculativeDecoder:
     def _verify(self, cur: int, drafts: list[int], qs: list[np.ndarray]) -> tuple[int, int]:
         """(drafts accepted, the target's token after them)."""
         if self.batch_verify:
-            rows = self.target.decode([cur, *drafts], logits_all=True)
+            with batch_invariant():
+                rows = self.target.decode([cur, *drafts], logits_all=True)
             return self.sampler.verify(rows, drafts, qs, self._recent)
         toks = [cur, *drafts]
         k = len(drafts)

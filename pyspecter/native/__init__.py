@@ -13,6 +13,7 @@ from pyspecter.native.lib import (
     WAIT_CB,
     SlotAPI,
     Stats,
+    batch_invariant,
     build_key,
     llama_lib,
     patch_series_version,
@@ -25,6 +26,6 @@ from pyspecter.native.model import Context, Model
 __all__ = [
     "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB", "PATCH_SERIES_VERSION", "ROUTE_CB",
     "WAIT_CB",
-    "build_key",
+    "batch_invariant", "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",
 ]

@@ -8,10 +8,11 @@ there, binding waits for first use, so importing pyspecter works before ``make b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from pyspecter.errors import SpecterError
@@ -307,6 +308,17 @@ def llama_pyspecter_set_input_cb(model: ModelPtr, cb: Any, user_data: int | None
 def llama_pyspecter_set_batch_invariant(enabled: bool, /) -> None:
     """Process-wide: CPU matmuls give the same bits at any batch size (llamafile's sgemm off); between decodes."""
     ...
+
+
+@contextlib.contextmanager
+def batch_invariant() -> Iterator[None]:
+    """Within: this process's CPU matmuls give the same bits for a batch as for its rows one at a time (and as
+    stock gives for one row), so a K+1-token verification pass equals K+1 one-token decodes."""
+    llama_pyspecter_set_batch_invariant(True)
+    try:
+        yield
+    finally:
+        llama_pyspecter_set_batch_invariant(False)
 
 
 @ctypes_function("llama_pyspecter_exit_on_abort", [_i32], None)

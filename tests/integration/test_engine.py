@@ -40,8 +40,8 @@ PROMPTS = ["hello there, speculative world", "def fib(n): return n if n < 2 else
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_greedy_identical_to_target(name: str, adaptive: bool, batch_verify: bool, keep: float,
                                     tiny_drafts: dict[tuple[str, float], Path]) -> None:
-    # batch_verify is exact on these fixtures (F16/F32/Q8_0/MXFP4 give the same numbers for 1 or K+1 rows); on
-    # smol-moe it is not, which is why sequential verification is the default (see test_smol)
+    # batched verification runs with batch-invariant matmuls (patch 0004): exact on every fixture and on smol-moe
+    # (test_smol), where stock's kernels are not
     path = build_tiny(name)
     draft = tiny_drafts[name, keep]
     lay, dlay = read_layout(path), read_layout(draft)

@@ -6,6 +6,7 @@ runs find them in the cache. Everything else here compares them with the dense m
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 
@@ -291,7 +292,8 @@ def test_rebuild_is_a_cache_hit(moe: Path, draft: Path) -> None:
 
 def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None:
     # The real model with its real draft, through expert slots at half the experts with draft-driven prefetch:
-    # greedy output must equal the target's own token-by-token greedy decoding.
+    # greedy output must equal the target's own token-by-token greedy decoding. Verification is batched (the
+    # default on the CPU): before batch-invariant matmuls it changed the output on 6 of these 12 prompts.
     from pyspecter import native
     from pyspecter.cache import ExpertCache
     from pyspecter.engine import SpeculativeDecoder, greedy
@@ -306,7 +308,8 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
         routing = DraftRouting(dm, read_layout(draft))
         with native.Context(tm) as tctx, native.Context(dm) as dctx:
             eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, routing=routing, prefetcher=Prefetcher(cache))
-            for p in load_prompts(split="eval")[:4]:
+            assert eng.batch_verify
+            for p in load_prompts(split="eval"):
                 toks = tm.tokenize(render_prompt(tm, p["messages"]), add_special=False)
                 tctx.clear()
                 ref, _ = greedy(tctx, toks, 24)
@@ -334,3 +337,24 @@ def test_slots_never_written_take_no_memory(moe: Path) -> None:
     # cleared, the 16 slots per layer would add their full size (~760 MB); untouched, next to nothing (how much
     # a write then commits depends on what the allocator had free, so it is not asserted)
     assert r1 - r0 < one_slot_per_layer / 2, (r1 - r0, lay.n_expert * one_slot_per_layer)
+
+
+def test_batched_pass_is_bit_identical_to_one_token_decodes_with_batch_invariance(moe: Path) -> None:
+    """Patch 0004: with llamafile's sgemm off for the pass, 12 tokens in one batch give the logits of 12 one-token
+    stock decodes (llamafile on), bit for bit; stock's own batched pass does not (kept as a check that this test
+    can tell the two apart)."""
+    with native.Model(moe) as m, native.Context(m, n_ctx=256) as ctx:
+        toks = m.tokenize(smol.heldout_text(), add_special=True, parse_special=False)[:40]
+        head, window = toks[:28], toks[28:]
+
+        def run(batched: bool, invariant: bool) -> np.ndarray:
+            ctx.clear()
+            ctx.decode(head, logits=False)
+            with native.batch_invariant() if invariant else contextlib.nullcontext():
+                if batched:
+                    return ctx.decode(window, logits_all=True)
+                return np.stack([ctx.decode([t]) for t in window])
+
+        ref = run(batched=False, invariant=False)
+        assert np.array_equal(run(batched=True, invariant=True), ref)
+        assert not np.array_equal(run(batched=True, invariant=False), ref)
