@@ -59,7 +59,8 @@ RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help=f"pena
                                                                           f"{_FROM_MODEL} 1.0")]
 # bench's policies, named here so --help can list them without importing the bench
 BENCH_POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
-                  "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate")
+                  "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
+                  "stock-cpu-moe", "stock-n-cpu-moe", "stock-device")
 BENCH_DEFAULTS = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu", "static-hot",
                   "prev-token")
 PromptsOpt = Annotated[Path | None, typer.Option(help="your prompts: a text file, one prompt a line, or JSONL "
@@ -323,6 +324,7 @@ def bench(
     csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy and sweep point, with a header; "
                                                         "each row carries its whole setting")] = False,
     force: ForceOpt = False,
+    device: DeviceOpt = None,
 ) -> None:
     """Time residency policies side by side on one model: same prompts, interleaved repeats, ratios.
 
@@ -344,13 +346,17 @@ def bench(
 
         load_prompts(prompts)
     path, dpath = resolve_model(model), resolve_model(draft) if draft else None
-    tier, budget = _place(path, tier, budget, force, partial="50%")
+    if device is not None and device.strip().lower() != "cpu":
+        _native_errors_exit()  # the budget is device memory: the host-memory fit does not apply
+        tier, budget = tier or "ram", budget or "50%"
+    else:
+        tier, budget, device = *_place(path, tier, budget, force, partial="50%"), None
     results = []
     for t, b, th in itertools.product(split(tier), split(budget), thread_counts):
         results.append(run_bench(path, tier=t, budget=b, policies=split(policies or "") or None,
                                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=th, draft=dpath, k=k,
                                  adaptive=not fixed_k, cutoff=not no_cutoff, surrogate_width=surrogate_width,
-                                 prompts=prompts))
+                                 prompts=prompts, device=device))
         if not (json_out or csv_out):
             _print_bench(results[-1])
     if json_out:
@@ -371,7 +377,8 @@ def _prompt_desc(r: dict) -> str:
 
 
 def _print_bench(r: dict) -> None:
-    print(f"{Path(r['model']).name}: {r['arch']}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
+    on = f" on {r['device']}" if r.get("device", "CPU") != "CPU" else ""
+    print(f"{Path(r['model']).name}: {r['arch']}{on}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
           f"budget {r['budget']} = {r['slots_per_layer']}/{r['n_expert']} slots per layer, link "
           f"{r['link_gbps']:.2f} GB/s, {r['n_threads']} threads, {_prompt_desc(r)}, "
           f"{r['decode_tokens']} decode tokens x {r['repeat']}; memory: {r['memory_cap']}")
@@ -385,6 +392,9 @@ def _print_bench(r: dict) -> None:
               f"{100 * p.get('hit_rate', 1):>7.1f}{p['bytes_per_token'] / 1024:>9.1f}"
               f"{p.get('stall_ms_per_token', 0):>9.2f}{p.get('hook_us_per_call', 0):>8.1f}"
               f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}")
+    if "round_trip_us_per_layer" in r:
+        print(f"routing round trip (all-resident vs stock-device, per MoE layer): "
+              f"{r['round_trip_us_per_layer']:.1f} us")
 
 
 def _place(path: Path, tier: str | None, budget: str | None, force: bool,

@@ -23,16 +23,21 @@ from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model
+from pyspecter.native.devices import Device, open_device
 from pyspecter.native.hooks import Hooks
 from pyspecter.prompts import load_prompts, render_prompt
 from pyspecter.study.analyze import simulate_cache
-from pyspecter.study.bench_runs import Run, run_policy, run_specter
+from pyspecter.study.bench_runs import Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
-            "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate")
+            "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
+            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device")
+DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device")  # need --device
+# with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
+DEVICE_DEFAULTS = ("stock-cpu-moe", "stock-n-cpu-moe", "on-demand-lru", "on-demand-cpu", "prev-token", "static-hot")
 APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their quality cost is measured apart)
 # only policies that keep to the budget (all-resident holds every expert; ask for it to get the oracle bound)
 DEFAULT_POLICIES = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu", "static-hot",
@@ -105,11 +110,12 @@ def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, dict]:
     return Run(**result), how
 
 
-def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0) -> float:
-    """Upload throughput of a tier in GB/s: synchronous uploads of random experts into slots."""
+def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0, device: Device | None = None) -> float:
+    """Upload throughput of a tier in GB/s: synchronous uploads of random experts into slots (the device's, with
+    one: host RAM to device memory)."""
     layout = read_layout(path).require_moe()
     rng = np.random.default_rng(seed)
-    with Model(path) as model:
+    with Model(path, device=device) as model:
         cache = ExpertCache(model, layout, layout.n_expert_used, tier=make_tier(tier), hook=False)
         picks = [(layout.layers[rng.integers(len(layout.layers))].index, int(rng.integers(layout.n_expert)))
                  for _ in range(n_uploads)]
@@ -135,7 +141,7 @@ def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int) -> int:
 def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list[list[int]],
                 hot: dict[int, list[int]] | None, inputs: Path, *, tier: str, slots: int, sur_slots: int,
                 budget_bytes: int, n: int, repeat: int, n_threads: int, draft: str | Path | None, k: int,
-                adaptive: bool, cutoff: bool, surrogate_width: float
+                adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None
                 ) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
     """Every policy ``repeat`` times, interleaved so that drift hits every policy alike. Returns the runs, the
     policies skipped (and why: e.g. the draft alone is bigger than the budget) and how each capped run was held."""
@@ -165,10 +171,11 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                     # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
                     # headline); "specter-equal-slots": same slots as the others, draft on top
                     runs[p].append(run_specter(path, Path(draft), budget_bytes, p == "specter", tier, sets, n,
-                                               n_threads, k, adaptive, cutoff))
+                                               n_threads, k, adaptive, cutoff,
+                                               device=device.spec if device else None))
                 else:
                     runs[p].append(run_policy(p, path, layout, p_slots, tier, sets, n, n_threads, surrogate_width,
-                                              hot))
+                                              hot, device=device, budget_bytes=budget_bytes))
             except SpecterError as e:
                 skipped[p] = str(e)
     return runs, skipped, caps
@@ -177,7 +184,8 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
 def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None, slots: int | None = None,
               policies: list[str] | None = None, prompt_len: int | None = None, n: int = 32, repeat: int = 3,
               n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
-              cutoff: bool = True, surrogate_width: float = 0.25, prompts: str | Path | None = None) -> dict:
+              cutoff: bool = True, surrogate_width: float = 0.25, prompts: str | Path | None = None,
+              device: str | None = None) -> dict:
     """Every policy over the same prompts, interleaved ``repeat`` times. ``prompts``: a prompt file (plain text,
     one prompt a line, or JSONL: ``prompts.load_prompts``), each prompt chat-rendered and used whole, or cut to
     ``prompt_len`` tokens when that is given; without one, a single prompt of ``prompt_len`` (64) tokens. Each
@@ -189,12 +197,18 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     path = Path(path)
     items = load_prompts(prompts) if prompts is not None else None  # a bad file fails before any model loads
     layout = read_layout(path).require_moe()
-    policies = list(policies or (DEFAULT_POLICIES + (("specter", "specter-equal-slots") if draft else ())))
+    dev = open_device(device)
+    if dev is not None and tier != "ram":
+        raise SpecterError(f"bench --device keeps the experts' host copy in RAM: use --tier ram, not {tier}")
+    defaults = DEVICE_DEFAULTS if dev is not None else DEFAULT_POLICIES
+    policies = list(policies or (defaults + (("specter", "specter-equal-slots") if draft else ())))
     for p in policies:
         if p not in POLICIES:
             raise SpecterError(f"unknown policy {p!r}: use {', '.join(POLICIES)}")
         if p.startswith("specter") and not draft:
             raise SpecterError(f"policy {p} needs --draft")
+        if p in DEVICE_POLICIES and dev is None:
+            raise SpecterError(f"policy {p} needs --device")
     budget_bytes = parse_budget(budget or "50%", layout.expert_total_bytes)
     if slots is None:
         slots = slots_for_budget(layout, budget_bytes)
@@ -208,7 +222,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         sur_slots = MemoryPlan.for_budget(layout, str(budget_bytes), surrogate_bytes=sur_bytes).slots
     sets = prompt_sets(path, items, prompt_len)
     hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
-    link_gbps = measure_link(path, tier)
+    link_gbps = measure_link(path, tier, device=dev)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
     run_policy("stock", path, layout, slots, tier, [sets[0][:8]], 2, n_threads)
     with tempfile.TemporaryDirectory(prefix="pyspecter-bench-") as tmp:
@@ -218,11 +232,12 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         runs, skipped, caps = _interleave(path, layout, policies, sets, hot, inputs, tier=tier, slots=slots,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
                                           n_threads=n_threads, draft=draft, k=k, adaptive=adaptive, cutoff=cutoff,
-                                          surrogate_width=surrogate_width)
+                                          surrogate_width=surrogate_width, device=dev)
     uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
                 "cgroup": "none"}
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)
     out: dict = {"model": str(path), "draft": str(draft) if draft else None, "arch": layout.arch, "tier": tier,
+                 "device": dev.name if dev else "CPU",
                  "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
                  "n_expert_used": layout.n_expert_used, "prompts": str(prompts) if prompts is not None else None,
@@ -232,7 +247,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "budget_bytes": budget_bytes, "budget_pct": 100 * budget_bytes / layout.expert_total_bytes,
                  "build": native.build_key(), "policies": {}}
     layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
-    stock_tokens = runs["stock"][0].tokens if runs.get("stock") else None
+    ref = "stock-cpu-moe" if dev is not None and runs.get("stock-cpu-moe") else "stock"
+    stock_tokens = runs[ref][0].tokens if runs.get(ref) else None
     for p, why in skipped.items():
         out["policies"][p] = {"skipped": why}
     for p, rs in runs.items():
@@ -260,6 +276,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                      else None),
             **caps.get(p, uncapped),
         }
+        if p == "stock-n-cpu-moe":
+            out["policies"][p]["n_cpu_moe"] = n_cpu_moe_for(layout, budget_bytes)
         if p == "static-hot":
             out["policies"][p]["profile"] = (f"routing of the first {CALIBRATION_TOKENS} tokens of the packaged "
                                              "calibration (tune) prompts")
@@ -281,6 +299,11 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         tpot = max(ar, t_link)
         out["policies"]["oracle-bound"] = {"tpot_ms": 1e3 * tpot, "decode_tok_s": 1 / tpot,
                                            "bytes_per_token": mn * layer_bytes / n_decode, "computed": True}
+    if {"all-resident", "stock-device"} <= out["policies"].keys() and "tpot_ms" in out["policies"]["stock-device"]:
+        # every expert in device memory both ways: what our per-layer routing round trip (device -> host ids ->
+        # device remap, and the slot/host matmul pair) costs on top of stock
+        gap_ms = out["policies"]["all-resident"]["tpot_ms"] - out["policies"]["stock-device"]["tpot_ms"]
+        out["round_trip_us_per_layer"] = 1e3 * gap_ms / len(layout.layers)
     for r in out["policies"].values():
         for ref in ("on-demand-lru", "all-resident", "oracle-bound"):
             if ref in out["policies"] and "tpot_ms" in r and "tpot_ms" in out["policies"][ref]:

@@ -19,6 +19,7 @@ from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
 from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model
+from pyspecter.native.devices import Device
 from pyspecter.policies import hot_experts
 from pyspecter.session import Session, SessionConfig
 from pyspecter.surrogate import Surrogates
@@ -86,20 +87,47 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         # approximate: single-token misses computed by the expert's surrogate; `slots` already paid for them
         sur = Surrogates(layout, select_neurons(path, surrogate_width, progress=False))
         return ExpertCache(model, layout, slots, miss="surrogate", surrogates=sur, tier=make_tier(tier))
-    if policy != "stock":
+    if not policy.startswith("stock"):
         raise SpecterError(f"unknown policy {policy!r}")
     return None
 
 
+def n_cpu_moe_for(layout: ModelLayout, budget_bytes: int) -> int:
+    """llama.cpp's --n-cpu-moe N for a device budget: the smallest N (experts of blocks < N stay on the host) whose
+    device-side experts fit in ``budget_bytes``, so stock's device memory for experts equals ours."""
+    on_device = 0
+    for L in sorted(layout.layers, key=lambda L: -L.index):  # from the last block down
+        layer_bytes = L.expert_bytes * layout.n_expert  # expert_bytes is one expert's
+        if on_device + layer_bytes > budget_bytes:
+            return L.index + 1
+        on_device += layer_bytes
+    return 0
+
+
+def _model_for(policy: str, path: Path, layout: ModelLayout, device: Device | None, budget_bytes: int) -> Model:
+    """Stock is llama.cpp as users run it (repacked weights where the CPU has kernels for them); with a device,
+    stock-cpu-moe keeps every expert on the host (--cpu-moe), stock-n-cpu-moe the first N blocks' (--n-cpu-moe N
+    at our budget), stock-device none (every weight on the device: the no-stall limit, over budget)."""
+    if device is None or policy == "stock":
+        return Model(path, extra_bufts=policy == "stock")
+    if policy == "stock-cpu-moe":
+        return Model(path, device=device, extra_bufts=True)
+    if policy == "stock-n-cpu-moe":
+        return Model(path, device=device, extra_bufts=True, n_cpu_moe=n_cpu_moe_for(layout, budget_bytes))
+    if policy == "stock-device":
+        return Model(path, device=device, extra_bufts=True, n_cpu_moe=0)
+    return Model(path, device=device)
+
+
 def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompts: list[list[int]],
                n: int, n_threads: int, surrogate_width: float = 0.25,
-               hot: dict[int, list[int]] | None = None) -> Run:
+               hot: dict[int, list[int]] | None = None, device: Device | None = None, budget_bytes: int = 0) -> Run:
     """One run of a non-speculative policy over every prompt. ``hot``: static-hot's profile, per MoE layer the
     times each expert was selected (``bench.calibration_profile``: the model reading the packaged calibration
-    prompts, text the bench never measures); its slots get the most selected, once."""
+    prompts, text the bench never measures); its slots get the most selected, once. ``device``: layers (and our
+    slots) on that device, experts' host copy in RAM."""
     proc = psutil.Process()
-    # stock is llama.cpp as users run it (repacked weights where the CPU has kernels for them)
-    model = Model(path, extra_bufts=policy == "stock")
+    model = _model_for(policy, path, layout, device, budget_bytes)
     cache = None
     try:
         cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot)
@@ -135,12 +163,12 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
 
 def run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, tier: str,
                 prompts: list[list[int]], n: int, n_threads: int, k: int, adaptive: bool = True,
-                cutoff: bool = True) -> Run:
+                cutoff: bool = True, device: str | None = None) -> Run:
     """One run of the engine (draft, prefetch, governor) over every prompt; the session and its slots persist."""
     proc = psutil.Process()
     s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k, adaptive=adaptive,
                               n_ctx=max(map(len, prompts)) + n + 16, n_threads=n_threads,
-                              draft_counts_in_budget=count_draft, prefetch_cutoff=cutoff))
+                              draft_counts_in_budget=count_draft, prefetch_cutoff=cutoff, device=device))
     try:
         prefill, tpots, parts, tokens = 0.0, [], [], []
         for prompt in prompts:

@@ -166,3 +166,20 @@ def test_server_dying_mid_answer_ends_with_one_line_exit_2(own_rpc: tuple[str, s
     assert proc.returncode == 2, err
     lines = err.decode().strip().splitlines()
     assert lines and lines[-1].startswith("pyspecter: fatal:"), lines
+
+
+def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subprocess.Popen]) -> None:
+    """llama.cpp's --cpu-moe and --n-cpu-moe N (N chosen so stock's device memory for experts equals our budget)
+    beside our policies at that budget; every exact policy decodes stock's greedy tokens."""
+    import json
+
+    endpoint, _ = own_rpc
+    r = run_cli("bench", "tiny-qwen3moe", "--device", endpoint, "--budget", "50%", "--repeat", "1", "-n", "4",
+                "--policies", "stock-cpu-moe,stock-n-cpu-moe,on-demand-lru,on-demand-cpu", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["device"].startswith("RPC")
+    pol = out["policies"]
+    assert pol["stock-n-cpu-moe"]["n_cpu_moe"] == 2  # 4 MoE layers, half the expert bytes on the device
+    assert pol["on-demand-lru"]["same_tokens_as_stock"] and pol["on-demand-cpu"]["same_tokens_as_stock"]
+    assert pol["stock-n-cpu-moe"]["same_tokens_as_stock"]
