@@ -20,8 +20,8 @@ from pyspecter.models.catalog import builtin_names, is_builtin, resolve_model
 class _ByUse(typer.core.TyperGroup):
     """--help lists commands in the order people reach for them, not the order they were written."""
 
-    ORDER = ("chat", "generate", "serve", "rpc-server", "inspect", "bench", "verify", "models", "draft", "trace",
-             "analyze",
+    ORDER = ("chat", "generate", "serve", "rpc-server", "inspect", "bench", "scale", "verify", "models", "draft",
+             "trace", "analyze",
              "surrogate", "demo")
 
     def list_commands(self, ctx) -> list[str]:
@@ -743,7 +743,60 @@ def demo(
 
 
 # commands whose first argument is a MODEL
-MODEL_COMMANDS = ("chat", "generate", "serve", "inspect", "bench", "verify", "draft", "trace", "surrogate", "demo")
+MODEL_COMMANDS = ("chat", "generate", "serve", "inspect", "bench", "verify", "draft", "trace", "surrogate", "demo",
+                  "scale")
+
+
+@app.command()
+def scale(
+    model: ModelArg,
+    budgets: Annotated[str, typer.Option(help="disk-tier budgets to measure, comma-separated; 'auto' is what "
+                                              "generate/chat would fit to this machine")] = "10%,25%,50%,auto",
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="decode tokens per configuration")] = 8,
+    prompt_tokens: Annotated[int, typer.Option(help="prompt length")] = 16,
+    threads: ThreadsOpt = DEFAULT_THREADS,
+    no_stock: Annotated[bool, typer.Option("--no-stock", help="skip stock llama.cpp (slow on a model bigger "
+                                                               "than RAM)")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """How cost grows with the model: load time, peak RSS, bytes read per token, prefill and TPOT of stock
+    llama.cpp (mmap) and of the disk tier at each budget, each in a fresh process starting from a cold page cache,
+    nothing capped. Made for models bigger than RAM (big-qwen3moe); also runs on small ones for the scale curve."""
+    import psutil
+
+    from pyspecter.budget import fit_to_memory
+    from pyspecter.layout import read_layout
+    from pyspecter.study.scale import run_scale
+
+    path = resolve_model(model)
+    lay = read_layout(path).require_moe()
+    chosen = []
+    for b in (x.strip() for x in budgets.split(",") if x.strip()):
+        if b == "auto":
+            fit = fit_to_memory(lay, psutil.virtual_memory().available)
+            print(f"pyspecter: auto = {fit.why}", file=sys.stderr)
+            b = fit.budget or "100%"
+        chosen.append(b)
+    r = run_scale(path, chosen, n=n, prompt_len=prompt_tokens, threads=threads, stock=not no_stock,
+                  progress=None if json_out else lambda c: print(f"measuring {c} ...", file=sys.stderr, flush=True))
+    if json_out:
+        print(json.dumps(r, indent=1))
+        return
+    gb = 1e9
+    print(f"{Path(r['model']).name}: {r['file_bytes'] / gb:.1f} GB file ({r['nonexpert_bytes'] / gb:.2f} GB "
+          f"non-expert), {r['ram_bytes'] / gb:.1f} GB RAM, {r['prompt_tokens']}-token prompt, "
+          f"{r['decode_tokens']} decode tokens, {r['threads']} threads, cold page cache")
+    print(f"{'config':<14}{'load s':>8}{'load GB':>9}{'peak RSS GB':>12}{'prefill/s':>10}{'TPOT ms':>10}"
+          f"{'GB/tok':>8}{'hit%':>6}{'hook us':>8}{'stall ms':>9}  same as stock")
+    for x in r["runs"]:
+        if "error" in x:
+            print(f"{x['config']:<14} failed: {x['error']}")
+            continue
+        print(f"{x['config']:<14}{x['load_s']:>8.1f}{x['load_read_bytes'] / gb:>9.2f}{x['peak_rss'] / gb:>12.2f}"
+              f"{r['prompt_tokens'] / x['prefill_s']:>10.1f}{1e3 * x['tpot_s']:>10.0f}"
+              f"{x['decode_read_bytes_per_token'] / gb:>8.2f}{100 * x.get('hit_rate', 1):>6.0f}"
+              f"{x.get('hook_us_per_call', 0):>8.0f}{x.get('hook_ms_per_token', 0):>9.0f}  "
+              f"{x.get('same_tokens_as_stock')}")
 
 
 @app.command("rpc-server")

@@ -117,7 +117,8 @@ class Session:
         self.device = open_device(cfg.device)
         if self.device is not None:
             check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)
-        self.target = native.Model(cfg.model, device=self.device)
+        # on the disk tier the experts live in the file: loading must not read them all (patch 0005)
+        self.target = native.Model(cfg.model, device=self.device, lazy_experts=self.tier.name == "disk")
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
         try:
             self._build(dlay)

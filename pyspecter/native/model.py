@@ -18,9 +18,12 @@ class Model:
     LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1}
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, load_mode: str = "mmap",
-                 extra_bufts: bool = False, device: Device | None = None, n_cpu_moe: int | None = None) -> None:
+                 extra_bufts: bool = False, device: Device | None = None, n_cpu_moe: int | None = None,
+                 lazy_experts: bool = False) -> None:
         """device: every layer on that ggml device, routed experts in host memory (all of them, or only the first
-        n_cpu_moe layers' as llama.cpp's --n-cpu-moe). None: everything on the CPU."""
+        n_cpu_moe layers' as llama.cpp's --n-cpu-moe). None: everything on the CPU. lazy_experts: the file mapping
+        is not pre-faulted for the routed experts (patch 0005), so a model bigger than RAM loads without reading
+        them; stock pre-faults the whole file."""
         import llama_cpp
 
         llama_lib()
@@ -33,6 +36,8 @@ class Model:
         # as the host copy
         p.load_mode = self.LOAD_MODES[load_mode]
         p.use_extra_bufts = extra_bufts
+        if lazy_experts:
+            p.lazy_mode = 2  # LLAMA_LAZY_MODE_ON: with patch 0005, routed experts too
         placement = Placement(device, n_cpu_moe) if device is not None else None
         if placement is not None:
             placement.apply(p)  # its arrays stay alive until the load below has read them

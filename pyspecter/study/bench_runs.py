@@ -104,12 +104,14 @@ def n_cpu_moe_for(layout: ModelLayout, budget_bytes: int) -> int:
     return 0
 
 
-def _model_for(policy: str, path: Path, layout: ModelLayout, device: Device | None, budget_bytes: int) -> Model:
+def _model_for(policy: str, path: Path, layout: ModelLayout, device: Device | None, budget_bytes: int,
+               lazy_experts: bool = False) -> Model:
     """Stock is llama.cpp as users run it (repacked weights where the CPU has kernels for them); with a device,
     stock-cpu-moe keeps every expert on the host (--cpu-moe), stock-n-cpu-moe the first N blocks' (--n-cpu-moe N
     at our budget), stock-device none (every weight on the device: the no-stall limit, over budget)."""
     if device is None or policy == "stock":
-        return Model(path, extra_bufts=policy == "stock")
+        # our policies on the disk tier load without pre-faulting the experts, as the session does (patch 0005)
+        return Model(path, extra_bufts=policy == "stock", lazy_experts=lazy_experts and policy != "stock")
     if policy == "stock-cpu-moe":
         return Model(path, device=device, extra_bufts=True)
     if policy == "stock-n-cpu-moe":
@@ -127,7 +129,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
     prompts, text the bench never measures); its slots get the most selected, once. ``device``: layers (and our
     slots) on that device, experts' host copy in RAM."""
     proc = psutil.Process()
-    model = _model_for(policy, path, layout, device, budget_bytes)
+    model = _model_for(policy, path, layout, device, budget_bytes, lazy_experts=tier == "disk")
     cache = None
     try:
         cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot)
