@@ -21,7 +21,7 @@ class _ByUse(typer.core.TyperGroup):
     """--help lists commands in the order people reach for them, not the order they were written."""
 
     ORDER = ("chat", "generate", "serve", "rpc-server", "inspect", "bench", "scale", "verify", "models", "draft",
-             "trace", "analyze",
+             "trace", "analyze", "fit-predictor",
              "surrogate", "demo")
 
     def list_commands(self, ctx) -> list[str]:
@@ -686,14 +686,43 @@ def analyze(
     trace_file: Annotated[Path, typer.Argument(help="trace written by `pyspecter trace`")],
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option(help="directory for PNG plots (heatmap, hit-rate curves)")] = None,
+    predictor: Annotated[Path | None, typer.Option(help="learned predictor file to score (default: the sidecar "
+                                                        "fitted for the trace's model, when there is one)")] = None,
 ) -> None:
     """How predictable is expert use: frequencies, reuse, LRU/LFU/MIN hit rates vs slots, predictor recall."""
     from pyspecter.study import analyze as an
 
     if not trace_file.exists():
         raise SpecterError(f"{trace_file}: no such file")
-    result = an.analyze(trace_file, plot_dir=plot)
+    if predictor is not None and not predictor.is_file():
+        raise SpecterError(f"{predictor}: no such file")
+    result = an.analyze(trace_file, plot_dir=plot, predictor=predictor)
     print(an.dumps(result) if json_out else an.format_analysis(result))
+
+
+@app.command("fit-predictor")
+def fit_predictor(
+    model: ModelArg,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="predictor file to write (default: the model's "
+                                                                 "sidecar in the cache, which the runtime loads "
+                                                                 "automatically)")] = None,
+    horizons: Annotated[int, typer.Option(help="MoE layers ahead to predict (1..H)")] = 4,
+    tokens: Annotated[int, typer.Option(help="tokens of calibration text (the model's own continuations of the "
+                                             "calibration prompts) to fit on")] = 8192,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="held-out tokens (other text) to score on")]
+    = 2048,
+    threads: ThreadsOpt = 1,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Fit learned routing predictors: from each MoE layer's router input, ridge maps to the router logits of the
+    next H MoE layers, recorded through llama.cpp on calibration text and fitted in numpy; scored on held-out
+    text. Recording runs the model token by token (one thread by default: the hooks call Python at every layer,
+    and more threads spin meanwhile)."""
+    from pyspecter.study.predictor_fit import describe, fit_model
+
+    r = fit_model(resolve_model(model), out, horizons=horizons, n_tokens=tokens, eval_tokens=eval_tokens,
+                  n_threads=threads, progress=True)
+    print(json.dumps(r, indent=1) if json_out else describe(r))
 
 
 @app.command()
@@ -744,7 +773,7 @@ def demo(
 
 # commands whose first argument is a MODEL
 MODEL_COMMANDS = ("chat", "generate", "serve", "inspect", "bench", "verify", "draft", "trace", "surrogate", "demo",
-                  "scale")
+                  "scale", "fit-predictor")
 
 
 @app.command()

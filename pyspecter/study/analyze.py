@@ -18,6 +18,10 @@ Definitions used throughout (``N(t, l)``: the experts the target selected for ro
     next-layer-gate    router of layer l applied to the router input of layer l-h, same token: lookahead in MoE
                        *layers* (``lookahead_unit``), scored on every eval row, layers l >= h
     oracle             N itself (recall 1: checks the bookkeeping)
+    learned            the learned routing predictor (learned.py, fitted by ``pyspecter fit-predictor`` on other
+                       text) applied to the router input of layer l-h, same token (``lookahead_unit`` layers);
+                       needs a trace with ``router_inputs`` and the predictor (the model's sidecar, or a file).
+                       It predicts exactly U experts, so precision = recall and full_cover = exact-set match
 - Caches (on the target's stream of rows in trace order, per layer, slots per layer): a step needs its U experts
   resident at once. hit_rate counts first-touch (compulsory) misses; hit_rate_warm leaves them out of both sides,
   so every policy reaches 1.0 at slots = n_expert. LRU is computed exactly for all slot counts from LRU stack
@@ -298,6 +302,57 @@ def _predictor_table(tr: Trace, rows: _Rows, lookaheads: list[int]) -> dict:
     return out
 
 
+def _learned(tr: Trace, rows: _Rows, lookaheads: list[int], predictor) -> tuple[dict | None, dict]:
+    """The learned predictor scored like the others (a predictors-table entry) and per layer and horizon
+    (recall and exact-set match), on the scored rows; (None, why) when it cannot be scored."""
+    from pyspecter.learned import LearnedPredictor
+
+    X = tr.get("router_inputs")
+    if predictor is False:
+        return None, {"available": False, "note": "not asked for"}
+    if X is None:
+        return None, {"available": False, "note": "trace has no router inputs (record it again with this version)"}
+    if predictor is None:
+        target = Path(tr.meta["target"])
+        predictor = LearnedPredictor.for_model(target) if target.is_file() else None
+        if predictor is None:
+            return None, {"available": False, "note": f"no predictor fitted for {target} (pyspecter fit-predictor)"}
+    elif not isinstance(predictor, LearnedPredictor):
+        predictor = LearnedPredictor.load(predictor)
+    if predictor.layers != list(tr.meta["moe_layers"]) or predictor.n_expert != tr.n_expert:
+        return None, {"available": False, "note": "the predictor was fitted for another model"}
+    E, L, H = tr.n_expert, len(predictor.layers), predictor.horizons
+    needed = onehot(tr["target_ids"], E)
+    pred = np.zeros((H + 1,) + needed.shape, bool)  # [h, T, L, E]
+    for j, il in enumerate(predictor.layers):
+        for layer, ids in predictor.topk(il, X[:, j].astype(np.float32)).items():
+            jt = predictor.pos[layer]
+            pred[jt - j, :, jt] = onehot(ids, E)
+    entry: dict = {"available": True, "lookahead_unit": "layers", "recall_at": {}, "precision_at": {},
+                   "full_cover_at": {}, "samples_at": {}, "per_layer_recall_at_1": [None] * L}
+    detail: dict = {"available": True, "predictor": predictor.meta.get("path"), "nbytes": predictor.nbytes,
+                    "horizons": H, "fit": predictor.meta.get("fit"), "by_horizon": {}, "per_layer": {}}
+    for h in sorted(set(lookaheads) | set(range(1, H + 1))):
+        key = str(h)
+        if h > H:
+            if h in lookaheads:
+                for k in ("recall_at", "precision_at", "full_cover_at", "samples_at"):
+                    entry[k][key] = None
+            continue
+        mask = rows.eval[:, None] & (np.arange(L) >= h)[None, :]
+        sc = set_scores(pred[h], needed, mask)
+        exact = ((pred[h] == needed).all(-1) & mask).sum(0)
+        per_exact = [_ratio(a, b) for a, b in zip(exact, mask.sum(0), strict=True)]
+        if h in lookaheads:
+            entry["recall_at"][key], entry["precision_at"][key] = sc["recall"], sc["precision"]
+            entry["full_cover_at"][key], entry["samples_at"][key] = sc["full_cover"], sc["samples"]
+        if h == 1:
+            entry["per_layer_recall_at_1"] = sc["per_layer_recall"]
+        detail["by_horizon"][key] = {"recall": sc["recall"], "exact": sc["full_cover"], "samples": sc["samples"]}
+        detail["per_layer"][key] = {"recall": sc["per_layer_recall"], "exact": per_exact}
+    return entry, detail
+
+
 def _threshold_scores(pred_ids: np.ndarray, pred_w: np.ndarray, needed: np.ndarray, mask: np.ndarray,
                       eb: np.ndarray, thresholds: list[float]) -> dict:
     E = needed.shape[-1]
@@ -429,8 +484,10 @@ def _frequency(tr: Trace) -> dict:
 
 
 def analyze(trace_path: str | os.PathLike, plot_dir: str | os.PathLike | None = None, *,
-            lookaheads: list[int] | None = None, thresholds: list[float] | None = None) -> dict:
-    """Everything the module docstring defines, as one JSON-able dict; PNGs in plot_dir if given."""
+            lookaheads: list[int] | None = None, thresholds: list[float] | None = None, predictor=None) -> dict:
+    """Everything the module docstring defines, as one JSON-able dict; PNGs in plot_dir if given.
+    predictor: the learned predictor to score (a LearnedPredictor or a file); None: the trace's target's sidecar
+    when there is one; False: none."""
     tr = load_trace(trace_path)
     rows = _Rows(tr)
     K = tr["draft_own_ids"].shape[1] if tr.get("draft_own_ids") is not None else 0
@@ -449,6 +506,9 @@ def analyze(trace_path: str | os.PathLike, plot_dir: str | os.PathLike | None = 
         "cross_layer": _cross_layer(tr, rows),
         "cross_token": _cross_token(tr, rows),
     }
+    entry, result["learned"] = _learned(tr, rows, lookaheads, predictor)
+    if entry is not None:
+        result["predictors"]["learned"] = entry
     spec = _speculative(tr, rows)
     if spec is not None:
         result["speculative"] = spec
@@ -491,6 +551,7 @@ def format_analysis(result: dict) -> str:
         cells = "".join(f"{_fmt(p['recall_at'][h])} ({_fmt(p['precision_at'][h])})   " for h in hs)
         unit = " [layers]" if p["lookahead_unit"] == "layers" else ""
         lines.append(f"  {name:20s}{cells}{unit}" if p["available"] else f"  {name:20s}n/a: {p.get('note')}")
+    lines += _format_learned(result)
     c = result["cache"]
     lines += ["", "cache hit rate (warm) vs slots per layer"]
     lines.append("  slots    " + "".join(f"{s:>7d}" for s in c["slots"]))
@@ -517,6 +578,23 @@ def format_analysis(result: dict) -> str:
         if result["plots"].get("note"):
             lines.append("  " + result["plots"]["note"])
     return "\n".join(lines)
+
+
+def _format_learned(result: dict) -> list[str]:
+    """One line per horizon: the learned predictor's recall and exact-set match beside the next-layer gate's."""
+    d = result.get("learned") or {}
+    if not d.get("available"):
+        return ["", f"learned predictor: n/a: {d.get('note')}"] if d else []
+    fit = d.get("fit") or {}
+    lines = ["", f"learned predictor ({d['nbytes'] / 2**20:.2f} MiB, fitted on {fit.get('tokens', '?')} tokens of "
+                 f"other text): top-{result['trace']['n_expert_used']} recall / exact-set match, MoE layers ahead"]
+    gate = result["predictors"].get("next-layer-gate", {})
+    for h, v in d["by_horizon"].items():
+        g = gate.get("recall_at", {}).get(h) if gate.get("available") else None
+        gx = gate.get("full_cover_at", {}).get(h) if gate.get("available") else None
+        lines.append(f"  h={h}: learned {_fmt(v['recall'])} / {_fmt(v['exact'])}    next-layer-gate "
+                     f"{_fmt(g)} / {_fmt(gx)}    ({v['samples']} layer-rows)")
+    return lines
 
 
 _VIRIDIS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], np.float64)

@@ -37,6 +37,8 @@ File format: one ``.npz`` (numpy, compressed). ``T`` rows, ``L`` MoE layers (in 
   gate_ahead_ids  int16   [T, H, L, U] [t, h-1, j]: router of MoE layer j applied to the router input of MoE
                                        layer j-h, same row (-1 where j < h)
   gate_ahead_w    float16 [T, H, L, U] that router's gating probabilities (softmax/sigmoid, not renormalised)
+  router_inputs   float16 [T, L, d]    each MoE layer's router input for the row (with gate_ahead): what the
+                                       learned routing predictors (learned.py) read, so analyze can score them
 with a draft:
   draft_same_ids  int16   [T, L, U]    draft routing on the same token g_t;    draft_same_w float16
   draft_own_ids   int16   [T, K, L, U] draft routing on its h-th drafted token; draft_own_w  float16
@@ -309,6 +311,7 @@ def record_trace(model_path: str | os.PathLike, out_path: str | os.PathLike,
                                 if j - h >= 0:
                                     ids, w = routers.select(j, x[j - h][-1:], U)
                                     ga_ids[h - 1, j], ga_w[h - 1, j] = ids[0], w[0]
+                        row["router_inputs"] = np.stack([x[j][-1] for j in range(L_n)])
                         if n_rows == 0 and pi == 0:
                             logit_err = _router_logit_error(routers, x, tap_logits)
                     elif gate_note is None:
@@ -343,6 +346,7 @@ def record_trace(model_path: str | os.PathLike, out_path: str | os.PathLike,
     if gate_ok:
         arrays["gate_ahead_ids"] = rows.stack("gate_ahead_ids", np.int16)
         arrays["gate_ahead_w"] = rows.stack("gate_ahead_w", np.float16)
+        arrays["router_inputs"] = rows.stack("router_inputs", np.float16)
     if draft is not None:
         for name, dt in (("draft_same_ids", np.int16), ("draft_same_w", np.float16), ("draft_own_ids", np.int16),
                          ("draft_own_w", np.float16), ("draft_tokens", np.int32)):

@@ -1,0 +1,247 @@
+"""Learned routing predictors: from one MoE layer's router input, which experts the next few MoE layers will pick.
+
+A predictor holds, for each MoE layer j and horizon h = 1..H, a linear map from layer j's router (FFN) input x_j
+to layer j+h's router logits, fitted offline on calibration text (``pyspecter fit-predictor``, code in
+study/predictor_fit.py). All horizons of one source layer share one matrix, so a prediction is one matmul per
+layer: ``x @ A_j + b_j`` gives the logits of layers j+1..j+H side by side. Horizons count MoE layers, as the
+routing hook sees them, not transformer blocks.
+
+What a caller gets (the runtime API; nothing here is wired into prefetching or eviction yet):
+
+    p = LearnedPredictor.for_model(model_path)     # the sidecar fitted for this exact file, or None
+    p = LearnedPredictor.load("P.npz")             # an explicit file (or a model path: its sidecar, or an error)
+    probs = p.predict(il, x)    # {layer index il+h: float32 [n_expert] (or [n_tokens, n_expert])} for h = 1..H
+    p.topk(il, x)               # {layer index: int64 [n_used]} the predicted expert sets
+    p.nbytes                    # fast memory the predictor occupies (count it in the budget)
+
+``predict``'s numbers are calibrated probabilities that an expert is in the layer's true top-k: the experts are
+ranked by predicted selection score, and rank r maps to the share of calibration rows on which the expert at
+predicted rank r was truly selected at that layer and horizon (measured on rows the maps were not fitted on). A
+softmax of the predicted logits would be the router's weight, which is not the chance of being needed.
+
+Routers: selection is the arch's gating function of the logits plus the selection bias where the model has one
+(``exp_probs_b``, DeepSeek-V3 style); without a bias every gating function llama.cpp has (softmax, sigmoid,
+softmax over the selected, sqrt-softplus) ranks experts like the logits. Expert groups are not modelled.
+
+The sidecar is keyed by the model file's content (``model_key``: its size, its first MiB, which holds the GGUF
+header, and 16 spread samples of 64 KiB), so a rebuilt model with the same name and size does not pick up a stale
+predictor; the key is stored inside the file and checked on load too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pyspecter.errors import SpecterError
+from pyspecter.paths import atomic_path, cache_dir
+
+FORMAT = "pyspecter-learned-predictor/1"
+_HEAD_BYTES = 1 << 20
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
+
+# LLAMA_EXPERT_GATING_FUNC_TYPE_*: what turns router logits into the probabilities selection ranks
+GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT, GATING_SQRT_SOFTPLUS = 1, 2, 3, 4
+
+
+def model_key(path: str | os.PathLike) -> str:
+    """A short hash of a model file's content: its size, its first MiB (the GGUF header and tensor table) and 16
+    samples of 64 KiB spread over the rest. Reads ~2 MiB whatever the file's size; size and mtime alone would
+    call a rebuilt file of the same size the same model."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        h = hashlib.sha256(str(size).encode() + b"\0")
+        with open(p, "rb") as f:
+            h.update(f.read(_HEAD_BYTES))
+            if size > _HEAD_BYTES:
+                for off in np.linspace(_HEAD_BYTES, max(size - _SAMPLE_BYTES, _HEAD_BYTES), _SAMPLES).astype(np.int64):
+                    f.seek(int(off))
+                    h.update(f.read(_SAMPLE_BYTES))
+    except OSError as e:
+        raise SpecterError(f"{p}: cannot read ({e.strerror})") from None
+    return h.hexdigest()[:16]
+
+
+def predictors_dir() -> Path:
+    return cache_dir() / "predictors"
+
+
+def sidecar_path(model_path: str | os.PathLike, key: str | None = None) -> Path:
+    """Where the predictor fitted for this model file lives (in the cache, named by the file's content key)."""
+    p = Path(model_path)
+    return predictors_dir() / f"{p.stem}-{key or model_key(p)}.npz"
+
+
+def selection_scores(logits: np.ndarray, gating: int, sel_bias: np.ndarray | None) -> np.ndarray:
+    """What llama.cpp's build_moe_ffn ranks experts by, from router logits [..., E]."""
+    if sel_bias is None:
+        return logits  # every gating function is monotone in the logits
+    if gating == GATING_SIGMOID:
+        probs = 1.0 / (1.0 + np.exp(-logits))
+    elif gating == GATING_SQRT_SOFTPLUS:
+        probs = np.sqrt(np.logaddexp(0.0, logits))
+    else:
+        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = z / z.sum(axis=-1, keepdims=True)
+    return probs + sel_bias
+
+
+def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
+    """The k highest-scoring ids along the last axis, best first (ties: lower id first)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+
+
+@dataclass
+class LearnedPredictor:
+    """Maps from each MoE layer's router input to later layers' router logits (module docstring).
+
+    ``A[j]``: float32 [n_embd, n_t * n_expert], ``b[j]``: [n_t * n_expert], for source position j and its n_t
+    horizons (fewer near the last layer; none for the last). ``rank_prob``: float32 [n_layers, H, n_expert],
+    [j, h-1, r] = chance that the expert ranked r for layer j at horizon h is truly selected."""
+
+    meta: dict
+    layers: list[int]  # llama.cpp layer index of each MoE layer, by position
+    A: list[np.ndarray | None]
+    b: list[np.ndarray | None]
+    rank_prob: np.ndarray
+    sel_bias: list[np.ndarray | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.n_expert = int(self.meta["n_expert"])
+        self.n_used = int(self.meta["n_expert_used"])
+        self.horizons = int(self.meta["horizons"])
+        self.gating = int(self.meta.get("gating", GATING_SOFTMAX))
+        self.pos = {il: j for j, il in enumerate(self.layers)}
+        if not self.sel_bias:
+            self.sel_bias = [None] * len(self.layers)
+        n = len(self.layers)
+        # per source j: the rank tables of its targets j+1..j+n_t side by side [n_t, E], so predict() is one gather
+        self._tables = [np.stack([self.rank_prob[j + h, h - 1] for h in range(1, self.n_targets(j) + 1)])
+                        if self.A[j] is not None else None for j in range(n)]
+        self._rows = np.arange(self.horizons)[:, None]
+        self._biased = [any(self.sel_bias[j + h] is not None for h in range(1, self.n_targets(j) + 1))
+                        for j in range(n)]
+
+    # --- facts ---------------------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the predictor holds in memory (maps, biases, calibration tables): count them in the budget."""
+        arrays = [*self.A, *self.b, *self.sel_bias, self.rank_prob]
+        return int(sum(a.nbytes for a in arrays if a is not None))
+
+    def n_targets(self, j: int) -> int:
+        """Horizons available from MoE layer position j."""
+        return 0 if self.A[j] is None else self.A[j].shape[1] // self.n_expert
+
+    # --- prediction ----------------------------------------------------------------------------------------
+
+    def _scores(self, j: int, x: np.ndarray) -> np.ndarray | None:
+        """Selection scores of every horizon at once: [..., n_t, E] (one matmul, no per-horizon Python)."""
+        A = self.A[j]
+        if A is None:
+            return None
+        y = (np.asarray(x, np.float32) @ A + self.b[j]).reshape(*np.shape(x)[:-1], -1, self.n_expert)
+        if self._biased[j]:
+            for h in range(1, y.shape[-2] + 1):
+                y[..., h - 1, :] = selection_scores(y[..., h - 1, :], self.gating, self.sel_bias[j + h])
+        return y
+
+    def logits(self, il: int, x: np.ndarray) -> dict[int, np.ndarray]:
+        """Predicted router logits of layers il+1..il+H (by llama.cpp layer index) from layer il's router input
+        x [n_embd] or [n_tokens, n_embd]. Empty for the last MoE layer; KeyError for a layer that is not MoE."""
+        j = self.pos[il]
+        if self.A[j] is None:
+            return {}
+        y = (np.asarray(x, np.float32) @ self.A[j] + self.b[j]).reshape(*np.shape(x)[:-1], -1, self.n_expert)
+        return {self.layers[j + h]: y[..., h - 1, :] for h in range(1, y.shape[-2] + 1)}
+
+    def predict(self, il: int, x: np.ndarray) -> dict[int, np.ndarray]:
+        """For each later layer il+h (h = 1..H): float32 [n_expert] (or [n_tokens, n_expert]), the calibrated
+        probability that each expert is in that layer's top-k for this token."""
+        j = self.pos[il]
+        y = self._scores(j, x)
+        if y is None:
+            return {}
+        order = np.argsort(-y, axis=-1, kind="stable")
+        probs = np.empty(y.shape, np.float32)
+        if y.ndim == 2:  # one token, the decode case: a plain scatter (put_along_axis costs ~10 us in Python)
+            probs[self._rows[: y.shape[0]], order] = self._tables[j]
+        elif y.shape[0] == 1:
+            probs[0, self._rows[: y.shape[1]], order[0]] = self._tables[j]
+        else:
+            np.put_along_axis(probs, order, np.broadcast_to(self._tables[j], y.shape), axis=-1)
+        return {self.layers[j + h]: probs[..., h - 1, :] for h in range(1, y.shape[-2] + 1)}
+
+    def topk(self, il: int, x: np.ndarray, k: int | None = None) -> dict[int, np.ndarray]:
+        """For each later layer: the k (default: the model's top-k) experts predicted, best first."""
+        j = self.pos[il]
+        y = self._scores(j, x)
+        if y is None:
+            return {}
+        ids = top_ids(y, k or self.n_used)
+        return {self.layers[j + h]: ids[..., h - 1, :] for h in range(1, y.shape[-2] + 1)}
+
+    # --- files ---------------------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        arrays = {"rank_prob": self.rank_prob}
+        for j in range(len(self.layers)):
+            if self.A[j] is not None:
+                arrays[f"A{j}"], arrays[f"b{j}"] = self.A[j], self.b[j]
+            if self.sel_bias[j] is not None:
+                arrays[f"sel_bias{j}"] = self.sel_bias[j]
+        meta = {**self.meta, "format": FORMAT, "layers": self.layers}
+        meta.pop("path", None)  # where it was read from, not part of the file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path, suffix=".npz") as tmp:
+            np.savez(tmp, meta=np.array(json.dumps(meta)), **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path_or_model: str | os.PathLike) -> LearnedPredictor:
+        """A predictor file (.npz), or a model file whose sidecar must exist."""
+        p = Path(path_or_model)
+        if p.suffix != ".npz":
+            found = cls.for_model(p)
+            if found is None:
+                raise SpecterError(f"{p}: no learned predictor fitted for this model file (run `pyspecter "
+                                   f"fit-predictor {p}`)")
+            return found
+        return cls._read(p)
+
+    @classmethod
+    def for_model(cls, model_path: str | os.PathLike) -> LearnedPredictor | None:
+        """The sidecar fitted for this model file's content, or None when there is none."""
+        key = model_key(model_path)
+        side = sidecar_path(model_path, key)
+        if not side.is_file():
+            return None
+        pred = cls._read(side)
+        if pred.meta.get("model_key") != key:
+            return None
+        return pred
+
+    @classmethod
+    def _read(cls, p: Path) -> LearnedPredictor:
+        try:
+            with np.load(p, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            meta = json.loads(str(arrays.pop("meta")))
+        except Exception as e:  # noqa: BLE001 - numpy raises many types on a damaged .npz
+            raise SpecterError(f"{p}: not a learned predictor ({type(e).__name__}: {e})") from None
+        if meta.get("format") != FORMAT:
+            raise SpecterError(f"{p}: predictor format {meta.get('format')!r}, this pyspecter reads {FORMAT!r}")
+        meta["path"] = str(p)
+        layers = [int(i) for i in meta["layers"]]
+        n = len(layers)
+        return cls(meta=meta, layers=layers, A=[arrays.get(f"A{j}") for j in range(n)],
+                   b=[arrays.get(f"b{j}") for j in range(n)], rank_prob=arrays["rank_prob"],
+                   sel_bias=[arrays.get(f"sel_bias{j}") for j in range(n)])

@@ -1,0 +1,195 @@
+"""What learned routing predictors are fitted on: each MoE layer's router input and llama.cpp's routing, recorded
+through the patched library's hooks on calibration (or held-out) text.
+
+Recording: the input hook hands Python each MoE layer's router input x_j (the normalised FFN input) once per
+ubatch; every token is marked as output, because the last layer's FFN runs only for output rows. The route hook
+runs too: its ids are the truth held-out scores are measured against, and they check that the numpy router on
+the recorded x reproduces llama.cpp's choice (a wrong tensor or a misaligned row would show there first).
+
+Text: for a model with a chat template, the calibration prompts (data/calibration_prompts.txt, 60 of them) as
+chat turns and as bare text, each followed by the model's own greedy continuation (later passes sample it, for
+variety); held-out: the packaged held-out prose and the eval prompts' chat turns, with continuations.
+Random-weight fixtures get seeded random token ids (their text is noise anyway), another seed for held-out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pyspecter.study.predictor_fit import Routers
+
+
+class Progress:
+    """A progress bar on stderr that advances by any step (models/progress.py's lines assume steps of one)."""
+
+    def __init__(self, what: str, total: int, unit: str) -> None:
+        self.what, self.total, self.unit = what, max(total, 1), unit
+        self.t0, self.shown = time.monotonic(), -1
+
+    def update(self, i: int) -> None:
+        from pyspecter.models.progress import step
+
+        tenth = i * 10 // self.total
+        if sys.stderr.isatty() or tenth != self.shown:  # a file or pipe gets whole lines about every 10%
+            self.shown = tenth
+            filled = i * 30 // self.total
+            step(f"{self.what} [{'#' * filled}{'.' * (30 - filled)}] {i}/{self.total} {self.unit}, "
+                 f"{time.monotonic() - self.t0:.0f}s", 1, 1)
+
+    def close(self) -> None:
+        from pyspecter.models.progress import done
+
+        done()
+
+
+class _Recorder:
+    """Every MoE layer's router input (input hook) and llama.cpp's chosen experts (route hook), in decode order."""
+
+    def __init__(self, model, layout) -> None:
+        from pyspecter.native.hooks import Hooks
+
+        self.pos = {L.index: j for j, L in enumerate(layout.layers)}
+        self.n_used = layout.n_expert_used
+        self.x: list[list[np.ndarray]] = [[] for _ in layout.layers]
+        self.ids: list[list[np.ndarray]] = [[] for _ in layout.layers]
+        # one slot per layer, never filled: every row stays on the host path (stock computation)
+        self.hooks = Hooks(model, self._on_route, n_slots=1, on_input=self._on_input)
+
+    def _on_input(self, il: int, x: np.ndarray) -> None:
+        j = self.pos.get(il)
+        if j is not None:
+            self.x[j].append(np.array(x, np.float32))  # the view dies with the call
+
+    def _on_route(self, il, n_tokens, n_used, ids_p, _w_p) -> None:
+        j = self.pos.get(il)
+        if j is not None:
+            n = n_tokens * n_used
+            self.ids[j].append(np.ctypeslib.as_array(ids_p, shape=(n,)).reshape(n_tokens, n_used).copy())
+
+    def take(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """(X: per MoE layer [rows, n_embd] float32, ids [rows, L, k]) since the last take."""
+        from pyspecter.errors import SpecterError
+
+        self.hooks.check()
+        if not all(self.x) or not all(self.ids):
+            raise SpecterError("the input or routing hook never reported some MoE layer (was every row an output?)")
+        X = [np.concatenate(a) for a in self.x]
+        ids = np.stack([np.concatenate(a) for a in self.ids], axis=1)
+        if len({len(a) for a in X} | {len(ids)}) != 1:
+            raise SpecterError(f"the hooks reported {[len(a) for a in X]} input rows and {len(ids)} routing rows")
+        for lst in (*self.x, *self.ids):
+            lst.clear()
+        return X, ids
+
+    def close(self) -> None:
+        self.hooks.close()
+
+
+def _continue(ctx, model, tokens: list[int], n_gen: int, rng: np.random.Generator | None) -> list[int]:
+    """Decode ``tokens`` with every row an output, then n_gen more tokens (greedy, or sampled when rng is given),
+    stopping at end of generation. Returns the whole sequence, one entry per recorded row."""
+    ctx.clear()
+    logits = ctx.decode(tokens, logits_all=True)[-1]
+    seq = list(tokens)
+    for _ in range(n_gen):
+        if rng is None:
+            g = int(np.argmax(logits))
+        else:
+            z = np.exp((logits - logits.max()).astype(np.float64))
+            g = int(rng.choice(len(z), p=z / z.sum()))
+        if model.is_eog(g):
+            break
+        logits = ctx.decode([g])
+        seq.append(g)
+    return seq
+
+
+def _texts(model, held_out: bool) -> list[tuple[list[int], int]]:
+    """(prompt tokens, tokens to generate) for the fit or held-out text (module docstring)."""
+    import llama_cpp
+
+    from pyspecter.models.smol import calibration_prompts, heldout_text
+    from pyspecter.prompts import load_prompts, render_prompt
+
+    if not llama_cpp.llama_model_chat_template(model.ptr, None):  # random-weight fixtures: noise is their text
+        rng = np.random.default_rng(1 if held_out else 0)
+        return [([int(t) for t in rng.integers(1, model.n_vocab, 128)], 0) for _ in range(10_000)]
+    out = []
+    if held_out:
+        for para in (s.strip() for s in heldout_text().split("\n\n")):
+            if para:
+                out.append((model.tokenize(para), 32))
+        for p in load_prompts():
+            out.append((model.tokenize(render_prompt(model, p["messages"]), add_special=False), 48))
+        return out
+    for line in calibration_prompts():
+        out.append((model.tokenize(render_prompt(model, [{"role": "user", "content": line}]), add_special=False), 64))
+        out.append((model.tokenize(line), 64))
+    return out
+
+
+def record(model_path: str | os.PathLike, n_tokens: int, *, held_out: bool = False, n_threads: int = 2,
+           progress: bool = True) -> dict:
+    """Router inputs and routing on the fit (or held-out) text, at least ``n_tokens`` rows when the text has
+    them; later passes over the fit prompts sample their continuations (temperature 1, seeded) for variety.
+    Rows whose whole prefix was already recorded (a shared system prompt) are kept once."""
+    from pyspecter import native
+    from pyspecter.layout import read_layout
+
+    lay = read_layout(model_path).require_moe()
+    X_parts: list[list[np.ndarray]] = [[] for _ in lay.layers]
+    ids_parts, lengths, seen = [], [], set()
+    bar = Progress(f"recording {'held-out' if held_out else 'fit'} text", n_tokens, "tokens")
+    with native.Model(model_path) as model:
+        items = _texts(model, held_out)
+        n_ctx = -(-(max(len(t) + g for t, g in items) + 8) // 256) * 256
+        rec = _Recorder(model, lay)
+        try:
+            with native.Context(model, n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=n_threads) as ctx:
+                total, i = 0, 0
+                while total < n_tokens and i < 4 * len(items):
+                    toks, n_gen = items[i % len(items)]
+                    rng = np.random.default_rng(i) if i >= len(items) else None
+                    seq = _continue(ctx, model, toks, n_gen, rng)
+                    X, ids = rec.take()
+                    keep = np.ones(len(seq), bool)
+                    for t in range(len(seq)):
+                        pre = tuple(seq[: t + 1])
+                        keep[t] = pre not in seen
+                        seen.add(pre)
+                    if keep.any():
+                        for j in range(len(X)):
+                            X_parts[j].append(X[j][keep])
+                        ids_parts.append(ids[keep])
+                        lengths.append(int(keep.sum()))
+                        total += int(keep.sum())
+                    i += 1
+                    if progress:
+                        bar.update(min(total, n_tokens))
+        finally:
+            rec.close()
+    if progress:
+        bar.close()
+    X = [np.concatenate(p)[:n_tokens] for p in X_parts]
+    ends = np.minimum(np.cumsum([0, *lengths]), n_tokens)
+    lengths = [int(n) for n in np.diff(ends) if n > 0]
+    return {"X": X, "ids": np.concatenate(ids_parts)[:n_tokens], "lengths": lengths,
+            "layers": [L.index for L in lay.layers], "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used,
+            "arch": lay.arch}
+
+
+def load_routers(model_path: str | os.PathLike) -> Routers:
+    """The routers from the GGUF (dequantized where needed), through the trace recorder's reader."""
+    from pyspecter.layout import read_layout
+    from pyspecter.study.trace import _load_routers
+
+    lay = read_layout(model_path).require_moe()
+    r = _load_routers(Path(model_path), lay)
+    return Routers(r.weight, r.bias, r.sel_bias, r.gating, lay.n_expert_used)
+
+

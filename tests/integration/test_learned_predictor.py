@@ -1,0 +1,101 @@
+"""Learned routing predictors end to end on tiny-qwen3moe: record router inputs through the input hook, fit, score
+on held-out tokens against llama.cpp's own routing, save as the model's sidecar, and score from a trace in
+analyze. At h = 0 a map reproduces the router itself, so its recall must be 100%: that fails if the recorded
+tensor is not what the router reads, if rows or layers are misaligned, or if the fit is wrong. One llama.cpp
+thread (2 shared cores on the test machines)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyspecter import native
+from pyspecter.layout import read_layout
+from pyspecter.learned import LearnedPredictor, model_key, sidecar_path
+from pyspecter.models.tiny import build_tiny
+from pyspecter.native.hooks import Hooks
+from pyspecter.prompts import load_prompts
+from pyspecter.study.analyze import analyze, format_analysis
+from pyspecter.study.predictor_fit import fit_model
+from pyspecter.study.trace import record_trace
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    cache = tmp_path_factory.mktemp("cache")
+    model = build_tiny("tiny-qwen3moe")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECTER_CACHE", str(cache))  # the sidecar goes to a fresh cache
+    try:
+        r = fit_model(model, horizons=3, n_tokens=2000, eval_tokens=600, n_threads=1, progress=False)
+        pred = LearnedPredictor.for_model(model)
+    finally:
+        mp.undo()
+    return {"model": model, "summary": r, "pred": pred, "cache": cache}
+
+
+def test_h0_reproduces_llama_cpp_routing_on_held_out_tokens(fitted) -> None:
+    r = fitted["summary"]
+    assert r["router_reproduction"] == 1.0  # numpy router on the recorded inputs = llama.cpp's choice
+    assert r["held_out"]["0"] == {"recall": 1.0, "exact": 1.0, "layers": 4}
+    chance = 4 / 32
+    assert r["held_out"]["1"]["recall"] > chance + 0.3  # random weights: predictable, not exactly
+    assert r["held_out"]["1"]["recall"] > r["held_out"]["3"]["recall"]
+    assert r["fit_tokens"] == 2000 and r["held_out_tokens"] == 600 and r["horizons"] == 3
+
+
+def test_sidecar_is_keyed_by_content_and_loaded_for_the_model(fitted) -> None:
+    pred, model = fitted["pred"], fitted["model"]
+    assert pred is not None
+    assert Path(fitted["summary"]["out"]) == fitted["cache"] / "predictors" / sidecar_path(model).name
+    assert pred.meta["model_key"] == model_key(model) and pred.nbytes == fitted["summary"]["nbytes"]
+    assert pred.layers == [L.index for L in read_layout(model).layers] and pred.horizons == 3
+
+
+def test_predictions_inside_the_input_hook(fitted) -> None:
+    """The runtime use: the input hook hands each layer's router input to predict(); its top-k for the next
+    layer overlaps what the route hook then reports for that layer far above chance."""
+    pred, model = fitted["pred"], fitted["model"]
+    predicted: dict[int, list] = {}
+    routed: dict[int, list] = {}
+
+    def on_input(il: int, x: np.ndarray) -> None:
+        for layer, ids in pred.topk(il, x[-1]).items():
+            predicted.setdefault(layer, []).append(set(ids.tolist()))
+
+    def on_route(il, n_tokens, n_used, ids_p, _w) -> None:
+        ids = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,)).reshape(n_tokens, n_used)
+        routed.setdefault(il, []).append(set(ids[-1].tolist()))
+
+    rng = np.random.default_rng(7)
+    with native.Model(model) as m:
+        hooks = Hooks(m, on_route, n_slots=1, on_input=on_input)
+        try:
+            with native.Context(m, n_ctx=128, n_batch=64, n_threads=1) as ctx:
+                for t in rng.integers(1, m.n_vocab, 60):
+                    ctx.decode([int(t)])
+                    hooks.check()
+        finally:
+            hooks.close()
+    layer = pred.layers[1]
+    hits = [len(p & t) / 4 for p, t in zip(predicted[layer], routed[layer], strict=True)]
+    assert len(hits) == 60 and np.mean(hits) > 0.45
+    probs = pred.predict(pred.layers[0], np.zeros(64, np.float32))
+    assert set(probs) == set(pred.layers[1:4]) and all(p.shape == (32,) for p in probs.values())
+
+
+def test_analyze_scores_the_learned_predictor_from_a_trace(fitted, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECTER_CACHE", str(fitted["cache"]))
+    record_trace(fitted["model"], tmp_path / "t.npz", prompts=load_prompts()[:4], n=8, progress=False, n_threads=1,
+                 stop_at_eog=False)
+    res = analyze(tmp_path / "t.npz")  # the sidecar, found from the trace's target
+    entry, detail = res["predictors"]["learned"], res["learned"]
+    assert entry["available"] and entry["lookahead_unit"] == "layers"
+    assert set(detail["by_horizon"]) == {"1", "2", "3"}
+    assert entry["recall_at"]["1"] == detail["by_horizon"]["1"]["recall"] > 0.4
+    assert entry["recall_at"]["4"] is None  # fitted for 3 layers ahead
+    assert len(detail["per_layer"]["1"]["exact"]) == 4 and detail["per_layer"]["1"]["exact"][0] is None
+    assert "learned predictor" in format_analysis(res)
+    assert not analyze(tmp_path / "t.npz", predictor=False)["learned"]["available"]

@@ -1,0 +1,180 @@
+"""Learned routing predictors on synthetic data: the fitting math (study/predictor_fit.py) and the runtime object
+(learned.py), with no llama.cpp.
+
+The synthetic model: router inputs x_0 random; x_{j+1} = tanh(x_j M_j) + noise (a residual-stream-like chain);
+routers random. Layer j+h's routing is then a noisy function of x_j, predictable but not exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyspecter import learned
+from pyspecter.errors import SpecterError
+from pyspecter.learned import LearnedPredictor, model_key, selection_scores, sidecar_path
+from pyspecter.study import predictor_fit as pf
+
+
+def _chain(n: int, L: int = 5, d: int = 24, E: int = 8, noise: float = 0.3, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    Ms = [rng.normal(size=(d, d)) / np.sqrt(d) for _ in range(L)]
+    W = [rng.normal(size=(E, d)).astype(np.float32) for _ in range(L)]
+    data_rng = np.random.default_rng(seed + 100 + n)
+    x = data_rng.normal(size=(n, d))
+    X = []
+    for j in range(L):
+        X.append(x.astype(np.float32))
+        x = np.tanh(x @ Ms[j]) * 2 + noise * data_rng.normal(size=(n, d))
+    return X, pf.Routers(W, [None] * L, [None] * L, learned.GATING_SOFTMAX, 2)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    X, R = _chain(3000)
+    val = pf.validation_rows([300] * 10)
+    return pf.fit_maps(X, R, 3, val), R
+
+
+def test_ridge_recovers_an_exact_linear_map_with_intercept() -> None:
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(500, 6))
+    B_true, c_true = rng.normal(size=(6, 3)), rng.normal(size=3)
+    r = pf.Ridge(X)
+    B, c = r.solve(r.project(X @ B_true + c_true), 1e-9)
+    assert np.allclose(B, B_true, atol=1e-6) and np.allclose(c, c_true, atol=1e-6)
+
+
+def test_ridge_penalty_per_column_equals_separate_solves() -> None:
+    rng = np.random.default_rng(2)
+    X, Y = rng.normal(size=(80, 5)), rng.normal(size=(80, 2))
+    r = pf.Ridge(X)
+    proj = r.project(Y)
+    B, c = r.solve(proj, np.array([0.01, 1.0]))
+    for i, a in enumerate((0.01, 1.0)):
+        Bi, ci = r.solve(proj, a)
+        assert np.allclose(B[:, i], Bi[:, i]) and np.isclose(c[i], ci[i])
+    # a larger penalty shrinks the map
+    assert np.linalg.norm(r.solve(proj, 10.0)[0]) < np.linalg.norm(r.solve(proj, 0.01)[0])
+
+
+def test_set_match_counts_recall_and_exact_sets() -> None:
+    pred = np.array([[0, 1], [2, 3], [1, 0]])
+    true = np.array([[1, 0], [2, 4], [5, 6]])
+    rec, exact = pf.set_match(pred, true, 8)
+    assert rec.tolist() == [1.0, 0.5, 0.0] and exact.tolist() == [True, False, False]
+
+
+def test_rank_calibration_is_the_share_truly_selected_at_each_rank() -> None:
+    scores = np.array([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    true = np.array([[0, 2], [3, 1]])
+    # row 0 ranks 0,1,2,3 -> experts 0,1,2,3 (true: 0,2); row 1 ranks -> experts 3,2,1,0 (true: 3,1)
+    assert pf.rank_calibration(scores, true, 4).tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_validation_rows_are_whole_trailing_sequences() -> None:
+    val = pf.validation_rows([3, 3, 3, 3, 3])
+    assert val.tolist() == [False] * 12 + [True] * 3
+    assert pf.validation_rows([10]).tolist() == [False] * 8 + [True] * 2
+
+
+def test_fit_h0_is_the_router_and_later_horizons_beat_chance(fitted) -> None:
+    fit, R = fitted
+    X, _ = _chain(1000, seed=0)  # same chain, new rows
+    s = pf.summarize(pf.evaluate(fit, X, R))
+    assert s["0"]["recall"] == 1.0 and s["0"]["exact"] == 1.0
+    chance = 2 / 8
+    assert s["1"]["recall"] > s["3"]["recall"] > chance + 0.1
+    assert s["1"]["layers"] == 4 and s["3"]["layers"] == 2
+
+
+def test_rank_tables_sum_to_top_k(fitted) -> None:
+    fit, _ = fitted
+    for (j, h) in fit.maps:  # each validation row has exactly k true experts
+        assert fit.rank_prob[j, h].sum() == pytest.approx(2.0, abs=1e-5)
+        assert fit.rank_prob[j, h][0] >= fit.rank_prob[j, h][-1]
+
+
+def test_runtime_predictor_matches_the_fitted_maps_and_round_trips(fitted, tmp_path: Path) -> None:
+    fit, R = fitted
+    layers = [1, 3, 4, 6, 9]  # llama.cpp indices need not be contiguous (dense layers between)
+    pred = pf.to_runtime(fit, layers, R, {"n_expert": 8, "n_expert_used": 2})
+    X, _ = _chain(50, seed=0)
+    for j, il in enumerate(layers):
+        lg = pred.logits(il, X[j])
+        assert list(lg) == layers[j + 1: j + 4]
+        for h, (layer, got) in enumerate(lg.items(), 1):
+            assert np.allclose(got, fit.logits(j, h, X[j]), atol=1e-3)
+            assert np.array_equal(pred.topk(il, X[j])[layer], pf.top_ids(got, 2))
+        for p in pred.predict(il, X[j][0]).values():  # one token: [E]
+            assert p.shape == (8,) and p.sum() == pytest.approx(2.0, abs=1e-4)
+    assert pred.predict(9, X[4]) == {}
+    assert pred.nbytes == sum(a.nbytes for a in pred.A + pred.b if a is not None) + pred.rank_prob.nbytes
+    back = LearnedPredictor.load(pred.save(tmp_path / "p.npz"))
+    assert back.layers == layers and back.nbytes == pred.nbytes
+    for j, il in enumerate(layers[:-1]):
+        a, b = pred.predict(il, X[j]), back.predict(il, X[j])
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_probabilities_follow_the_predicted_ranking(fitted) -> None:
+    fit, R = fitted
+    pred = pf.to_runtime(fit, list(range(5)), R, {"n_expert": 8, "n_expert_used": 2})
+    X, _ = _chain(20, seed=0)
+    lg, pr = pred.logits(0, X[0])[1], pred.predict(0, X[0])[1]
+    best = np.argmax(lg, axis=1)
+    assert np.array_equal(pr[np.arange(20), best], np.full(20, pred.rank_prob[1, 0, 0]))
+
+
+def test_selection_bias_changes_the_ranking_like_llama_cpp() -> None:
+    logits = np.array([[2.0, 1.0, 0.0]])
+    assert np.array_equal(selection_scores(logits, learned.GATING_SOFTMAX, None), logits)
+    biased = selection_scores(logits, learned.GATING_SIGMOID, np.array([0.0, 0.0, 1.0]))
+    assert np.argmax(biased) == 2  # sigmoid(0) + 1 beats sigmoid(2)
+
+
+def test_model_key_sees_content_not_just_size(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
+    a.write_bytes(bytes(data))
+    data[10] ^= 1  # a header byte
+    b.write_bytes(bytes(data))
+    assert model_key(a) != model_key(b) and len(model_key(a)) == 16
+    b.write_bytes(a.read_bytes())
+    assert model_key(a) == model_key(b)
+
+
+def test_sidecar_is_found_by_content_and_refused_when_stale(tmp_path: Path, monkeypatch, fitted) -> None:
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(1000))
+    assert LearnedPredictor.for_model(model) is None
+    with pytest.raises(SpecterError, match="fit-predictor"):
+        LearnedPredictor.load(model)
+    fit, R = fitted
+    key = model_key(model)
+    pred = pf.to_runtime(fit, list(range(5)), R, {"n_expert": 8, "n_expert_used": 2, "model_key": key})
+    pred.save(sidecar_path(model))
+    assert LearnedPredictor.for_model(model).meta["model_key"] == key
+    assert LearnedPredictor.load(model).nbytes == pred.nbytes
+    model.write_bytes(b"GGUF" + bytes(999) + b"\1")  # same size, other content: another key, no predictor
+    assert LearnedPredictor.for_model(model) is None
+
+
+def test_a_damaged_file_is_a_clean_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(SpecterError, match="not a learned predictor"):
+        LearnedPredictor.load(bad)
+
+
+def test_one_token_paths_agree_with_the_batched_one(fitted) -> None:
+    fit, R = fitted
+    pred = pf.to_runtime(fit, list(range(5)), R, {"n_expert": 8, "n_expert_used": 2})
+    X, _ = _chain(3, seed=0)
+    batch = pred.predict(0, X[0])
+    for t in range(3):
+        one, row = pred.predict(0, X[0][t]), pred.predict(0, X[0][t: t + 1])
+        for layer in batch:
+            assert np.array_equal(one[layer], batch[layer][t]) and np.array_equal(row[layer][0], batch[layer][t])
