@@ -4,7 +4,8 @@ A predictor holds, for each MoE layer j and horizon h = 1..H, a linear map from 
 to layer j+h's router logits, fitted offline on calibration text (``pyspecter fit-predictor``, code in
 study/predictor_fit.py). All horizons of one source layer share one matrix, so a prediction is one matmul per
 layer: ``x @ A_j + b_j`` gives the logits of layers j+1..j+H side by side. Horizons count MoE layers, as the
-routing hook sees them, not transformer blocks.
+routing hook sees them, not transformer blocks. A reduced-rank predictor (``fit-predictor --rank r``) stores each
+source's matrix as two factors [n_embd, r] and [r, H * n_expert]: two smaller matmuls, fewer bytes.
 
 What a caller gets (the runtime API; nothing here is wired into prefetching or eviction yet):
 
@@ -111,6 +112,8 @@ class LearnedPredictor:
     b: list[np.ndarray | None]
     rank_prob: np.ndarray
     sel_bias: list[np.ndarray | None] = field(default_factory=list)
+    # reduced rank (fit-predictor --rank r): A[j] is [n_embd, r] and A2[j] [r, n_t * n_expert]
+    A2: list[np.ndarray | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.n_expert = int(self.meta["n_expert"])
@@ -118,9 +121,9 @@ class LearnedPredictor:
         self.horizons = int(self.meta["horizons"])
         self.gating = int(self.meta.get("gating", GATING_SOFTMAX))
         self.pos = {il: j for j, il in enumerate(self.layers)}
-        if not self.sel_bias:
-            self.sel_bias = [None] * len(self.layers)
         n = len(self.layers)
+        self.sel_bias = self.sel_bias or [None] * n
+        self.A2 = self.A2 or [None] * n
         # per source j: the rank tables of its targets j+1..j+n_t side by side [n_t, E], so predict() is one gather
         self._tables = [np.stack([self.rank_prob[j + h, h - 1] for h in range(1, self.n_targets(j) + 1)])
                         if self.A[j] is not None else None for j in range(n)]
@@ -133,21 +136,29 @@ class LearnedPredictor:
     @property
     def nbytes(self) -> int:
         """Bytes the predictor holds in memory (maps, biases, calibration tables): count them in the budget."""
-        arrays = [*self.A, *self.b, *self.sel_bias, self.rank_prob]
+        arrays = [*self.A, *self.A2, *self.b, *self.sel_bias, self.rank_prob]
         return int(sum(a.nbytes for a in arrays if a is not None))
 
     def n_targets(self, j: int) -> int:
         """Horizons available from MoE layer position j."""
-        return 0 if self.A[j] is None else self.A[j].shape[1] // self.n_expert
+        return 0 if self.b[j] is None else self.b[j].shape[0] // self.n_expert
 
     # --- prediction ----------------------------------------------------------------------------------------
+
+    def _raw(self, j: int, x: np.ndarray) -> np.ndarray:
+        """Predicted logits [..., n_t, E]: one matmul, or two for a reduced-rank predictor."""
+        y = np.asarray(x, np.float32) @ self.A[j]
+        if self.A2[j] is not None:
+            y = y @ self.A2[j]
+        y += self.b[j]
+        return y.reshape(*np.shape(x)[:-1], -1, self.n_expert)
 
     def _scores(self, j: int, x: np.ndarray) -> np.ndarray | None:
         """Selection scores of every horizon at once: [..., n_t, E] (one matmul, no per-horizon Python)."""
         A = self.A[j]
         if A is None:
             return None
-        y = (np.asarray(x, np.float32) @ A + self.b[j]).reshape(*np.shape(x)[:-1], -1, self.n_expert)
+        y = self._raw(j, x)
         if self._biased[j]:
             for h in range(1, y.shape[-2] + 1):
                 y[..., h - 1, :] = selection_scores(y[..., h - 1, :], self.gating, self.sel_bias[j + h])
@@ -159,7 +170,7 @@ class LearnedPredictor:
         j = self.pos[il]
         if self.A[j] is None:
             return {}
-        y = (np.asarray(x, np.float32) @ self.A[j] + self.b[j]).reshape(*np.shape(x)[:-1], -1, self.n_expert)
+        y = self._raw(j, x)
         return {self.layers[j + h]: y[..., h - 1, :] for h in range(1, y.shape[-2] + 1)}
 
     def predict(self, il: int, x: np.ndarray) -> dict[int, np.ndarray]:
@@ -196,6 +207,8 @@ class LearnedPredictor:
         for j in range(len(self.layers)):
             if self.A[j] is not None:
                 arrays[f"A{j}"], arrays[f"b{j}"] = self.A[j], self.b[j]
+            if self.A2[j] is not None:
+                arrays[f"A2_{j}"] = self.A2[j]
             if self.sel_bias[j] is not None:
                 arrays[f"sel_bias{j}"] = self.sel_bias[j]
         meta = {**self.meta, "format": FORMAT, "layers": self.layers}
@@ -244,4 +257,5 @@ class LearnedPredictor:
         n = len(layers)
         return cls(meta=meta, layers=layers, A=[arrays.get(f"A{j}") for j in range(n)],
                    b=[arrays.get(f"b{j}") for j in range(n)], rank_prob=arrays["rank_prob"],
-                   sel_bias=[arrays.get(f"sel_bias{j}") for j in range(n)])
+                   sel_bias=[arrays.get(f"sel_bias{j}") for j in range(n)],
+                   A2=[arrays.get(f"A2_{j}") for j in range(n)])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +54,16 @@ class Ridge:
         a = np.asarray(alpha, np.float64) * self.scale
         B = self.Q @ (R / (self.s[:, None] + a))
         return B, ym - self.mean @ B
+
+    def reduce_rank(self, B: np.ndarray, c: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Reduced-rank ridge: the rank-r map closest to B in fitted values, B V Vᵀ with V the top right singular
+        vectors of Xc B. Returns (P [d, r], V^T [r, m], c) so a prediction is (x @ P) @ Vᵀ + c: two linear layers
+        d -> r -> m, fitted in closed form."""
+        QB = self.Q.T @ B
+        w, V = np.linalg.eigh(QB.T @ (self.s[:, None] * QB))  # (Xc B)ᵀ (Xc B), ascending
+        V = V[:, ::-1][:, :rank]
+        P = B @ V
+        return P, V.T, c + self.mean @ B - self.mean @ P @ V.T
 
 
 def set_match(pred_ids: np.ndarray, true_ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,6 +108,8 @@ class Fitted:
     rank_prob: np.ndarray  # [L, H + 1, E]
     n_layers: int
     horizons: int
+    # reduced rank: per source j, (P [d, r], Vᵀ [r, n_t * E]) of its horizons 1..n_t (maps hold P @ Vᵀ's blocks)
+    factors: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def logits(self, j: int, h: int, x: np.ndarray) -> np.ndarray:
         B, c, _ = self.maps[(j, h)]
@@ -105,14 +117,17 @@ class Fitted:
 
 
 def fit_maps(X: list[np.ndarray], routers: Routers, horizons: int, val: np.ndarray,
-             alphas: tuple[float, ...] = ALPHAS, progress=None) -> Fitted:
+             alphas: tuple[float, ...] = ALPHAS, progress=None, rank: int = 0) -> Fitted:
     """Fit every (j, h) map from router inputs X[j] [n, d] (rows aligned across layers; ``val`` marks the
-    validation rows). Penalty and rank calibration from fit-on-rest / score-on-val, then a refit on all rows."""
+    validation rows). Penalty and rank calibration from fit-on-rest / score-on-val, then a refit on all rows.
+    rank > 0: the horizons 1..H of each source share a rank-r factorisation (``Ridge.reduce_rank``), which costs
+    d*r + r*H*E multiply-adds per token instead of d*H*E; the penalty is still chosen at full rank."""
     L, E = len(X), routers.weight[0].shape[0]
     fit = ~val
     logits = [routers.logits(j, X[j]) for j in range(L)]
     true_ids = [routers.select(j, lg) for j, lg in enumerate(logits)]
     maps: dict = {}
+    factors: dict = {}
     rank_prob = np.zeros((L, horizons + 1, E), np.float32)
     for j in range(L):
         hs = [h for h in range(horizons + 1) if j + h < L]
@@ -128,30 +143,49 @@ def fit_maps(X: list[np.ndarray], routers: Routers, horizons: int, val: np.ndarr
                 rec = float(set_match(routers.select(j + h, lg), true_ids[j + h][val], E)[0].mean())
                 if rec > best[h][0] + 1e-9:  # alphas ascend: a tie keeps the smaller penalty
                     best[h] = (rec, a, lg)
+        alpha_cols = np.repeat([best[h][1] for h in hs], E)
+        m, d = (len(hs) - 1) * E, X[j].shape[1]  # columns E: are horizons 1..n_t
+        ahead = m > 0 and 0 < rank and rank * (d + m) < d * m  # factor only where two matmuls are cheaper
+        if ahead:  # the calibration must describe the reduced maps
+            B, c = r_fit.solve(proj, alpha_cols)
+            P, Vt, cr = r_fit.reduce_rank(B[:, E:], c[E:], rank)
+            pred = X[j][val].astype(np.float64) @ P @ Vt + cr
+            for i, h in enumerate(hs[1:]):
+                best[h] = (best[h][0], best[h][1], pred[:, i * E:(i + 1) * E])
         for h in hs:
             lg = best[h][2]
             rank_prob[j, h] = rank_calibration(selection_scores(lg, routers.gating, routers.sel_bias[j + h]),
                                                true_ids[j + h][val], E)
         r_all = Ridge(X[j])
-        alpha_cols = np.repeat([best[h][1] for h in hs], E)
         B, c = r_all.solve(r_all.project(Y), alpha_cols)
+        if ahead:
+            P, Vt, cr = r_all.reduce_rank(B[:, E:], c[E:], rank)
+            factors[j] = (P, Vt)
+            B, c = np.concatenate([B[:, :E], P @ Vt], 1), np.concatenate([c[:E], cr])
         for i, h in enumerate(hs):
             maps[(j, h)] = (B[:, i * E:(i + 1) * E], c[i * E:(i + 1) * E], best[h][1])
         if progress is not None:
             progress(j + 1)
-    return Fitted(maps, rank_prob, L, horizons)
+    return Fitted(maps, rank_prob, L, horizons, factors)
 
 
 def to_runtime(fitted: Fitted, layers: list[int], routers: Routers, meta: dict) -> LearnedPredictor:
-    """The runtime predictor: horizons 1..H of each source stacked into one float32 matrix."""
-    A, b = [], []
+    """The runtime predictor: horizons 1..H of each source stacked into one float32 matrix (or its two factors)."""
+    A, A2, b = [], [], []
     for j in range(fitted.n_layers):
         hs = [h for h in range(1, fitted.horizons + 1) if (j, h) in fitted.maps]
         if not hs:
             A.append(None)
+            A2.append(None)
             b.append(None)
             continue
-        A.append(np.ascontiguousarray(np.concatenate([fitted.maps[(j, h)][0] for h in hs], 1), np.float32))
+        if j in fitted.factors:
+            P, Vt = fitted.factors[j]
+            A.append(np.ascontiguousarray(P, np.float32))
+            A2.append(np.ascontiguousarray(Vt, np.float32))
+        else:
+            A.append(np.ascontiguousarray(np.concatenate([fitted.maps[(j, h)][0] for h in hs], 1), np.float32))
+            A2.append(None)
         b.append(np.concatenate([fitted.maps[(j, h)][1] for h in hs]).astype(np.float32))
     # runtime rank tables are indexed [target position, h - 1]: the table of map (j, h) describes layer j+h
     rp = np.zeros((fitted.n_layers, fitted.horizons, fitted.rank_prob.shape[-1]), np.float32)
@@ -160,7 +194,7 @@ def to_runtime(fitted: Fitted, layers: list[int], routers: Routers, meta: dict) 
             rp[j + h, h - 1] = fitted.rank_prob[j, h]
     sel = [None if s is None else np.asarray(s, np.float32) for s in routers.sel_bias]
     return LearnedPredictor(meta={**meta, "format": FORMAT, "horizons": fitted.horizons, "gating": routers.gating},
-                            layers=list(layers), A=A, b=b, rank_prob=rp, sel_bias=sel)
+                            layers=list(layers), A=A, b=b, rank_prob=rp, sel_bias=sel, A2=A2)
 
 
 def evaluate(fitted: Fitted, X: list[np.ndarray], routers: Routers, true_ids: np.ndarray | None = None) -> dict:
@@ -206,7 +240,8 @@ def validation_rows(seq_lengths: list[int], share: float = VAL_SHARE) -> np.ndar
 # --- the command ---------------------------------------------------------------------------------------------
 
 def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = None, *, horizons: int = 4,
-              n_tokens: int = 8192, eval_tokens: int = 2048, n_threads: int = 1, progress: bool = True) -> dict:
+              n_tokens: int = 8192, eval_tokens: int = 2048, n_threads: int = 1, progress: bool = True,
+              rank: int = 0) -> dict:
     """Record, fit, score on held-out text, save (by default to the model's sidecar, which the runtime finds by
     the file's content key). Returns a JSON-able summary."""
     from pyspecter import __version__
@@ -220,6 +255,8 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
     L = len(lay.layers)
     if horizons < 1:
         raise SpecterError(f"--horizons must be at least 1, got {horizons}")
+    if rank < 0:
+        raise SpecterError(f"--rank must be 0 (full) or positive, got {rank}")
     if n_tokens < 64 or eval_tokens < 1:
         raise SpecterError("--tokens must be at least 64 and --eval-tokens at least 1")
     H = min(horizons, L - 1)
@@ -231,14 +268,15 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
     reproduction = _reproduction(routers, fit["X"], fit["ids"])
     bar = Progress("fitting", L, "layers") if progress else None
     fitted = fit_maps(fit["X"], routers, H, validation_rows(fit["lengths"]),
-                      progress=bar.update if bar else None)
+                      progress=bar.update if bar else None, rank=rank)
     if bar:
         bar.close()
     ev = record(path, eval_tokens, held_out=True, n_threads=n_threads, progress=progress)
     scores = evaluate(fitted, ev["X"], routers, ev["ids"])  # against llama.cpp's own routing
     held = summarize(scores)
     fit_meta = {"tokens": len(fit["X"][0]), "sequences": len(fit["lengths"]), "held_out_tokens": len(ev["X"][0]),
-                "held_out": held, "router_reproduction": reproduction, "kind": "ridge",
+                "held_out": held, "router_reproduction": reproduction,
+                "kind": f"reduced-rank ridge, r={rank}" if fitted.factors else "ridge",
                 "alpha": {f"{j}:{h}": m[2] for (j, h), m in fitted.maps.items()}}
     meta = {"model_key": key, "model": str(path), "model_name": lay.name, "arch": lay.arch,
             "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used, "n_embd": int(fit["X"][0].shape[1]),
@@ -247,6 +285,7 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
     dest = pred.save(Path(out) if out is not None else sidecar_path(path, key))
     return {"out": str(dest), "sidecar": out is None, "model": str(path), "model_key": key, "arch": lay.arch,
             "moe_layers": L, "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used, "horizons": H,
+            "kind": fit_meta["kind"],
             "nbytes": pred.nbytes, "fit_tokens": fit_meta["tokens"], "held_out_tokens": fit_meta["held_out_tokens"],
             "router_reproduction": reproduction, "held_out": held,
             "per_layer": {"recall": _nan_none(scores["recall"]), "exact": _nan_none(scores["exact"])},
@@ -269,7 +308,7 @@ def _nan_none(a: np.ndarray) -> list:
 def describe(r: dict) -> str:
     """The summary as the CLI prints it."""
     lines = [f"learned routing predictor for {Path(r['model']).name} ({r['arch']}, {r['moe_layers']} MoE layers x "
-             f"{r['n_expert']} experts, top-{r['n_expert_used']}): ridge maps for horizons 1..{r['horizons']}, "
+             f"{r['n_expert']} experts, top-{r['n_expert_used']}): {r['kind']} maps for horizons 1..{r['horizons']}, "
              f"{r['nbytes'] / 2**20:.2f} MiB, fitted on {r['fit_tokens']} tokens in {r['seconds']:.0f}s",
              f"numpy router on the recorded inputs reproduces llama.cpp's choice on "
              f"{100 * r['router_reproduction']:.2f}% of (token, layer)",

@@ -178,3 +178,37 @@ def test_one_token_paths_agree_with_the_batched_one(fitted) -> None:
         one, row = pred.predict(0, X[0][t]), pred.predict(0, X[0][t: t + 1])
         for layer in batch:
             assert np.array_equal(one[layer], batch[layer][t]) and np.array_equal(row[layer][0], batch[layer][t])
+
+
+def test_reduce_rank_keeps_full_rank_maps_and_shrinks_fitted_values_optimally() -> None:
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(400, 10))
+    Y = X @ rng.normal(size=(10, 6)) + 0.1 * rng.normal(size=(400, 6))
+    r = pf.Ridge(X)
+    B, c = r.solve(r.project(Y), 1e-6)
+    P, Vt, cr = r.reduce_rank(B, c, 6)
+    assert np.allclose(P @ Vt, B) and np.allclose(cr, c)
+    P, Vt, cr = r.reduce_rank(B, c, 2)
+    assert P.shape == (10, 2) and Vt.shape == (2, 6)
+    fitted_full, fitted_2 = X @ B + c, X @ P @ Vt + cr
+    # the best rank-2 approximation of the fitted values, with the same column means
+    u, s, vt = np.linalg.svd(fitted_full - fitted_full.mean(0), full_matrices=False)
+    best = (u[:, :2] * s[:2]) @ vt[:2] + fitted_full.mean(0)
+    assert np.allclose(fitted_2, best, atol=1e-8)
+
+
+def test_a_reduced_rank_predictor_is_two_matmuls_with_the_same_answers(tmp_path: Path) -> None:
+    X, R = _chain(2000)
+    fit = pf.fit_maps(X, R, 3, pf.validation_rows([200] * 10), rank=4)
+    assert set(fit.factors) == {0, 1, 2, 3}  # every source with a later layer: 4 * (24 + 8) < 24 * 8
+    full = pf.to_runtime(pf.fit_maps(X, R, 3, pf.validation_rows([200] * 10)), list(range(5)), R,
+                         {"n_expert": 8, "n_expert_used": 2})
+    pred = pf.to_runtime(fit, list(range(5)), R, {"n_expert": 8, "n_expert_used": 2})
+    assert pred.A[0].shape == (24, 4) and pred.A2[0].shape == (4, 24) and pred.nbytes < full.nbytes
+    Xe, _ = _chain(30, seed=0)
+    for h, got in enumerate(pred.logits(0, Xe[0]).values(), 1):
+        assert np.allclose(got, fit.logits(0, h, Xe[0]), atol=1e-3)
+    back = LearnedPredictor.load(pred.save(tmp_path / "r.npz"))
+    assert back.A2[0].shape == (4, 24) and back.nbytes == pred.nbytes
+    assert all(np.array_equal(a, b) for a, b in zip(back.predict(0, Xe[0]).values(), pred.predict(0, Xe[0]).values(),
+                                                    strict=True))
