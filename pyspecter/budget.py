@@ -78,7 +78,7 @@ class MemoryPlan:
 
     @classmethod
     def for_budget(cls, layout: ModelLayout, budget: str | None, *, draft_bytes: int = 0,
-                   count_draft: bool = True, surrogate_bytes: int = 0) -> MemoryPlan:
+                   count_draft: bool = True, surrogate_bytes: int = 0, predictor_bytes: int = 0) -> MemoryPlan:
         """What ``budget`` (text, as a user gives it) buys for ``layout`` once the draft (when counted) and the
         surrogates have taken their bytes out of it."""
         layout.require_moe()
@@ -93,6 +93,11 @@ class MemoryPlan:
             left -= draft_bytes
             if left <= 0:
                 raise SpecterError(f"the draft ({draft_bytes / 2**20:.0f} MiB) does not fit in budget {budget}")
+        if predictor_bytes:  # a learned predictor's tables live in fast memory too
+            left -= predictor_bytes
+            if left <= 0:
+                raise SpecterError(f"the learned predictor ({predictor_bytes / 2**20:.1f} MiB) does not fit in "
+                                   f"budget {budget}")
         if surrogate_bytes:  # they live in fast memory too
             left -= surrogate_bytes
             if left <= 0:

@@ -53,12 +53,15 @@ class ExpertCache:
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
-                 surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0) -> None:
+                 surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0,
+                 on_input=None) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
         lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
         held=N allocates N more slots per layer than it uses until ``release_held()``: memory that a draft holds
-        now and the slots get once the draft is dropped (CPU slots never written take no memory)."""
+        now and the slots get once the draft is dropped (CPU slots never written take no memory); on_input(il, x):
+        each MoE layer's router input before its routing call (learned predictors); ``route_observer``, when
+        set, hears ``on_route(il, needed, n_tokens)`` after each routing call."""
         layout.require_moe()
         pol = make_policy(policy)
         if miss not in MISS_MODES:
@@ -92,11 +95,13 @@ class ExpertCache:
         self.lookahead = lookahead and miss != "cpu"
         self._next_layer = {a.index: b.index for a, b in zip(layout.layers, layout.layers[1:], strict=False)}
         self.hooks = None
+        self.route_observer = None
         if hook:
             wait = self._on_wait if self.misses.wants_wait_hook else None
-            self.hooks = Hooks(model, self._on_route, wait)
+            self.hooks = Hooks(model, self._on_route, wait, on_input=on_input)
         self._reported_failures = 0
         self._closed = False
+        self._prev_tokens = 0  # ubatch size of the latest routing call
 
     @property
     def layers(self):
@@ -118,6 +123,12 @@ class ExpertCache:
             self.stats.hook_calls += 1
             if st is None:
                 return
+            if n_tokens != self._prev_tokens:
+                if n_tokens == 1 and self._prev_tokens > 1:
+                    self.tier.after_batch()  # a prompt is done: its host-path pages go back (disk tier)
+                self._prev_tokens = n_tokens
+            if n_tokens > 1:
+                self.tier.in_batch()
             needed = set(ids_p[: n_tokens * n_used])
             if self.trace is not None:
                 self.trace.append((il, tuple(sorted(needed))))
@@ -142,6 +153,8 @@ class ExpertCache:
                 self._prefill_lookahead(il, len(needed))
             if missing:
                 self.misses.handle(il, st, needed, missing, n_tokens)
+            if self.route_observer is not None:
+                self.route_observer.on_route(il, needed, n_tokens)
         finally:
             self.totals.hook_ns += time.perf_counter_ns() - t0
 

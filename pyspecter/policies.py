@@ -57,7 +57,19 @@ class PrevToken(Policy):
         return (st.last_use[slot] >= st.prev_call, st.loaded[slot])
 
 
-POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lfu": LFU, "prev-token": PrevToken}
+class Predicted(Policy):
+    """Eviction by predicted reuse: the resident expert least likely to be needed at the layer's next call goes
+    first (``plan.PrefetchPlan`` keeps the table from every predictor), least recently used among equals; LRU
+    when nothing is predicted."""
+
+    name = "predicted"
+
+    def rank(self, st: LayerSlots, slot: int) -> tuple[float, int]:
+        need = st.need
+        return (need[st.owner[slot]] if need else 0.0, st.last_use[slot])
+
+
+POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lfu": LFU, "prev-token": PrevToken, "predicted": Predicted}
 
 
 def make_policy(name: str) -> Policy:

@@ -32,6 +32,7 @@ class LayerSlots:
     loaded: list[int] = field(default_factory=list)  # slot -> clock its expert was mapped (FIFO order)
     prev_call: int = 0  # clock of this layer's previous routing call (the previous token's, in decode)
     last_call: int = 0  # ... and of its latest
+    need: list[float] = field(default_factory=list)  # expert -> predicted chance of use at the next call (plan.py)
 
     def inflight(self) -> dict[int, object]:
         """expert -> handle of its upload in flight."""

@@ -20,7 +20,9 @@ from pyspecter.cache import ExpertCache
 from pyspecter.engine import SpeculativeDecoder, generate_step
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.learned import LearnedPredictor
 from pyspecter.native.devices import Device, open_device
+from pyspecter.plan import LayerAhead, PlanGovernor, PrefetchPlan
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
 from pyspecter.prompts import render_prompt
@@ -55,6 +57,9 @@ class SessionConfig:
     # miss="surrogate" only: per MoE layer, the neuron groups each expert's surrogate keeps
     # (pyspecter.models.calibration.select_neurons makes them; the runtime does not build artifacts)
     surrogate_groups: dict[int, np.ndarray] | None = None
+    # a learned routing predictor (pyspecter fit-predictor): "auto" uses the one fitted for this model file if there
+    # is one, "off" none, else a path. Without a draft it drives the prefetch plan; its bytes are in the budget.
+    predictor: str = "auto"
 
 
 def check_draft(target: ModelLayout, draft: ModelLayout) -> None:
@@ -67,6 +72,16 @@ def check_draft(target: ModelLayout, draft: ModelLayout) -> None:
                          or draft.n_expert != target.n_expert):
         raise SpecterError(f"{where} has {draft.n_expert} experts in {len(draft.layers)} MoE layers, the target "
                            f"{target.n_expert} in {len(target.layers)}")
+
+
+def load_predictor(spec: str | None, model: Path) -> LearnedPredictor | None:
+    """The learned predictor a session uses: "auto" (the sidecar fitted for this exact file, if any), "off", or a
+    path (an error if it cannot be read or was fitted for another file)."""
+    if spec in (None, "off"):
+        return None
+    if spec == "auto":
+        return LearnedPredictor.for_model(model)
+    return LearnedPredictor.load(spec)
 
 
 def check_device_memory(device: Device, layout: ModelLayout, plan: MemoryPlan, draft_bytes: int) -> None:
@@ -110,9 +125,11 @@ class Session:
                 raise SpecterError("miss mode 'surrogate' needs the surrogates' neuron groups")
             self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
+        self.predictor = None if cfg.draft or cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
         self.plan = MemoryPlan.for_budget(self.layout, cfg.budget, draft_bytes=self.draft_bytes,
                                           count_draft=cfg.draft_counts_in_budget,
-                                          surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0)
+                                          surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0,
+                                          predictor_bytes=self.predictor.nbytes if self.predictor else 0)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
         self.device = open_device(cfg.device)
         if self.device is not None:
@@ -120,6 +137,7 @@ class Session:
         # on the disk tier the experts live in the file: loading must not read them all (patch 0005)
         self.target = native.Model(cfg.model, device=self.device, lazy_experts=self.tier.name == "disk")
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
+        self.prefetch_plan = self.ahead = self.plan_governor = None
         try:
             self._build(dlay)
         except BaseException:
@@ -133,9 +151,18 @@ class Session:
         cfg = self.cfg
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
         # the disk tier, level at 50%; exact either way)
-        self.cache = ExpertCache(self.target, self.layout, self.plan.slots, policy=cfg.policy, miss=self.miss,
-                                 tier=self.tier, surrogates=self.surrogates, ordered=self.miss == "wait",
-                                 held=self.held)
+        learned = self.predictor is not None and self.n_slots < self.layout.n_expert
+        box: list[LayerAhead] = []
+        self.cache = ExpertCache(self.target, self.layout, self.plan.slots,
+                                 policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
+                                 surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
+                                 on_input=(lambda il, x: box[0].on_input(il, x)) if learned else None)
+        if learned:
+            # the learned predictor and recency feed one prefetch plan; its governor keeps it only if it pays
+            self.prefetch_plan = PrefetchPlan(self.cache)
+            box.append(LayerAhead(self.prefetch_plan, self.predictor))
+            self.cache.route_observer = self.ahead = box[0]
+            self.plan_governor = PlanGovernor(self.prefetch_plan)
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
@@ -192,8 +219,13 @@ class Session:
         else:
             self.tctx.clear()
             todo = prompt
+        t = time.perf_counter()
         for tok, _ in generate_step(self.tctx, todo, self.sampler, history=prompt):
             self.cache.check()
+            now = time.perf_counter()
+            if self.plan_governor is not None:
+                self.plan_governor.observe(now - t)
+            t = now
             yield tok
             if stop_at_eog and self.target.is_eog(tok):
                 return
@@ -238,6 +270,12 @@ class Session:
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
                "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20,
                "surrogate_uses": c["surrogate_uses"], "failed_uploads": c["failed_uploads"]}
+        if self.ahead is not None:
+            pp, g = self.prefetch_plan, self.plan_governor
+            out.update(plan_prefetches=pp.issued, plan_skipped_late=pp.skipped_late,
+                       predict_us_per_layer=self.ahead.predict_ns / 1e3 / max(self.ahead.calls, 1),
+                       plan_on=pp.enabled, plan_explore_tokens_lost=g.explore_tokens_lost,
+                       predictor_mib=self.predictor.nbytes / 2**20)
         if self.decoder is not None:
             s = self.decoder.stats
             out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps, draft_off=s.draft_off,

@@ -34,7 +34,7 @@ from pyspecter.tiers import make_tier
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
-            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device")
+            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "engine")
 DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device")  # need --device
 # with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
 DEVICE_DEFAULTS = ("stock-cpu-moe", "stock-n-cpu-moe", "on-demand-lru", "on-demand-cpu", "prev-token", "static-hot")
@@ -141,8 +141,8 @@ def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int) -> int:
 def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list[list[int]],
                 hot: dict[int, list[int]] | None, inputs: Path, *, tier: str, slots: int, sur_slots: int,
                 budget_bytes: int, n: int, repeat: int, n_threads: int, draft: str | Path | None, k: int,
-                adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None
-                ) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
+                adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None,
+                learned_slots: int | None = None) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
     """Every policy ``repeat`` times, interleaved so that drift hits every policy alike. Returns the runs, the
     policies skipped (and why: e.g. the draft alone is bigger than the budget) and how each capped run was held."""
     runs: dict[str, list[Run]] = {p: [] for p in policies}
@@ -154,19 +154,22 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
         for p in policies:
             if p in skipped:
                 continue
-            p_slots = sur_slots if p == "surrogate" else slots
+            p_slots = {"surrogate": sur_slots, "learned": learned_slots or slots}.get(p, slots)
             try:
                 if tier == "disk" and p != "all-resident":  # all-resident is the no-stall limit: no cap
-                    if p.startswith("specter"):
-                        extra = 0 if p == "specter" else Path(draft).stat().st_size
-                        call = {"fn": "specter", "draft": str(draft), "budget_bytes": budget_bytes,
-                                "count_draft": p == "specter", "k": k, "adaptive": adaptive, "cutoff": cutoff,
-                                **common}
+                    if p.startswith("specter") or p == "engine":
+                        extra = 0 if p != "specter-equal-slots" else Path(draft).stat().st_size
+                        call = {"fn": "specter", "draft": str(draft) if p != "engine" else None,
+                                "budget_bytes": budget_bytes, "count_draft": p != "specter-equal-slots", "k": k,
+                                "adaptive": adaptive, "cutoff": cutoff, **common}
                         run, caps[p] = _run_capped(call, path, cap + extra)
                     else:
                         run, caps[p] = _run_capped({"fn": "run", "policy": p, "slots": p_slots,
                                                     "surrogate_width": surrogate_width, **common}, path, cap)
                     runs[p].append(run)
+                elif p == "engine":  # what generate and chat run by default: no draft, the learned plan if fitted
+                    runs[p].append(run_specter(path, None, budget_bytes, True, tier, sets, n, n_threads, k,
+                                               device=device.spec if device else None))
                 elif p.startswith("specter"):
                     # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
                     # headline); "specter-equal-slots": same slots as the others, draft on top
@@ -220,6 +223,13 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     if "surrogate" in policies:  # the surrogates live in fast memory too: fewer slots for the same budget
         sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
         sur_slots = MemoryPlan.for_budget(layout, str(budget_bytes), surrogate_bytes=sur_bytes).slots
+    learned_slots = slots
+    if "learned" in policies:  # the predictor's tables live in fast memory too
+        from pyspecter.learned import LearnedPredictor
+
+        learned_bytes = LearnedPredictor.load(path).nbytes
+        learned_slots = slots_for_budget(layout, max(budget_bytes - learned_bytes, 0))
+        check_slots(layout, learned_slots)
     sets = prompt_sets(path, items, prompt_len)
     hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
     link_gbps = measure_link(path, tier, device=dev)
@@ -232,7 +242,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         runs, skipped, caps = _interleave(path, layout, policies, sets, hot, inputs, tier=tier, slots=slots,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
                                           n_threads=n_threads, draft=draft, k=k, adaptive=adaptive, cutoff=cutoff,
-                                          surrogate_width=surrogate_width, device=dev)
+                                          surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots)
     uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
                 "cgroup": "none"}
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)
@@ -276,6 +286,12 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                      else None),
             **caps.get(p, uncapped),
         }
+        if p == "engine":
+            out["policies"][p].update({k: c[k] for k in ("slots", "plan_prefetches", "plan_skipped_late",
+                                                          "predict_us_per_layer", "plan_on",
+                                                          "plan_explore_tokens_lost", "predictor_mib") if k in c})
+        if p == "learned":
+            out["policies"][p].update(slots_per_layer=learned_slots, prefetches=c.get("prefetches", 0))
         if p == "stock-n-cpu-moe":
             out["policies"][p]["n_cpu_moe"] = n_cpu_moe_for(layout, budget_bytes)
         if p == "static-hot":

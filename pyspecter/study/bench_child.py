@@ -27,7 +27,8 @@ def run(args: dict) -> dict:
                        args["n_threads"], args["surrogate_width"],
                        {int(il): c for il, c in hot.items()} if hot else None)  # JSON keys are strings
     else:
-        r = run_specter(p, Path(args["draft"]), args["budget_bytes"], args["count_draft"], "disk", prompts,
+        r = run_specter(p, Path(args["draft"]) if args["draft"] else None, args["budget_bytes"], args["count_draft"],
+                        "disk", prompts,
                         args["n"], args["n_threads"], args["k"], args["adaptive"], args["cutoff"])
     return dataclasses.asdict(r)
 

@@ -72,6 +72,19 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False)
         cache.warm({il: hot_experts(hot[il], cache.n_usable) for il in cache.layers})
         return cache
+    if policy == "learned":
+        # on-demand waits as in on-demand-lru-ordered, plus the prefetch plan fed by the learned layer-ahead
+        # predictor and recency, and eviction by predicted reuse
+        from pyspecter.learned import LearnedPredictor
+        from pyspecter.plan import LayerAhead, PrefetchPlan
+
+        predictor = LearnedPredictor.load(path)
+        box: list[LayerAhead] = []
+        cache = ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier), record=True,
+                            ordered=True, on_input=lambda il, x: box[0].on_input(il, x))
+        box.append(LayerAhead(PrefetchPlan(cache), predictor))
+        cache.route_observer = box[0]
+        return cache
     if policy == "prev-token":
         # misses waited for, as on-demand-lru and -lfu do: only the eviction order differs
         return ExpertCache(model, layout, slots, policy="prev-token", miss="wait", tier=make_tier(tier), record=True)
@@ -163,10 +176,12 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         model.close()
 
 
-def run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, tier: str,
+def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: bool, tier: str,
                 prompts: list[list[int]], n: int, n_threads: int, k: int, adaptive: bool = True,
                 cutoff: bool = True, device: str | None = None) -> Run:
-    """One run of the engine (draft, prefetch, governor) over every prompt; the session and its slots persist."""
+    """One run of the engine over every prompt, as generate and chat run it; the session and its slots persist.
+    With a draft: speculative decoding with draft-driven prefetch and the K governor; without one ("engine"): the
+    learned predictor's prefetch plan (when one is fitted for the model) under its governor."""
     proc = psutil.Process()
     s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k, adaptive=adaptive,
                               n_ctx=max(map(len, prompts)) + n + 16, n_threads=n_threads,
@@ -189,10 +204,15 @@ def run_specter(path: Path, draft: Path, budget_bytes: int, count_draft: bool, t
             parts.append(s.cache.counters())
             tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
         c = merge_counters(parts)
-        ds = s.decoder.stats
-        c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off, slots=s.n_slots,
-                 draft_dropped_at=ds.dropped_at,
-                 skipped_late=s.decoder.prefetcher.skipped_late if s.decoder.prefetcher else 0)
+        c["slots"] = s.n_slots
+        if s.decoder is not None:
+            ds = s.decoder.stats
+            c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off,
+                     draft_dropped_at=ds.dropped_at,
+                     skipped_late=s.decoder.prefetcher.skipped_late if s.decoder.prefetcher else 0)
+        st = s.stats()
+        c.update({k: st[k] for k in ("plan_prefetches", "plan_skipped_late", "predict_us_per_layer", "plan_on",
+                                     "plan_explore_tokens_lost", "predictor_mib") if k in st})
         return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens)
     finally:
         s.close()

@@ -1,0 +1,202 @@
+"""One prefetch plan, fed by every predictor: what to upload next, and what to give up for it.
+
+Each predictor says, for a MoE layer's next routing call, how likely each expert is to be needed and when that
+call comes (its deadline):
+- learned layer-ahead maps (``learned.py``): at layer L's router input, layers L+1..L+H of this same token,
+  due in h layer-times;
+- recency: the experts a layer used are likely again at its next call, one token-time away;
+- the draft's routing on future tokens (``prefetch.Prefetcher`` forwards it), due when verification reaches
+  the layer.
+
+The plan keeps one probability per (layer, expert) for the layer's next call (the newest prediction of that
+call, never below what recency says), and issues uploads most probable first while the link can still deliver
+them before their deadline; what cannot land in time is left to the miss path, where it would only compete with
+the reads the compute thread waits for. Eviction reads the same table (policy ``predicted``): the victim is the
+resident expert least likely to be needed, recency breaking ties, and a prediction never evicts an expert at
+least as likely to be needed as the one it brings in.
+
+Nothing here touches the output: a wrong plan costs reads, never correctness.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pyspecter.cache import ExpertCache
+
+RECENCY = 0.5  # chance an expert a layer just used is needed at its next call (smol-moe's prev-token reuse ~0.5)
+
+
+class PrefetchPlan:
+    def __init__(self, cache: ExpertCache, *, min_prob: float = 0.25, link_gbps: float | None = None) -> None:
+        self.cache = cache
+        self.min_prob = min_prob
+        self.link_gbps = link_gbps  # None: measured online on the cache's own uploads
+        E = cache.layout.n_expert
+        self.n_expert = E
+        # the table eviction reads: LayerSlots.need (expert -> probability it is needed at the layer's next call)
+        for st in cache.layers.values():
+            st.need = [0.0] * E
+        self.due: dict[int, float] = {}  # layer -> perf_counter time of its next call
+        self.enabled = True  # the governor may switch issuing off; the table is kept either way
+        self.issued = self.skipped_late = self.issued_bytes = 0
+        self._busy_until = 0.0  # when the link is done with what the plan has issued
+
+    # --- predictors in ---------------------------------------------------------------------------------------
+
+    def predict(self, il: int, probs: np.ndarray, due: float) -> None:
+        """A prediction of layer il's next call (probabilities per expert, or per token and expert: a batch
+        needs the union, so the most likely over its tokens) due at perf_counter time ``due``."""
+        st = self.cache.layers.get(il)
+        if st is None:
+            return
+        p = probs.max(axis=0) if probs.ndim == 2 else probs
+        need = st.need
+        for e in range(self.n_expert):
+            # a newer prediction of the same call replaces the older one, but recency keeps its floor
+            need[e] = float(p[e]) if p[e] > RECENCY or need[e] < RECENCY else need[e]
+        self.due[il] = due
+
+    def used(self, il: int, needed, next_call_in: float) -> None:
+        """Layer il has just routed ``needed``: its next call (next token) is ``next_call_in`` seconds away."""
+        st = self.cache.layers.get(il)
+        if st is None:
+            return
+        need = st.need
+        for e in range(self.n_expert):
+            need[e] = RECENCY if e in needed else 0.0
+        self.due[il] = time.perf_counter() + next_call_in
+
+    # --- uploads out -----------------------------------------------------------------------------------------
+
+    def issue(self, layers) -> int:
+        """Uploads for ``layers``' predicted experts, most probable first, while each can land before its
+        layer's deadline. Returns how many were issued."""
+        if not self.enabled:
+            return 0
+        now = time.perf_counter()
+        gbps = self.link_gbps or self.cache.link_gbps()
+        bytes_per_s = gbps * 1e9 if gbps else None
+        busy = max(self._busy_until, now)
+        cands = []
+        for il in layers:
+            st = self.cache.layers.get(il)
+            if st is None:
+                continue
+            inflight = st.inflight()
+            due = self.due.get(il, now)
+            for e, p in enumerate(st.need):
+                if p >= self.min_prob and st.where[e] < 0 and e not in inflight:
+                    cands.append((-p, due, il, e))
+        cands.sort()
+        n = 0
+        for neg_p, due, il, e in cands:
+            nbytes = self.cache.expert_bytes[il]
+            land = busy + nbytes / bytes_per_s if bytes_per_s else now
+            if land > due:
+                self.skipped_late += 1  # the miss path will read it, first in line
+                continue
+            if not self._upload(il, e, -neg_p):
+                continue
+            busy = land
+            n += 1
+            self.issued_bytes += nbytes
+        self._busy_until = busy
+        self.issued += n
+        return n
+
+    def _upload(self, il: int, e: int, p: float) -> bool:
+        cache, res = self.cache, self.cache.residency
+        st = cache.layers[il]
+        slot = res.victim(il, {e})
+        if slot < 0:
+            return False
+        owner = st.owner[slot]
+        if owner >= 0 and st.need[owner] >= p:
+            return False  # never give up an expert at least as likely to be needed
+        res.evict(il, slot)
+        res.start_upload(il, e, slot, cache.tier.upload_async(il, e, slot))
+        cache.count_upload(il)
+        cache.stats.prefetches += 1
+        return True
+
+
+class LayerAhead:
+    """The learned predictor as a plan source: at each MoE layer's router input (the input hook), predict the
+    next H layers of the same token and let the plan upload for them; after each routing call, recency."""
+
+    def __init__(self, plan: PrefetchPlan, predictor) -> None:
+        self.plan, self.predictor = plan, predictor
+        self.t_layer = 0.0  # EMA of the time between consecutive routing calls of one token
+        self.t_token = 0.0
+        self._last_call = 0.0
+        self._n_layers = len(plan.cache.layout.layers)
+        self.predict_ns = 0
+        self.calls = 0
+
+    def on_input(self, il: int, x: np.ndarray) -> None:
+        t0 = time.perf_counter_ns()
+        preds = self.predictor.predict(il, x)
+        now = time.perf_counter()
+        step = self.t_layer or 0.0
+        for h, (j, probs) in enumerate(sorted(preds.items()), start=1):
+            self.plan.predict(j, probs, now + h * step)
+        self.plan.issue(sorted(preds))
+        self.predict_ns += time.perf_counter_ns() - t0
+        self.calls += 1
+
+    def on_route(self, il: int, needed, n_tokens: int) -> None:
+        now = time.perf_counter()
+        if n_tokens == 1 and self._last_call:
+            gap = now - self._last_call
+            if gap < 0.5:  # between layers of one token, not across a pause
+                self.t_layer = gap if not self.t_layer else 0.9 * self.t_layer + 0.1 * gap
+        self._last_call = now
+        self.plan.used(il, needed, self.t_layer * self._n_layers)
+
+
+class PlanGovernor:
+    """The plan never loses to plain on-demand loading by more than noise: after a warm-up with the plan on, it
+    times blocks of tokens with the plan's uploads off and on, alternating, keeps the faster, and checks again
+    every ``recheck`` tokens. What exploring cost is counted (tokens run in the mode that turned out slower)."""
+
+    def __init__(self, plan: PrefetchPlan, *, warmup: int = 8, block: int = 8, rounds: int = 2,
+                 recheck: int = 128) -> None:
+        self.plan, self.warmup, self.block, self.rounds, self.recheck = plan, warmup, block, rounds, recheck
+        self.tokens = 0
+        self._times: dict[bool, list[float]] = {True: [], False: []}
+        self._explore_until = warmup + 2 * rounds * block
+        self.choice: bool | None = None  # decided mode, None while exploring
+        self.explore_tokens_lost = 0
+        self.decisions: list[tuple[int, bool]] = []
+
+    def observe(self, dt: float) -> None:
+        """One decoded token took dt seconds; sets plan.enabled for the next one."""
+        self.tokens += 1
+        t = self.tokens
+        if t <= self.warmup:
+            if t == self.warmup:
+                self.plan.enabled = False  # exploring starts with a block of plain on-demand loading
+            return
+        if t <= self._explore_until:
+            self._times[self.plan.enabled].append(dt)
+            if t == self._explore_until:
+                self._decide()
+            else:
+                self.plan.enabled = ((t - self.warmup) // self.block) % 2 == 1
+            return
+        if self.recheck and (t - self._explore_until) % self.recheck == 0:  # look again: the text may change
+            self._times = {True: [], False: []}
+            self._explore_until = t + 2 * self.rounds * self.block
+            self.plan.enabled = False
+
+    def _decide(self) -> None:
+        med = {m: sorted(v)[len(v) // 2] for m, v in self._times.items() if v}
+        on = med.get(True, 0.0) <= med.get(False, float("inf"))
+        loser = self._times[not on]
+        self.explore_tokens_lost += len(loser)
+        self.choice = on
+        self.plan.enabled = on
+        self.decisions.append((self.tokens, on))

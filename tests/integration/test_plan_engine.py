@@ -1,0 +1,53 @@
+"""The prefetch plan on the real path: a learned predictor fitted for tiny-qwen3moe drives uploads from the input
+hook, eviction reads its predictions, the governor decides; greedy output stays stock's, on the ram and disk
+tiers, in the session (what generate and chat run) and in bench's `learned` and `engine` policies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pyspecter import native
+from pyspecter.engine import greedy
+from pyspecter.models.tiny import build_tiny
+from pyspecter.session import Session, SessionConfig
+from pyspecter.study.bench import run_bench
+from pyspecter.study.predictor_fit import fit_model
+
+
+@pytest.fixture(scope="module")
+def fitted_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECTER_CACHE", str(tmp_path_factory.mktemp("cache")))  # the sidecar goes to a fresh cache
+    try:
+        fit_model(build_tiny("tiny-qwen3moe"), horizons=2, n_tokens=1500, eval_tokens=300, n_threads=1,
+                  progress=False)
+        yield
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_session_with_the_plan_decodes_stocks_tokens(tier: str, fitted_cache: None) -> None:
+    model = build_tiny("tiny-qwen3moe")
+    with native.Model(model) as m, native.Context(m) as ctx:
+        toks = m.tokenize("the plan never changes the output, only how fast it comes")
+        ref = greedy(ctx, toks, 40)[0]
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1)) as s:
+        assert s.predictor is not None and s.prefetch_plan is not None
+        assert s.generate(toks, 40, stop_at_eog=False) == ref
+        st = s.stats()
+        assert st["plan_prefetches"] > 0 and st["predict_us_per_layer"] > 0
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, predictor="off")) as s:
+        assert s.prefetch_plan is None
+
+
+def test_bench_learned_and_engine_policies_are_exact(fitted_cache: None) -> None:
+    r = run_bench(build_tiny("tiny-qwen3moe"), tier="ram", budget="25%", repeat=1, n=12, n_threads=1,
+                  policies=["stock", "on-demand-lru", "learned", "engine"])
+    pol = r["policies"]
+    for p in ("on-demand-lru", "learned", "engine"):
+        assert pol[p]["same_tokens_as_stock"], p
+    assert pol["learned"]["prefetches"] > 0
+    assert pol["learned"]["slots_per_layer"] <= r["slots_per_layer"]  # the predictor's bytes came out of it

@@ -1,0 +1,103 @@
+"""The prefetch plan's decisions, without llama.cpp: most probable first, nothing that cannot land in time,
+eviction by predicted reuse, and a governor that keeps the plan only where it is measured faster."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pyspecter.plan import RECENCY, PlanGovernor, PrefetchPlan
+from pyspecter.policies import Predicted
+from pyspecter.residency import Residency
+from test_decisions import _Api, _layout, _Upload
+
+
+class _Tier:
+    def __init__(self) -> None:
+        self.uploads: list[tuple[int, int, int]] = []
+
+    def upload_async(self, il: int, e: int, slot: int) -> _Upload:
+        self.uploads.append((il, e, slot))
+        return _Upload(ok=True, done=False)
+
+
+class _Cache:
+    """What the plan uses of an ExpertCache: the slot table, the tier, the link speed and the counters."""
+
+    def __init__(self, n_slots: int = 3, gbps: float | None = 1.0) -> None:
+        self.layout = _layout(n_expert=8, n_layers=2, expert_bytes=1_000_000)
+        self.residency = Residency(type("M", (), {"ptr": 1})(), self.layout, n_slots, n_slots, Predicted(),
+                                   api=_Api())
+        self.layers = self.residency.layers
+        self.expert_bytes = {L.index: L.expert_bytes for L in self.layout.layers}
+        self.tier = _Tier()
+        self.stats = type("S", (), {"prefetches": 0})()
+        self.uploaded = 0
+        self._gbps = gbps
+
+    def link_gbps(self) -> float | None:
+        return self._gbps
+
+    def count_upload(self, il: int) -> None:
+        self.uploaded += 1
+
+
+def _probs(**p: float) -> np.ndarray:
+    out = np.zeros(8, np.float32)
+    for k, v in p.items():
+        out[int(k[1:])] = v
+    return out
+
+
+def test_most_probable_first_and_only_what_lands_in_time() -> None:
+    cache = _Cache(n_slots=3)
+    plan = PrefetchPlan(cache, min_prob=0.25)  # type: ignore[arg-type]
+    now = time.perf_counter()
+    # 1 MB experts on a 1 GB/s link: 1 ms each; the layer is due in 2.5 ms, so two can land, not three
+    plan.predict(1, _probs(e5=0.9, e2=0.6, e7=0.4, e3=0.1), now + 0.0025)
+    assert plan.issue([1]) == 2
+    assert [e for _, e, _ in cache.tier.uploads] == [5, 2]
+    assert plan.skipped_late == 1  # e7 would land after the layer asked; e3 is below min_prob
+    # a batch needs the union: per-token rows are merged by their most likely
+    plan.predict(0, np.stack([_probs(e1=0.9), _probs(e4=0.8)]), now + 1.0)
+    assert plan.issue([0]) == 2
+
+
+def test_eviction_by_predicted_reuse_never_gives_up_a_likelier_expert() -> None:
+    cache = _Cache(n_slots=2, gbps=None)  # no link measured yet: no cut-off
+    plan = PrefetchPlan(cache)  # type: ignore[arg-type]
+    res = cache.residency
+    res.assign(0, 1, 0)
+    res.assign(0, 2, 1)
+    st = cache.layers[0]
+    plan.predict(0, _probs(e1=0.9, e2=0.3, e6=0.5), time.perf_counter() + 1)
+    assert Predicted().rank(st, 1) < Predicted().rank(st, 0)  # expert 2 is the likelier victim
+    assert plan.issue([0]) == 1
+    assert cache.tier.uploads == [(0, 6, 1)] and st.where[2] == -1 and st.where[1] == 0
+    # expert 1 (0.9) is never evicted for expert 7 (0.4)
+    plan.predict(0, _probs(e1=0.9, e7=0.4), time.perf_counter() + 1)
+    assert plan.issue([0]) == 0
+
+
+def test_recency_floor_and_newer_predictions() -> None:
+    cache = _Cache()
+    plan = PrefetchPlan(cache)  # type: ignore[arg-type]
+    plan.used(0, {3, 4}, 0.01)
+    st = cache.layers[0]
+    assert st.need[3] == RECENCY and st.need[0] == 0.0
+    plan.predict(0, _probs(e3=0.1, e4=0.9, e5=0.3), time.perf_counter())
+    assert st.need[3] == RECENCY and st.need[4] == np.float32(0.9) and st.need[5] == np.float32(0.3)
+    plan.enabled = False
+    assert plan.issue([0]) == 0
+
+
+def test_governor_keeps_the_plan_only_where_it_is_faster() -> None:
+    for plan_pays in (True, False):
+        plan = PrefetchPlan(_Cache())  # type: ignore[arg-type]
+        gov = PlanGovernor(plan, warmup=4, block=4, rounds=2, recheck=0)
+        for _ in range(60):
+            on = plan.enabled
+            gov.observe(0.010 if on == plan_pays else 0.013)
+        assert gov.choice is plan_pays and plan.enabled is plan_pays
+        assert gov.explore_tokens_lost == 8  # two blocks of four in the slower mode
