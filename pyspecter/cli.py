@@ -708,7 +708,8 @@ def fit_predictor(
                                                                  "automatically)")] = None,
     horizons: Annotated[int, typer.Option(help="MoE layers ahead to predict (1..H)")] = 4,
     tokens: Annotated[int, typer.Option(help="tokens of calibration text (the model's own continuations of the "
-                                             "calibration prompts) to fit on")] = 8192,
+                                             "calibration prompts) to fit on; held-out recall still grows "
+                                             "about a point per doubling at 12000 on smol-moe")] = 12000,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="held-out tokens (other text) to score on")]
     = 2048,
     rank: Annotated[int, typer.Option(help="0: full-rank maps; r > 0: each layer's maps to its next H layers "

@@ -17,8 +17,10 @@ What a caller gets (the runtime API; nothing here is wired into prefetching or e
 
 ``predict``'s numbers are calibrated probabilities that an expert is in the layer's true top-k: the experts are
 ranked by predicted selection score, and rank r maps to the share of calibration rows on which the expert at
-predicted rank r was truly selected at that layer and horizon (measured on rows the maps were not fitted on). A
-softmax of the predicted logits would be the router's weight, which is not the chance of being needed.
+predicted rank r was truly selected at that layer and horizon (measured on rows the maps were not fitted on),
+separately for four confidence bins of the prediction's gap between ranks k-1 and k (a clear winner is right far
+more often than a near-tie). A softmax of the predicted logits would be the router's weight, which is not the
+chance of being needed.
 
 Routers: selection is the arch's gating function of the logits plus the selection bias where the model has one
 (``exp_probs_b``, DeepSeek-V3 style); without a bias every gating function llama.cpp has (softmax, sigmoid,
@@ -42,7 +44,7 @@ import numpy as np
 from pyspecter.errors import SpecterError
 from pyspecter.paths import atomic_path, cache_dir
 
-FORMAT = "pyspecter-learned-predictor/1"
+FORMAT = "pyspecter-learned-predictor/2"
 _HEAD_BYTES = 1 << 20
 _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
 
@@ -93,6 +95,12 @@ def selection_scores(logits: np.ndarray, gating: int, sel_bias: np.ndarray | Non
     return probs + sel_bias
 
 
+def gap_bins(gap: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Confidence bin of each prediction: how many bin edges its gap (selection score of rank k-1 minus that of
+    rank k, where k is top-k) reaches. edges [..., B - 1] ascending, broadcast against gap [...]."""
+    return (gap[..., None] >= edges).sum(-1)
+
+
 def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
     """The k highest-scoring ids along the last axis, best first (ties: lower id first)."""
     return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
@@ -103,14 +111,16 @@ class LearnedPredictor:
     """Maps from each MoE layer's router input to later layers' router logits (module docstring).
 
     ``A[j]``: float32 [n_embd, n_t * n_expert], ``b[j]``: [n_t * n_expert], for source position j and its n_t
-    horizons (fewer near the last layer; none for the last). ``rank_prob``: float32 [n_layers, H, n_expert],
-    [j, h-1, r] = chance that the expert ranked r for layer j at horizon h is truly selected."""
+    horizons (fewer near the last layer; none for the last). ``rank_prob``: float32 [n_layers, H, B, n_expert],
+    [j, h-1, b, r] = chance that the expert ranked r for layer j at horizon h is truly selected when the
+    prediction's confidence (its gap between ranks k-1 and k) falls in bin b of ``gap_edges`` [n_layers, H, B-1]."""
 
     meta: dict
     layers: list[int]  # llama.cpp layer index of each MoE layer, by position
     A: list[np.ndarray | None]
     b: list[np.ndarray | None]
     rank_prob: np.ndarray
+    gap_edges: np.ndarray
     sel_bias: list[np.ndarray | None] = field(default_factory=list)
     # reduced rank (fit-predictor --rank r): A[j] is [n_embd, r] and A2[j] [r, n_t * n_expert]
     A2: list[np.ndarray | None] = field(default_factory=list)
@@ -124,10 +134,12 @@ class LearnedPredictor:
         n = len(self.layers)
         self.sel_bias = self.sel_bias or [None] * n
         self.A2 = self.A2 or [None] * n
-        # per source j: the rank tables of its targets j+1..j+n_t side by side [n_t, E], so predict() is one gather
+        # per source j: the tables and bin edges of its targets j+1..j+n_t side by side ([n_t, B, E], [n_t, B-1])
         self._tables = [np.stack([self.rank_prob[j + h, h - 1] for h in range(1, self.n_targets(j) + 1)])
-                        if self.A[j] is not None else None for j in range(n)]
-        self._rows = np.arange(self.horizons)[:, None]
+                        if self.b[j] is not None else None for j in range(n)]
+        self._edges = [np.stack([self.gap_edges[j + h, h - 1] for h in range(1, self.n_targets(j) + 1)])
+                       if self.b[j] is not None else None for j in range(n)]
+        self._hs = np.arange(self.horizons)
         self._biased = [any(self.sel_bias[j + h] is not None for h in range(1, self.n_targets(j) + 1))
                         for j in range(n)]
 
@@ -136,7 +148,7 @@ class LearnedPredictor:
     @property
     def nbytes(self) -> int:
         """Bytes the predictor holds in memory (maps, biases, calibration tables): count them in the budget."""
-        arrays = [*self.A, *self.A2, *self.b, *self.sel_bias, self.rank_prob]
+        arrays = [*self.A, *self.A2, *self.b, *self.sel_bias, self.rank_prob, self.gap_edges]
         return int(sum(a.nbytes for a in arrays if a is not None))
 
     def n_targets(self, j: int) -> int:
@@ -180,15 +192,16 @@ class LearnedPredictor:
         y = self._scores(j, x)
         if y is None:
             return {}
-        order = np.argsort(-y, axis=-1, kind="stable")
+        one = y.ndim == 2
+        y = y[None] if one else y  # [n, n_t, E]; plain fancy indexing below (take/put_along_axis cost ~5 us each)
+        k, n_t = self.n_used, y.shape[1]
+        t, hs = np.arange(len(y))[:, None], self._hs[None, :n_t]
+        order = np.argsort(-y, axis=-1)  # exact ties between predicted scores do not happen; stable costs 2x
+        gap = y[t, hs, order[..., k - 1]] - y[t, hs, order[..., k]]  # [n, n_t]
         probs = np.empty(y.shape, np.float32)
-        if y.ndim == 2:  # one token, the decode case: a plain scatter (put_along_axis costs ~10 us in Python)
-            probs[self._rows[: y.shape[0]], order] = self._tables[j]
-        elif y.shape[0] == 1:
-            probs[0, self._rows[: y.shape[1]], order[0]] = self._tables[j]
-        else:
-            np.put_along_axis(probs, order, np.broadcast_to(self._tables[j], y.shape), axis=-1)
-        return {self.layers[j + h]: probs[..., h - 1, :] for h in range(1, y.shape[-2] + 1)}
+        probs[t[..., None], hs[..., None], order] = self._tables[j][hs, gap_bins(gap, self._edges[j])]
+        probs = probs[0] if one else probs
+        return {self.layers[j + h]: probs[..., h - 1, :] for h in range(1, n_t + 1)}
 
     def topk(self, il: int, x: np.ndarray, k: int | None = None) -> dict[int, np.ndarray]:
         """For each later layer: the k (default: the model's top-k) experts predicted, best first."""
@@ -203,7 +216,7 @@ class LearnedPredictor:
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
-        arrays = {"rank_prob": self.rank_prob}
+        arrays = {"rank_prob": self.rank_prob, "gap_edges": self.gap_edges}
         for j in range(len(self.layers)):
             if self.A[j] is not None:
                 arrays[f"A{j}"], arrays[f"b{j}"] = self.A[j], self.b[j]
@@ -257,5 +270,6 @@ class LearnedPredictor:
         n = len(layers)
         return cls(meta=meta, layers=layers, A=[arrays.get(f"A{j}") for j in range(n)],
                    b=[arrays.get(f"b{j}") for j in range(n)], rank_prob=arrays["rank_prob"],
+                   gap_edges=arrays["gap_edges"],
                    sel_bias=[arrays.get(f"sel_bias{j}") for j in range(n)],
                    A2=[arrays.get(f"A2_{j}") for j in range(n)])

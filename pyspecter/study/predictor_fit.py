@@ -20,7 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
-from pyspecter.learned import FORMAT, LearnedPredictor, model_key, selection_scores, sidecar_path, top_ids
+from pyspecter.learned import (
+    FORMAT,
+    LearnedPredictor,
+    gap_bins,
+    model_key,
+    selection_scores,
+    sidecar_path,
+    top_ids,
+)
 
 ALPHAS = (1e-7, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
 VAL_SHARE = 0.2
@@ -75,11 +83,26 @@ def set_match(pred_ids: np.ndarray, true_ids: np.ndarray, n_expert: int) -> tupl
     return hits / np.maximum(t.sum(-1), 1), (p == t).all(-1)
 
 
-def rank_calibration(scores: np.ndarray, true_ids: np.ndarray, n_expert: int) -> np.ndarray:
-    """[n_expert]: share of rows on which the expert ranked r by ``scores`` [n, E] is among ``true_ids`` [n, k]."""
+GAP_QUANTILES = (0.5, 0.75, 0.9)
+
+
+def rank_calibration(scores: np.ndarray, true_ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
+    """(table [B, n_expert], edges [B - 1]): table[b, r] is the share of rows in confidence bin b on which the
+    expert ranked r by ``scores`` [n, E] is among ``true_ids`` [n, k]. A row's bin is set by its predicted gap
+    between ranks k-1 and k (``learned.gap_bins``), cut at GAP_QUANTILES of the rows' gaps: on smol-moe one layer
+    ahead, rows in the top tenth of gaps keep 99% of their top-k, rows below the median 69%."""
+    k = np.asarray(true_ids).shape[1]
     order = np.argsort(-scores, axis=-1, kind="stable")
     truth = (np.asarray(true_ids)[:, :, None] == np.arange(n_expert)).any(axis=1)  # [n, E]
-    return np.take_along_axis(truth, order, axis=-1).mean(axis=0).astype(np.float32)
+    at_rank = np.take_along_axis(truth, order, axis=-1)
+    ranked = np.take_along_axis(scores, order, axis=-1)
+    gap = ranked[:, k - 1] - ranked[:, k]
+    edges = np.quantile(gap, GAP_QUANTILES).astype(np.float32)
+    bins = gap_bins(gap, edges)
+    overall = at_rank.mean(axis=0)
+    table = np.stack([at_rank[bins == b].mean(axis=0) if (bins == b).any() else overall
+                      for b in range(len(edges) + 1)])
+    return table.astype(np.float32), edges
 
 
 @dataclass
@@ -105,7 +128,8 @@ class Fitted:
     """Study-side maps for every (source j, horizon h), h = 0 included: (B [d, E], c [E], alpha)."""
 
     maps: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]]
-    rank_prob: np.ndarray  # [L, H + 1, E]
+    rank_prob: np.ndarray  # [L, H + 1, B, E]: rank calibration per confidence bin (rank_calibration)
+    gap_edges: np.ndarray  # [L, H + 1, B - 1]
     n_layers: int
     horizons: int
     # reduced rank: per source j, (P [d, r], Vᵀ [r, n_t * E]) of its horizons 1..n_t (maps hold P @ Vᵀ's blocks)
@@ -128,7 +152,9 @@ def fit_maps(X: list[np.ndarray], routers: Routers, horizons: int, val: np.ndarr
     true_ids = [routers.select(j, lg) for j, lg in enumerate(logits)]
     maps: dict = {}
     factors: dict = {}
-    rank_prob = np.zeros((L, horizons + 1, E), np.float32)
+    B = len(GAP_QUANTILES) + 1
+    rank_prob = np.zeros((L, horizons + 1, B, E), np.float32)
+    gap_edges = np.zeros((L, horizons + 1, B - 1), np.float32)
     for j in range(L):
         hs = [h for h in range(horizons + 1) if j + h < L]
         Y = np.concatenate([logits[j + h] for h in hs], axis=1)
@@ -154,8 +180,8 @@ def fit_maps(X: list[np.ndarray], routers: Routers, horizons: int, val: np.ndarr
                 best[h] = (best[h][0], best[h][1], pred[:, i * E:(i + 1) * E])
         for h in hs:
             lg = best[h][2]
-            rank_prob[j, h] = rank_calibration(selection_scores(lg, routers.gating, routers.sel_bias[j + h]),
-                                               true_ids[j + h][val], E)
+            rank_prob[j, h], gap_edges[j, h] = rank_calibration(
+                selection_scores(lg, routers.gating, routers.sel_bias[j + h]), true_ids[j + h][val], E)
         r_all = Ridge(X[j])
         B, c = r_all.solve(r_all.project(Y), alpha_cols)
         if ahead:
@@ -166,7 +192,7 @@ def fit_maps(X: list[np.ndarray], routers: Routers, horizons: int, val: np.ndarr
             maps[(j, h)] = (B[:, i * E:(i + 1) * E], c[i * E:(i + 1) * E], best[h][1])
         if progress is not None:
             progress(j + 1)
-    return Fitted(maps, rank_prob, L, horizons, factors)
+    return Fitted(maps, rank_prob, gap_edges, L, horizons, factors)
 
 
 def to_runtime(fitted: Fitted, layers: list[int], routers: Routers, meta: dict) -> LearnedPredictor:
@@ -188,13 +214,14 @@ def to_runtime(fitted: Fitted, layers: list[int], routers: Routers, meta: dict) 
             A2.append(None)
         b.append(np.concatenate([fitted.maps[(j, h)][1] for h in hs]).astype(np.float32))
     # runtime rank tables are indexed [target position, h - 1]: the table of map (j, h) describes layer j+h
-    rp = np.zeros((fitted.n_layers, fitted.horizons, fitted.rank_prob.shape[-1]), np.float32)
+    rp = np.zeros((fitted.n_layers, fitted.horizons, *fitted.rank_prob.shape[2:]), np.float32)
+    edges = np.zeros((fitted.n_layers, fitted.horizons, fitted.gap_edges.shape[-1]), np.float32)
     for (j, h) in fitted.maps:
         if h >= 1:
-            rp[j + h, h - 1] = fitted.rank_prob[j, h]
+            rp[j + h, h - 1], edges[j + h, h - 1] = fitted.rank_prob[j, h], fitted.gap_edges[j, h]
     sel = [None if s is None else np.asarray(s, np.float32) for s in routers.sel_bias]
     return LearnedPredictor(meta={**meta, "format": FORMAT, "horizons": fitted.horizons, "gating": routers.gating},
-                            layers=list(layers), A=A, b=b, rank_prob=rp, sel_bias=sel, A2=A2)
+                            layers=list(layers), A=A, b=b, rank_prob=rp, gap_edges=edges, sel_bias=sel, A2=A2)
 
 
 def evaluate(fitted: Fitted, X: list[np.ndarray], routers: Routers, true_ids: np.ndarray | None = None) -> dict:
@@ -240,7 +267,7 @@ def validation_rows(seq_lengths: list[int], share: float = VAL_SHARE) -> np.ndar
 # --- the command ---------------------------------------------------------------------------------------------
 
 def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = None, *, horizons: int = 4,
-              n_tokens: int = 8192, eval_tokens: int = 2048, n_threads: int = 1, progress: bool = True,
+              n_tokens: int = 12000, eval_tokens: int = 2048, n_threads: int = 1, progress: bool = True,
               rank: int = 0) -> dict:
     """Record, fit, score on held-out text, save (by default to the model's sidecar, which the runtime finds by
     the file's content key). Returns a JSON-able summary."""

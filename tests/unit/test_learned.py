@@ -66,11 +66,16 @@ def test_set_match_counts_recall_and_exact_sets() -> None:
     assert rec.tolist() == [1.0, 0.5, 0.0] and exact.tolist() == [True, False, False]
 
 
-def test_rank_calibration_is_the_share_truly_selected_at_each_rank() -> None:
-    scores = np.array([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
-    true = np.array([[0, 2], [3, 1]])
-    # row 0 ranks 0,1,2,3 -> experts 0,1,2,3 (true: 0,2); row 1 ranks -> experts 3,2,1,0 (true: 3,1)
-    assert pf.rank_calibration(scores, true, 4).tolist() == [1.0, 0.0, 1.0, 0.0]
+def test_rank_calibration_is_the_share_truly_selected_at_each_rank_per_confidence_bin() -> None:
+    # 20 rows with a small gap between ranks 1 and 2 (true set: ranks 0 and 2), 20 with a large one (ranks 0, 1)
+    small = np.tile([3.0, 2.0, 1.9, 0.0], (20, 1))
+    large = np.tile([3.0, 2.0, 0.5, 0.0], (20, 1))
+    true = np.concatenate([np.tile([0, 2], (20, 1)), np.tile([0, 1], (20, 1))])
+    table, edges = pf.rank_calibration(np.concatenate([small, large]), true, 4)
+    assert edges.shape == (3,) and table.shape == (4, 4)
+    bins = learned.gap_bins(np.array([0.1, 1.5]), edges)
+    assert table[bins[0]].tolist() == [1.0, 0.0, 1.0, 0.0]  # near-ties: rank 2 was the true one
+    assert table[bins[1]].tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_validation_rows_are_whole_trailing_sequences() -> None:
@@ -91,9 +96,10 @@ def test_fit_h0_is_the_router_and_later_horizons_beat_chance(fitted) -> None:
 
 def test_rank_tables_sum_to_top_k(fitted) -> None:
     fit, _ = fitted
-    for (j, h) in fit.maps:  # each validation row has exactly k true experts
-        assert fit.rank_prob[j, h].sum() == pytest.approx(2.0, abs=1e-5)
-        assert fit.rank_prob[j, h][0] >= fit.rank_prob[j, h][-1]
+    for (j, h) in fit.maps:  # each validation row has exactly k true experts, in every confidence bin
+        assert fit.rank_prob[j, h].sum(-1) == pytest.approx(np.full(4, 2.0), abs=1e-5)
+        assert (fit.rank_prob[j, h][:, 0] >= fit.rank_prob[j, h][:, -1]).all()
+        assert fit.rank_prob[j, h][-1, :2].sum() >= fit.rank_prob[j, h][0, :2].sum()  # confident rows hit more
 
 
 def test_runtime_predictor_matches_the_fitted_maps_and_round_trips(fitted, tmp_path: Path) -> None:
@@ -110,7 +116,8 @@ def test_runtime_predictor_matches_the_fitted_maps_and_round_trips(fitted, tmp_p
         for p in pred.predict(il, X[j][0]).values():  # one token: [E]
             assert p.shape == (8,) and p.sum() == pytest.approx(2.0, abs=1e-4)
     assert pred.predict(9, X[4]) == {}
-    assert pred.nbytes == sum(a.nbytes for a in pred.A + pred.b if a is not None) + pred.rank_prob.nbytes
+    assert pred.nbytes == (sum(a.nbytes for a in pred.A + pred.b if a is not None) + pred.rank_prob.nbytes
+                           + pred.gap_edges.nbytes)
     back = LearnedPredictor.load(pred.save(tmp_path / "p.npz"))
     assert back.layers == layers and back.nbytes == pred.nbytes
     for j, il in enumerate(layers[:-1]):
@@ -123,8 +130,10 @@ def test_probabilities_follow_the_predicted_ranking(fitted) -> None:
     pred = pf.to_runtime(fit, list(range(5)), R, {"n_expert": 8, "n_expert_used": 2})
     X, _ = _chain(20, seed=0)
     lg, pr = pred.logits(0, X[0])[1], pred.predict(0, X[0])[1]
-    best = np.argmax(lg, axis=1)
-    assert np.array_equal(pr[np.arange(20), best], np.full(20, pred.rank_prob[1, 0, 0]))
+    ranked = -np.sort(-lg, axis=1)
+    bins = learned.gap_bins(ranked[:, 1] - ranked[:, 2], pred.gap_edges[1, 0])
+    order = np.argsort(-lg, axis=1)
+    assert np.array_equal(np.take_along_axis(pr, order, 1), pred.rank_prob[1, 0][bins])
 
 
 def test_selection_bias_changes_the_ranking_like_llama_cpp() -> None:
