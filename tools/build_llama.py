@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import json
 import os
 import platform
@@ -80,6 +81,56 @@ def fetch_sdist(pin: dict[str, str]) -> Path:
             fail(f"sha256 mismatch for {pin['file']}: got {digest}, pinned {pin['sha256']}")
         shutil.move(str(got), dest)
     return dest
+
+
+# Machines that cannot reach the registry (tools/gpu_check.sh's GPU machine) build from an archive carried to them.
+# The sdist (~77 MB) is mostly git objects, vocabulary GGUFs and docs; a trimmed copy without them is ~12 MB.
+TRIM_MANIFEST = "PYSPECTER_TRIMMED.json"
+TRIM = re.compile(r"^[^/]+/(?:\.git/|.*\.gguf$|.*\.csv$|vendor/llama\.cpp/(?:docs|benches|media|\.github)/)")
+
+
+def trim_sdist(pin: dict[str, str], dest: Path) -> None:
+    """Write ``dest``: the pinned sdist without what a build never reads (TRIM), plus a manifest naming the pinned
+    sha256 it was cut from. Same top folder, same sources; only for SPECTER_SDIST."""
+    src = fetch_sdist(pin)
+    top = pin["file"].removesuffix(".tar.gz")
+    manifest = json.dumps({"sdist": pin["file"], "sdist_sha256": pin["sha256"], "dropped": TRIM.pattern}).encode()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    with tarfile.open(src) as tf, tarfile.open(tmp, "w:gz") as out:
+        for m in tf:
+            if not TRIM.match(m.name):
+                out.addfile(m, tf.extractfile(m) if m.isfile() else None)
+        info = tarfile.TarInfo(f"{top}/{TRIM_MANIFEST}")
+        info.size = len(manifest)
+        out.addfile(info, io.BytesIO(manifest))
+    tmp.replace(dest)
+    print(f"{dest}: {dest.stat().st_size / 2**20:.1f} MiB, the pinned sdist without {TRIM.pattern}")
+
+
+def local_sdist(pin: dict[str, str]) -> Path | None:
+    """SPECTER_SDIST=PATH: build from this archive instead of fetching one: the pinned sdist itself (its sha256
+    checked) or a trimmed copy made by ``--trim-sdist`` (its manifest must name the pinned sha256)."""
+    env = os.environ.get("SPECTER_SDIST")
+    if not env:
+        return None
+    path = Path(env)
+    if not path.is_file():
+        fail(f"SPECTER_SDIST={env}: no such file")
+    if sha256_file(path) == pin["sha256"]:
+        return path
+    name = f"{pin['file'].removesuffix('.tar.gz')}/{TRIM_MANIFEST}"
+    try:
+        with tarfile.open(path) as tf:
+            f = tf.extractfile(name)
+            cut_from = json.loads(f.read()).get("sdist_sha256") if f else None
+    except (tarfile.TarError, KeyError, ValueError, OSError):
+        cut_from = None
+    if cut_from != pin["sha256"]:
+        fail(f"SPECTER_SDIST={env} is neither the pinned {pin['file']} (sha256 {pin['sha256'][:12]}...) nor a "
+             f"trimmed copy of it (tools/build_llama.py --trim-sdist)")
+    print(f"building from {path} (trimmed from the pinned sdist)", flush=True)
+    return path
 
 
 # --- what the build runs on --------------------------------------------------------------------------------------
@@ -238,8 +289,212 @@ def cmake_options(cuda: bool, amx: bool = True, asan: bool = False) -> list[str]
         opts += ["-DCMAKE_BUILD_TYPE=RelWithDebInfo", f"-DCMAKE_C_FLAGS={san}", f"-DCMAKE_CXX_FLAGS={san}",
                  "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address"]
     if cuda:
-        opts += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('CMAKE_CUDA_ARCHITECTURES', 'native')}"]
+        opts += cuda_options()
     return opts
+
+
+# --- CUDA: one architecture, few template instances, and cuBLAS / the driver library found wherever they are ---------
+
+CUDA_EXTRA = "cuda"  # pyproject's optional extra holding the cuBLAS wheel, for toolkits that ship without cuBLAS
+
+
+def cuda_arch() -> str:
+    """SPECTER_CUDA_ARCH: CMake's CUDA architectures, e.g. 90 (the default: H100/H200), 89, 120a, or native
+    (the GPUs present at build time; fails on a machine without one). One architecture keeps the build short."""
+    return os.environ.get("SPECTER_CUDA_ARCH", "90").strip() or "90"
+
+
+def cuda_options() -> list[str]:
+    """The CUDA build's CMake options (part of the key, so no paths here; where things are is cuda_hints').
+
+    Flash attention: pyspecter runs every context with it off (exactness), so its kernels (about 35 of the CUDA
+    files, the heaviest to compile) are left out unless SPECTER_CUDA_FA=1, which keeps them for F16 KV only."""
+    fa = os.environ.get("SPECTER_CUDA_FA") == "1"
+    return [
+        "-DGGML_CUDA=ON",
+        f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch()}",
+        f"-DGGML_CUDA_FA={'ON' if fa else 'OFF'}",
+        "-DGGML_CUDA_FA_ALL_QUANTS=OFF",
+        "-DGGML_CUDA_FA_QUANTS=f16-f16",  # the vector FA instances: F16 K and V only (the KV cache type we use)
+        "-DGGML_CUDA_NCCL=OFF",  # one GPU; no multi-GPU collectives to look for
+    ]
+
+
+def find_nvcc() -> Path | None:
+    """The CUDA compiler: $CUDACXX, $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, then PATH (which may hold
+    a wrapper script; a toolkit's own bin/ is preferred because its parent is the toolkit root)."""
+    cands = [os.environ.get("CUDACXX")]
+    cands += [str(Path(os.environ[v]) / "bin" / "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    cands += ["/usr/local/cuda/bin/nvcc", shutil.which("nvcc")]
+    for c in cands:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return Path(c)
+    return None
+
+
+def nvcc_release(nvcc: Path) -> tuple[int, int] | None:
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def toolkit_lib_dirs(root: Path) -> list[Path]:
+    return [d for d in (root / "lib64", root / "lib", root / "targets" / f"{platform.machine()}-linux" / "lib")
+            if d.is_dir()]
+
+
+def toolkit_include_dirs(root: Path) -> list[Path]:
+    return [d for d in (root / "include", root / "targets" / f"{platform.machine()}-linux" / "include") if d.is_dir()]
+
+
+def toolkit_has_cublas(root: Path) -> bool:
+    return (any((d / "libcublas.so").exists() for d in toolkit_lib_dirs(root))
+            and any((d / "cublas_v2.h").exists() for d in toolkit_include_dirs(root)))
+
+
+def find_cublas_wheel(major: int, paths: list[str] | None = None) -> tuple[Path, Path] | None:
+    """(include dir, lib dir) of NVIDIA's cuBLAS wheel for CUDA ``major`` on this Python's path: nvidia-cublas lays
+    out nvidia/cu13/{include,lib} (CUDA 13), nvidia-cublas-cu12 nvidia/cublas/{include,lib}. Its libraries carry
+    only the versioned name (libcublas.so.13), so CMake is told the files instead of searching for them."""
+    layouts = [Path("nvidia") / f"cu{major}"] + ([Path("nvidia") / "cublas"] if major == 12 else [])
+    for entry in sys.path if paths is None else paths:
+        for lay in layouts:
+            base = Path(entry or ".") / lay
+            inc, lib = base / "include", base / "lib"
+            if (inc / "cublas_v2.h").is_file() and (lib / f"libcublas.so.{major}").is_file() \
+                    and (lib / f"libcublasLt.so.{major}").is_file():
+                return inc, lib
+    return None
+
+
+def find_cuda_driver(root: Path) -> tuple[str, Path | None]:
+    """libcuda to link against: ("toolkit", None) when the toolkit has its stub (CMake finds that itself), else
+    ("driver", the driver's own libcuda.so.1: ldconfig's list, $LD_LIBRARY_PATH, /usr/local/nvidia, the system
+    folders), else ("none", None)."""
+    for d in toolkit_lib_dirs(root):
+        if (d / "stubs" / "libcuda.so").exists():
+            return "toolkit", None
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    for line in out.splitlines():
+        name, _, where = line.strip().partition(" => ")
+        if name.startswith("libcuda.so.1 ") and Path(where).exists():
+            return "driver", Path(where)
+    dirs = os.environ.get("LD_LIBRARY_PATH", "").split(":")
+    dirs += ["/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", f"/usr/lib/{platform.machine()}-linux-gnu",
+             "/usr/lib64"]
+    for d in dirs:
+        if d and (Path(d) / "libcuda.so.1").exists():
+            return "driver", Path(d) / "libcuda.so.1"
+    return "none", None
+
+
+def make_libcuda_stub(stub: Path, include_dirs: list[Path]) -> None:
+    """A link-time libcuda for a machine without a driver, what NVIDIA's stubs are: soname libcuda.so.1, defining
+    the driver API's entry points that the toolkit's cuda.h declares (empty bodies). It must define what the
+    library uses, or a linker with --as-needed (Debian's default) drops it and the library never asks for
+    libcuda.so.1; the real driver library provides them at run time."""
+    names = {"cuInit", "cuDriverGetVersion", "cuGetErrorString", "cuDeviceGet", "cuDeviceGetAttribute"}
+    for d in include_dirs:
+        if (d / "cuda.h").is_file():
+            text = (d / "cuda.h").read_text(errors="replace")
+            names |= set(re.findall(r"\bCUDAAPI\s+(cu\w+)\s*\(", text))  # declared names
+            names |= set(re.findall(r"^\s*#\s*define\s+cu\w+\s+(cu\w+)\s*$", text, re.M))  # versioned (_v2)
+            break
+    stub.parent.mkdir(parents=True, exist_ok=True)
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or "cc"
+    src = "".join(f"void {n}(void) {{}}\n" for n in sorted(names))
+    r = subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-x", "c", "-", "-o", str(stub)],
+                       input=src, capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"could not make a libcuda link stub: {r.stderr.strip()[-500:]}")
+
+
+def cuda_driver_loadable() -> bool:
+    """Whether this machine has a CUDA driver a CUDA build could load (libcuda.so.1)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def install_cuda_extra() -> None:
+    """pip-install pyproject's ``cuda`` extra (the cuBLAS wheel) into this Python: the packages only, not the
+    project again."""
+    import tomllib
+
+    reqs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][CUDA_EXTRA]
+    print(f"the CUDA toolkit has no cuBLAS: installing {', '.join(reqs)} into {sys.prefix} ...", flush=True)
+    if subprocess.run([sys.executable, "-m", "pip", "install", "-q", *reqs]).returncode != 0:
+        fail(f"pip could not install {' '.join(reqs)}; install a CUDA toolkit with cuBLAS, or those wheels")
+
+
+def cuda_hints(shim: Path, install: bool = True) -> tuple[list[str], dict]:
+    """CMake arguments that say where the CUDA pieces are (paths: not part of the key), and a record of them.
+
+    - the compiler: CMAKE_CUDA_COMPILER (so FindCUDAToolkit starts from the toolkit, not a wrapper on PATH);
+    - cuBLAS: the toolkit's when it has one; else NVIDIA's wheel (pyproject's ``cuda`` extra, installed on demand):
+      CUDA_cublas(Lt)_LIBRARY name its files, and a folder of links to its cublas headers alone is added to every
+      CUDA compile (the wheel folder itself may also hold another cudart's headers, which must not shadow the
+      toolkit's);
+    - libcuda (linked for ggml's VMM pool): the toolkit's stub, else the driver's, else (a machine with neither:
+      no GPU) an empty link stub whose soname is libcuda.so.1, what NVIDIA's stubs are; such a build compiles and
+      links but loads only where a driver is;
+    - the run-time search path: $ORIGIN, the toolkit's libraries and the wheel's, so the bindings load cudart and
+      cuBLAS without LD_LIBRARY_PATH."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        fail("SPECTER_CUDA=1 but no nvcc found ($CUDACXX, $CUDA_HOME/bin, /usr/local/cuda/bin, PATH)")
+    release = nvcc_release(nvcc)
+    if release is None:
+        fail(f"{nvcc} --version did not say its release")
+    root = nvcc.resolve().parent.parent
+    args = [f"-DCMAKE_CUDA_COMPILER={nvcc}"]
+    info: dict = {"nvcc": str(nvcc), "release": f"{release[0]}.{release[1]}", "arch": cuda_arch()}
+    rpath = ["$ORIGIN", *(str(d) for d in toolkit_lib_dirs(root))]
+    if toolkit_has_cublas(root):
+        info["cublas"] = "toolkit"
+    else:
+        found = find_cublas_wheel(release[0])
+        if found is None and install:
+            install_cuda_extra()
+            import site
+
+            found = find_cublas_wheel(release[0], [*sys.path, *site.getsitepackages()])
+        if found is None:
+            fail(f"no cuBLAS for CUDA {release[0]}: not in the toolkit at {root}, and no nvidia cuBLAS wheel on "
+                 f"this Python's path (pip install '.[{CUDA_EXTRA}]')")
+        inc, lib = found
+        hdr = shim / "include"
+        shutil.rmtree(hdr, ignore_errors=True)
+        hdr.mkdir(parents=True)
+        for h in inc.glob("*.h"):
+            if h.name.startswith(("cublas", "nvblas")):
+                (hdr / h.name).symlink_to(h)
+        args += [f"-DCUDA_cublas_LIBRARY={lib / f'libcublas.so.{release[0]}'}",
+                 f"-DCUDA_cublasLt_LIBRARY={lib / f'libcublasLt.so.{release[0]}'}",
+                 f"-DCMAKE_CUDA_STANDARD_INCLUDE_DIRECTORIES={hdr}"]
+        rpath.append(str(lib))
+        info["cublas"] = str(lib)
+    kind, driver = find_cuda_driver(root)
+    if kind == "toolkit":
+        info["libcuda"] = "toolkit stub"
+    elif kind == "driver":
+        args.append(f"-DCUDA_cuda_driver_LIBRARY={driver}")
+        info["libcuda"] = str(driver)
+    else:
+        stub = shim / "lib" / "libcuda.so"
+        make_libcuda_stub(stub, toolkit_include_dirs(root))
+        args.append(f"-DCUDA_cuda_driver_LIBRARY={stub}")
+        info["libcuda"] = "link stub (no driver here)"
+    args.append("-DCMAKE_INSTALL_RPATH=" + ";".join(rpath))  # after the options' $ORIGIN, so this one wins
+    return args, info
 
 
 def _cmake_version(exe: str) -> tuple[int, ...] | None:
@@ -301,9 +556,10 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
             fail(f"patch {p.name} does not apply:\n{r.stdout}{r.stderr}")
 
 
-def run_cmake_build(cmake: str, llama_dir: Path, bdir: Path, opts: list[str], log: Path) -> None:
+def run_cmake_build(cmake: str, llama_dir: Path, bdir: Path, opts: list[str], log: Path,
+                    hints: list[str] = ()) -> None:
     with open(log, "w") as lf:
-        configure = [cmake, "-S", str(ROOT), "-B", str(bdir), f"-DPYSPECTER_LLAMA_DIR={llama_dir}", *opts]
+        configure = [cmake, "-S", str(ROOT), "-B", str(bdir), f"-DPYSPECTER_LLAMA_DIR={llama_dir}", *opts, *hints]
         r = subprocess.run(configure, stdout=lf, stderr=subprocess.STDOUT)
         if r.returncode != 0:
             fail(f"cmake configure failed, see {log}")
@@ -324,6 +580,16 @@ def run_cmake_build(cmake: str, llama_dir: Path, bdir: Path, opts: list[str], lo
             fail(f"llama.cpp build failed, see {log}")
 
 
+NOT_LINKED = ("not linked into the venv: no CUDA driver on this machine to load it (the CPU build, if any, stays "
+              "linked); use it with PYTHONPATH={root}")
+
+
+def may_link(cuda: bool) -> bool:
+    """A CUDA build is linked into the venv only where it can load: a machine without a CUDA driver keeps the
+    build it had (a compile check of the CUDA path must not break the CPU machine's venv)."""
+    return not cuda or cuda_driver_loadable()
+
+
 def link_into_venv(pkg_root: Path) -> None:
     site = Path(sysconfig.get_paths()["purelib"])
     (site / PTH_NAME).write_text(str(pkg_root) + "\n")
@@ -331,6 +597,13 @@ def link_into_venv(pkg_root: Path) -> None:
 
 def main() -> None:
     pin = read_pin()
+    if "--trim-sdist" in sys.argv[1:]:  # tools/gpu_check.sh --prepare: the source for a machine without a registry
+        args = sys.argv[1:]
+        i = args.index("--trim-sdist")
+        if i + 1 >= len(args):
+            fail("--trim-sdist needs a destination file")
+        trim_sdist(pin, Path(args[i + 1]))
+        return
     patches = sorted(PATCHES.glob("*.patch"))
     cuda = want_cuda()
     amx, amx_why = amx_decision()
@@ -344,14 +617,17 @@ def main() -> None:
         print(pkg_root)
         return
     if info_path.exists():
-        if not asan:
-            link_into_venv(pkg_root)
         info = json.loads(info_path.read_text())
+        linked = not asan and may_link(cuda)
+        if linked:
+            link_into_venv(pkg_root)
         print(f"llama.cpp build {key} cached ({'CUDA' if info['cuda'] else 'CPU'}, built in {info['build_s']:.0f}s)")
+        if not linked and cuda:
+            print(NOT_LINKED.format(root=pkg_root))
         return
 
     cmake, cmake_version = find_cmake()
-    sdist = fetch_sdist(pin)
+    sdist = local_sdist(pin) or fetch_sdist(pin)
     t0 = time.time()
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
@@ -363,7 +639,11 @@ def main() -> None:
     print(f"AMX {'allowed' if amx else 'off'}: {amx_why}", flush=True)
     print(f"building llama.cpp + csrc/ ({'CUDA' if cuda else 'CPU'}) into {out} ...", flush=True)
     bdir = work / "cmake-build"
-    run_cmake_build(cmake, tree / "vendor" / "llama.cpp", bdir, opts, out / "build.log")
+    hints, cuda_info = cuda_hints(work / "cuda-shim") if cuda else ([], None)
+    if cuda_info:
+        print(f"CUDA {cuda_info['release']} for architecture {cuda_info['arch']}; cuBLAS: {cuda_info['cublas']}; "
+              f"libcuda: {cuda_info['libcuda']}", flush=True)
+    run_cmake_build(cmake, tree / "vendor" / "llama.cpp", bdir, opts, out / "build.log", hints)
 
     staging = out / "pkg.tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -377,15 +657,19 @@ def main() -> None:
     (staging / "BUILD_INFO.json").write_text(json.dumps({
         "key": key, "sdist_sha256": pin["sha256"], "patches": [p.name for p in patches],
         "sources": {str(p.relative_to(ROOT)): sha256_file(p) for p in source_files()},
-        "cmake": opts, "cmake_version": cmake_version, "cuda": cuda, "amx": {"allowed": amx, "why": amx_why},
+        "cmake": opts, "cmake_version": cmake_version, "cuda": cuda, "cuda_setup": cuda_info,
+        "amx": {"allowed": amx, "why": amx_why},
         "cpu": cpu_signature(), "build_s": build_s, "cpus": os.cpu_count(),
     }, indent=1))
     shutil.rmtree(pkg_root, ignore_errors=True)
     staging.rename(pkg_root)
     shutil.rmtree(bdir, ignore_errors=True)  # object files; the libraries are copied out and the log is kept
-    if not asan:
+    linked = not asan and may_link(cuda)
+    if linked:
         link_into_venv(pkg_root)
     print(f"llama.cpp built in {build_s:.0f}s (key {key})")
+    if not linked and cuda:
+        print(NOT_LINKED.format(root=pkg_root))
 
 
 if __name__ == "__main__":
