@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import shutil
 import stat
 import tarfile
@@ -204,3 +205,12 @@ def test_trimmed_sdist_round_trip(b, tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("SPECTER_SDIST", str(tmp_path / "missing.tar.gz"))
     with pytest.raises(SystemExit):
         b.local_sdist(pin)
+
+
+def test_gpu_check_script_parses() -> None:
+    import subprocess
+
+    script = ROOT / "tools" / "gpu_check.sh"
+    assert script.is_file() and os.access(script, os.R_OK)
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
