@@ -595,6 +595,21 @@ def link_into_venv(pkg_root: Path) -> None:
     (site / PTH_NAME).write_text(str(pkg_root) + "\n")
 
 
+def hold_key_lock(out: Path):
+    """One build per key at a time: a second build of the same key (another terminal, a parallel test, a second
+    session) would delete the first one's work tree under it. The second waits, then finds the build cached."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / ".lock", "w")  # noqa: SIM115  # kept open: the lock lives as long as the file object
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"waiting for another build of {out.name} to finish ...", flush=True)
+        fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
 def main() -> None:
     pin = read_pin()
     if "--trim-sdist" in sys.argv[1:]:  # tools/gpu_check.sh --prepare: the source for a machine without a registry
@@ -616,6 +631,7 @@ def main() -> None:
     if "--print-root" in sys.argv[1:]:  # where this configuration's bindings are (built or not)
         print(pkg_root)
         return
+    lock = hold_key_lock(out)  # noqa: F841  # held until this process exits
     if info_path.exists():
         info = json.loads(info_path.read_text())
         linked = not asan and may_link(cuda)
