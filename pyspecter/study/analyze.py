@@ -305,6 +305,7 @@ def _predictor_table(tr: Trace, rows: _Rows, lookaheads: list[int]) -> dict:
 def _learned(tr: Trace, rows: _Rows, lookaheads: list[int], predictor) -> tuple[dict | None, dict]:
     """The learned predictor scored like the others (a predictors-table entry) and per layer and horizon
     (recall and exact-set match), on the scored rows; (None, why) when it cannot be scored."""
+    from pyspecter.errors import SpecterError
     from pyspecter.learned import LearnedPredictor
 
     X = tr.get("router_inputs")
@@ -312,13 +313,16 @@ def _learned(tr: Trace, rows: _Rows, lookaheads: list[int], predictor) -> tuple[
         return None, {"available": False, "note": "not asked for"}
     if X is None:
         return None, {"available": False, "note": "trace has no router inputs (record it again with this version)"}
-    if predictor is None:
-        target = Path(tr.meta["target"])
-        predictor = LearnedPredictor.for_model(target) if target.is_file() else None
+    target = Path(tr.meta["target"])
+    try:
         if predictor is None:
-            return None, {"available": False, "note": f"no predictor fitted for {target} (pyspecter fit-predictor)"}
-    elif not isinstance(predictor, LearnedPredictor):
-        predictor = LearnedPredictor.load(predictor)
+            predictor = LearnedPredictor.for_model(target) if target.is_file() else None
+        elif not isinstance(predictor, LearnedPredictor):
+            predictor = LearnedPredictor.load(predictor)
+    except SpecterError as e:  # e.g. a sidecar of an older format: say so, and analyze the rest
+        return None, {"available": False, "note": f"{e} (pyspecter fit-predictor {target} fits a new one)"}
+    if predictor is None:
+        return None, {"available": False, "note": f"no predictor fitted for {target} (pyspecter fit-predictor)"}
     if predictor.layers != list(tr.meta["moe_layers"]) or predictor.n_expert != tr.n_expert:
         return None, {"available": False, "note": "the predictor was fitted for another model"}
     E, L, H = tr.n_expert, len(predictor.layers), predictor.horizons
