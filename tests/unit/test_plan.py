@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from test_decisions import _Api, _layout, _Upload
 
 from pyspecter.plan import RECENCY, PlanGovernor, PrefetchPlan
 from pyspecter.policies import Predicted
 from pyspecter.residency import Residency
-from test_decisions import _Api, _layout, _Upload
 
 
 class _Tier:
