@@ -4,6 +4,13 @@ The Python API (``load``, ``generate``, ``stream_generate``) lives in ``pyspecte
 use, so the CLI and ``import pyspecter`` stay quick.
 """
 
+import os as _os
+
+# numpy's BLAS would start a thread per core for the learned predictor's small matmuls, which run inside
+# llama.cpp's compute (the input hook): on 2 cores its threads and llama.cpp's spinning OpenMP threads took
+# 250-530 us per layer instead of 18. One thread, unless the user chose otherwise; set before numpy loads.
+_os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 __version__ = "0.1.0"
 
 __all__ = ["Response", "__version__", "generate", "load", "stream_generate"]

@@ -27,10 +27,13 @@ import numpy as np
 from pyspecter.cache import ExpertCache
 
 RECENCY = 0.5  # chance an expert a layer just used is needed at its next call (smol-moe's prev-token reuse ~0.5)
+# Below an even chance a prefetch costs more than it saves on a link-bound tier: a wrong upload takes the link from
+# the misses the compute thread waits for (measured on smol-moe, disk, 50%: uploading at p >= 0.25 read 47 MiB per
+# token against LRU's 29 and ran 0.76x LRU)
 
 
 class PrefetchPlan:
-    def __init__(self, cache: ExpertCache, *, min_prob: float = 0.25, link_gbps: float | None = None) -> None:
+    def __init__(self, cache: ExpertCache, *, min_prob: float = 0.5, link_gbps: float | None = None) -> None:
         self.cache = cache
         self.min_prob = min_prob
         self.link_gbps = link_gbps  # None: measured online on the cache's own uploads
@@ -137,6 +140,8 @@ class LayerAhead:
         self.calls = 0
 
     def on_input(self, il: int, x: np.ndarray) -> None:
+        if not self.plan.enabled:  # the governor has the plan off: predicting would only cost time
+            return
         t0 = time.perf_counter_ns()
         preds = self.predictor.predict(il, x)
         now = time.perf_counter()
@@ -162,7 +167,7 @@ class PlanGovernor:
     times blocks of tokens with the plan's uploads off and on, alternating, keeps the faster, and checks again
     every ``recheck`` tokens. What exploring cost is counted (tokens run in the mode that turned out slower)."""
 
-    def __init__(self, plan: PrefetchPlan, *, warmup: int = 8, block: int = 8, rounds: int = 2,
+    def __init__(self, plan: PrefetchPlan, *, warmup: int = 4, block: int = 4, rounds: int = 2,
                  recheck: int = 128) -> None:
         self.plan, self.warmup, self.block, self.rounds, self.recheck = plan, warmup, block, rounds, recheck
         self.tokens = 0
