@@ -50,6 +50,7 @@ class Worker:
         self._admit = threading.Lock()
         self.lock = threading.Lock()  # held while the session generates (and while it is closed)
         self.base = session.sampler.params  # the server's defaults: what a request does not set
+        self._pinned: int | None = None  # the governor's K to restore after a seeded sampled request
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
         self.ttft: deque[float] = deque(maxlen=512)  # seconds from arrival (queue wait included) to first token
         self.durations: deque[float] = deque(maxlen=32)
@@ -129,8 +130,16 @@ class Worker:
         seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**63)
         seed %= 2**64
         self.s.sampler = Sampler(params, seed)
+        self._pinned = None
         if self.s.decoder is not None:
             self.s.decoder.sampler = Sampler(params, seed)
+            gov = self.s.decoder.governor
+            if req.seed is not None and params.temperature > 0 and gov.pinned is None:
+                # A speculative sample depends on how many tokens each step drafts, which the governor picks
+                # from measured speed: a seeded request runs at the decoder's starting K throughout, so the same
+                # seed gives the same sample (the distribution is the target's either way)
+                self._pinned = gov.k
+                gov.pin(self.s.decoder.k)
 
     def _generate(self, job: Job) -> None:
         s, model = self.s, self.s.target
@@ -163,6 +172,9 @@ class Worker:
             self.counts["failed"] += 1
             job.emit(("error", str(e) if isinstance(e, SpecterError) else repr(e)))
             return
+        finally:
+            if self._pinned is not None and s.decoder is not None:  # back to adapting K
+                s.decoder.governor.pinned, s.decoder.governor.k = None, self._pinned
         if reason == "cancelled":
             self.counts["cancelled"] += 1
             return

@@ -18,6 +18,8 @@ def test_scale_measures_stock_and_the_disk_tier_in_fresh_processes() -> None:
     for x in runs.values():
         assert "error" not in x, x
         assert x["load_s"] > 0 and x["peak_rss"] > 0 and x["tpot_s"] > 0 and len(x["tokens"]) == 3
-    assert runs["25%"]["same_tokens_as_stock"] and runs["25%"]["slots_per_layer"] == out["n_expert"] // 4
+    # a quarter of the experts, less what a learned predictor fitted for the model takes (the session's default)
+    assert runs["25%"]["same_tokens_as_stock"]
+    assert out["n_expert_used"] <= runs["25%"]["slots_per_layer"] <= out["n_expert"] // 4
     # the disk tier does not pre-fault the experts at load (patch 0005): it reads less than the file
     assert runs["25%"]["load_read_bytes"] < out["file_bytes"]
