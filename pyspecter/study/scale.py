@@ -13,7 +13,6 @@ Child: ``python -m pyspecter.study.scale JOB_JSON`` prints one JSON line.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 from pyspecter.errors import SpecterError
+from pyspecter.study.capped import _drop_page_cache
 
 CHILD_TIMEOUT_S = 3600
 
@@ -29,14 +29,6 @@ def _read_bytes() -> int:
     """Bytes this process has caused to be read from storage (O_DIRECT reads and page faults alike)."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-
-
-def _drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _child(job: dict) -> dict:
