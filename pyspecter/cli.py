@@ -453,24 +453,15 @@ def _device_fit(lay, device: str) -> dict:
 
 def _place_on_device(path: Path, device: str, tier: str | None, budget: str | None) -> tuple[str, str | None]:
     """With a device, the host copy stays in RAM (--tier ram) and an unset budget is fitted to the device's free
-    memory, less the non-expert weights that go there too; one line says what and why."""
-    from pyspecter.budget import usable_memory
+    memory, less the non-expert weights that go there too (``_device_fit``); one line says what and why."""
     from pyspecter.layout import read_layout
-    from pyspecter.native.devices import open_device
 
-    dev = open_device(device)
-    assert dev is not None
     if budget is None:
         lay = read_layout(path).require_moe()
-        free, _ = dev.memory()
-        room = usable_memory(free) - lay.nonexpert_bytes
-        if room >= lay.expert_total_bytes:
-            why = f"every expert fits in {dev.name}'s {_fmt_bytes(free)} free"
-        else:
-            budget = str(max(room, 0))
-            why = (f"{dev.name} has {_fmt_bytes(free)} free: {_fmt_bytes(max(room, 0))} of expert slots "
-                   f"({100 * max(room, 0) / lay.expert_total_bytes:.0f}% of the experts), the rest in host RAM")
-        print(f"pyspecter: {why}", file=sys.stderr)
+        fit = _device_fit(lay, device)
+        if fit["slot_bytes"] < lay.expert_total_bytes:
+            budget = str(fit["slot_bytes"])
+        print(f"pyspecter: {fit['name']}: {fit['why']}", file=sys.stderr)
     return tier or "ram", budget
 
 

@@ -165,13 +165,18 @@ def test_tiny_sampling_is_per_request(tiny: Server) -> None:
                                                                max_tokens=12, temperature=0).choices[0].text
 
 
-def test_tiny_greedy_equals_generate(tiny: Server) -> None:
-    prompt = "compare me with the command line"
-    g = run_cli("generate", *TINY_ARGS, "-p", prompt, "-n", "12", "--json")
+def _greedy_equals_generate(srv: Server, args: tuple[str, ...], model: str, prompt: str, n: int) -> dict:
+    """The server's greedy answer is the command line's, token for token; returns generate's JSON."""
+    g = run_cli("generate", *args, "-p", prompt, "-n", str(n), "--json")
     assert g.returncode == 0, g.stderr
     ref = json.loads(g.stdout)
-    r = tiny.client().completions.create(model="tiny-qwen3moe", prompt=prompt, max_tokens=12)
+    r = srv.client().completions.create(model=model, prompt=prompt, max_tokens=n)
     assert r.choices[0].text == ref["text"] and r.usage.completion_tokens == len(ref["tokens"])
+    return ref
+
+
+def test_tiny_greedy_equals_generate(tiny: Server) -> None:
+    _greedy_equals_generate(tiny, TINY_ARGS, "tiny-qwen3moe", "compare me with the command line", 12)
 
 
 def test_smol_chat_uses_the_model_template(smol: Server) -> None:
@@ -191,11 +196,7 @@ def test_smol_chat_uses_the_model_template(smol: Server) -> None:
 
 def test_smol_greedy_equals_generate(smol: Server) -> None:
     prompt = "The three primary colors are"
-    g = run_cli("generate", *SMOL_ARGS, "-p", prompt, "-n", "24", "--json")
-    assert g.returncode == 0, g.stderr
-    ref = json.loads(g.stdout)
-    r = smol.client().completions.create(model="smol-moe", prompt=prompt, max_tokens=24)
-    assert r.choices[0].text == ref["text"] and r.usage.completion_tokens == len(ref["tokens"])
+    ref = _greedy_equals_generate(smol, SMOL_ARGS, "smol-moe", prompt, 24)
     parts = [c.choices[0].text for c in smol.client().completions.create(model="smol-moe", prompt=prompt,
                                                                          max_tokens=24, stream=True) if c.choices]
     assert "".join(parts) == ref["text"]
