@@ -2,13 +2,19 @@
 
 A budget is bytes of fast memory for expert slots. The draft's bytes come out of it when the draft is counted
 (equal total fast memory: headline comparisons count it), and so do surrogates. One slot is one expert's worth
-of bytes in every MoE layer, so the same number of slots is allocated per layer.
+of bytes in one MoE layer. A budget buys whole slot rows (one slot in every layer) and, where slots not written
+take no memory (CPU), the remainder as single slots in some layers, or is spread over the layers by measured
+miss curves (``allocate_slots``).
 """
 
 from __future__ import annotations
 
+import heapq
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
@@ -48,6 +54,90 @@ def slots_for_budget(layout: ModelLayout, budget_bytes: int) -> int:
     return min(layout.n_expert, budget_bytes // per_slot_row) if per_slot_row else 0
 
 
+# per MoE layer position j: misses measured with s slots, s = 0..n_expert (a mapping by j, a list, a 2-d array)
+Curves = Mapping[int, Sequence[float]] | Sequence[Sequence[float]]
+
+
+def slot_bytes(layout: ModelLayout, counts: Mapping[int, int]) -> int:
+    """Bytes of fast memory that ``counts`` (layer index -> slots) take."""
+    size = {L.index: L.expert_bytes for L in layout.layers}
+    return sum(size[il] * n for il, n in counts.items())
+
+
+def allocate_slots(layout: ModelLayout, budget_bytes: int, *,
+                   curves: Curves | None = None, base: int | None = None, device: bool = False) -> dict[int, int]:
+    """Slots per MoE layer (layer index -> count) that ``budget_bytes`` buys, never more than the budget, each
+    count in [base, n_expert] (base defaults to top-k: one token's experts must fit). Layers may have experts of
+    different sizes, so a slot costs its own layer's expert bytes.
+
+    Without ``curves``: whole slot rows, then the remainder as one more slot per layer in forward order while it
+    lasts (a budget is rarely a whole number of rows: a 5 MiB predictor once cost a 50 MB row). With ``curves``
+    (for MoE layer position j, ``curves[j][s]`` = misses measured with s slots, s = 0..n_expert; lower is better):
+    from ``base`` everywhere, each next slot goes to the layer whose misses fall most per byte, looking past a
+    flat stretch of its curve (the best average drop over its next slots), so a layer whose gain comes a few
+    slots later is not starved. Ties (flat curves) go to the layer with the fewest slots, then in forward order,
+    which spreads evenly.
+
+    device=True: slots on a device are real memory in every layer up to the largest count (the C side allocates
+    one count for all layers), so the counts stay uniform: whole rows only, curves ignored."""
+    layers = layout.layers
+    E, k = layout.n_expert, layout.n_expert_used
+    floor = k if base is None else base
+    if floor < k or floor > E:
+        raise SpecterError(f"base {floor} slots per layer must be in [top-{k}, {E}]")
+    row = sum(L.expert_bytes for L in layers)
+    if floor * row > budget_bytes:
+        raise SpecterError(f"budget {budget_bytes / 2**20:.1f} MiB buys fewer than {floor} expert slots per layer "
+                           f"({row * floor / 2**20:.1f} MiB)")
+    if curves is None or device:
+        n = max(floor, min(E, budget_bytes // row if row else E))
+        counts = {L.index: n for L in layers}
+        if device or n >= E:
+            return counts
+        left = budget_bytes - n * row
+        for L in layers:  # the remainder: less than a row, so at most one slot each
+            if L.expert_bytes <= left:
+                counts[L.index] += 1
+                left -= L.expert_bytes
+        return counts
+    if len(curves) != len(layers):
+        raise SpecterError(f"{len(curves)} miss curves for {len(layers)} MoE layers")
+    for j in range(len(layers)):
+        if len(curves[j]) < E + 1:
+            raise SpecterError(f"miss curve {j} has {len(curves[j])} points; needs one per slot count 0..{E}")
+    counts = {L.index: floor for L in layers}
+    left = budget_bytes - floor * row
+    arr = [np.asarray(curves[j], dtype=np.float64)[: E + 1] for j in range(len(layers))]
+    steps = np.arange(1, E + 1, dtype=np.float64)
+
+    def rate(j: int, n: int) -> float:
+        # misses saved per byte by the best run of next slots (the lower hull's slope), so a flat stretch before
+        # a drop does not hide the drop: greedy on single steps is only optimal for convex curves
+        c = arr[j]
+        best = max(0.0, float(np.max((c[n] - c[n + 1:]) / steps[: E - n])))
+        return best / layers[j].expert_bytes if layers[j].expert_bytes else float("inf")
+
+    heap = [(-rate(j, floor), floor, j) for j in range(len(layers)) if floor < E]
+    heapq.heapify(heap)
+    while heap:
+        _, n, j = heapq.heappop(heap)
+        L = layers[j]
+        if L.expert_bytes > left:
+            continue  # what is left only shrinks: this layer never fits another slot
+        counts[L.index] = n + 1
+        left -= L.expert_bytes
+        if n + 1 < E:
+            heapq.heappush(heap, (-rate(j, n + 1), n + 1, j))
+    return counts
+
+
+def split_counts(counts: Mapping[int, int]) -> tuple[int, dict[int, int]]:
+    """(slots every layer has, layer -> slots beyond that): ``ExpertCache(n_slots=..., extra=...)``'s form of
+    per-layer counts. Layers without extra slots are left out."""
+    n = min(counts.values())
+    return n, {il: c - n for il, c in counts.items() if c > n}
+
+
 def check_slots(layout: ModelLayout, n_slots: int, *, reserved: int = 0, held: int = 0) -> None:
     """Refuse a slot count that cannot serve one token: fewer usable slots than top-k, counting the ``reserved``
     (surrogate) and ``held`` (a draft's, for later) slots out."""
@@ -64,23 +154,33 @@ def check_slots(layout: ModelLayout, n_slots: int, *, reserved: int = 0, held: i
 @dataclass(frozen=True)
 class MemoryPlan:
     """Slots per layer for a budget: ``slots`` allocated in all, of which ``held`` wait for the draft's memory
-    (used once a draft that does not pay is dropped) and ``reserved`` hold surrogates."""
+    (used once a draft that does not pay is dropped) and ``reserved`` hold surrogates; ``extra``: layer -> regular
+    slots that layer has beyond ``slots`` (a budget spread by layer; pass it on as ``ExpertCache(extra=...)``)."""
 
     slots: int
     held: int = 0
     reserved: int = 0
     budget_bytes: int | None = None  # None: no budget, every expert resident
+    extra: dict[int, int] = field(default_factory=dict)
 
     @property
     def usable(self) -> int:
-        """Slots eviction may use from the start."""
+        """Slots eviction may use from the start in every layer (a layer with extra slots has more)."""
         return self.slots - self.held - self.reserved
+
+    def usable_in(self, il: int) -> int:
+        """Slots eviction may use from the start in layer il."""
+        return self.usable + self.extra.get(il, 0)
 
     @classmethod
     def for_budget(cls, layout: ModelLayout, budget: str | None, *, draft_bytes: int = 0,
-                   count_draft: bool = True, surrogate_bytes: int = 0, predictor_bytes: int = 0) -> MemoryPlan:
+                   count_draft: bool = True, surrogate_bytes: int = 0, predictor_bytes: int = 0,
+                   spread: bool = False, curves: Curves | None = None,
+                   device: bool = False) -> MemoryPlan:
         """What ``budget`` (text, as a user gives it) buys for ``layout`` once the draft (when counted) and the
-        surrogates have taken their bytes out of it."""
+        surrogates have taken their bytes out of it. spread=True (or ``curves``) spends what whole slot rows leave
+        as ``extra`` slots in some layers (by ``curves``, when given: see ``allocate_slots``); device=True keeps
+        the counts uniform (device slots are real memory up to the largest count in every layer)."""
         layout.require_moe()
         reserved = layout.n_expert_used if surrogate_bytes else 0
         if budget is None:
@@ -104,6 +204,9 @@ class MemoryPlan:
                 raise SpecterError(f"the surrogates ({surrogate_bytes / 2**20:.1f} MiB) do not fit in budget "
                                    f"{budget}; surrogate mode needs {2 * layout.n_expert_used} slots per layer "
                                    "beside them")
+        if (spread or curves is not None) and not device:
+            return cls._spread(layout, budget, full, left, draft_bytes=draft_bytes if count_draft else 0,
+                               reserved=reserved, curves=curves)
         slots = slots_for_budget(layout, left)
         if slots < layout.n_expert_used and not surrogate_bytes:
             raise SpecterError(f"budget {budget} buys {slots} expert slots per layer, below "
@@ -114,6 +217,31 @@ class MemoryPlan:
         if draft_bytes and count_draft and not surrogate_bytes:
             held = max(0, min(slots_for_budget(layout, full), layout.n_expert) - slots)
         plan = cls(slots=slots + held, held=held, reserved=reserved, budget_bytes=left)
+        check_slots(layout, plan.slots, reserved=reserved, held=held)
+        return plan
+
+    @classmethod
+    def _spread(cls, layout: ModelLayout, budget: str, full: int, left: int, *, draft_bytes: int, reserved: int,
+                curves) -> MemoryPlan:
+        """for_budget with per-layer counts: ``left`` bytes spread over layers, the floor uniform (held and
+        reserved slots are uniform per layer; only regular slots differ)."""
+        k = layout.n_expert_used
+        try:
+            counts = allocate_slots(layout, left, curves=curves, base=k + reserved)
+        except SpecterError:
+            have = slots_for_budget(layout, left)
+            need = f"surrogate mode needs {2 * k}" if reserved else f"below top-{k}"
+            raise SpecterError(f"budget {budget} buys {have} expert slots per layer, {need}"
+                               + (" once the draft is counted" if draft_bytes else "")) from None
+        slots, extra = split_counts(counts)
+        held = 0
+        if draft_bytes and not reserved:
+            # what the draft's memory buys back, in whole rows on top of every layer's count, within the full
+            # budget and n_expert (the extra slots already spent part of what would be the held rows' remainder)
+            row = sum(L.expert_bytes for L in layout.layers)
+            rows = (full - slot_bytes(layout, counts)) // row if row else 0
+            held = max(0, min(rows, layout.n_expert - max(counts.values())))
+        plan = cls(slots=slots + held, held=held, reserved=reserved, budget_bytes=left, extra=extra)
         check_slots(layout, plan.slots, reserved=reserved, held=held)
         return plan
 

@@ -9,6 +9,7 @@ exactly on the host, so no decision made here can change the model's output, onl
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pyspecter import native
@@ -54,14 +55,15 @@ class ExpertCache:
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
                  surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0,
-                 on_input=None) -> None:
+                 on_input=None, extra: Mapping[int, int] | None = None) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
         lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
         held=N allocates N more slots per layer than it uses until ``release_held()``: memory that a draft holds
         now and the slots get once the draft is dropped (CPU slots never written take no memory); on_input(il, x):
         each MoE layer's router input before its routing call (learned predictors); ``route_observer``, when
-        set, hears ``on_route(il, needed, n_tokens)`` after each routing call."""
+        set, hears ``on_route(il, needed, n_tokens)`` after each routing call; extra: layer -> regular slots that
+        layer uses beyond ``n_slots`` (a budget spread by layer: ``budget.allocate_slots``/``split_counts``)."""
         layout.require_moe()
         pol = make_policy(policy)
         if miss not in MISS_MODES:
@@ -73,17 +75,21 @@ class ExpertCache:
         self.n_reserved = layout.n_expert_used if surrogates is not None else 0
         check_slots(layout, n_slots, reserved=self.n_reserved, held=held)
         self.n_regular = n_slots - self.n_reserved
+        self.extra = self._check_extra(model, layout, n_slots, extra)
         self.totals = Totals()
         self.surrogates = surrogates
         self.model, self.layout, self.n_slots = model, layout, n_slots
         self.policy, self.miss = policy, miss
         self.api = native.slots()
-        rc = self.api.slots_init(model.ptr, n_slots)
+        # the C side allocates one count in every layer: the largest. On the CPU a slot never written takes no
+        # memory, and a layer never writes past its own count, so the spread costs only what it uses
+        self.n_alloc = n_slots + max(self.extra.values(), default=0)
+        rc = self.api.slots_init(model.ptr, self.n_alloc)
         if rc != 0:
-            raise SpecterError(f"could not allocate {n_slots} expert slots per layer (code {rc})")
+            raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
         # slots eviction may use now: the regular ones less those held back for later
-        self.residency = Residency(model, layout, n_slots, self.n_regular - held, pol,
-                                   ghost_capacity=self.n_regular if held else None)
+        self.residency = Residency(model, layout, self.n_alloc, self.n_regular - held, pol,
+                                   ghost_capacity=self.n_regular if held else None, held=held, extra=self.extra)
         self.tier = tier or RamTier()
         self.tier.bind(model, layout)
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
@@ -103,13 +109,46 @@ class ExpertCache:
         self._closed = False
         self._prev_tokens = 0  # ubatch size of the latest routing call
 
+    @staticmethod
+    def _check_extra(model: native.Model, layout: ModelLayout, n_slots: int,
+                     extra: Mapping[int, int] | None) -> dict[int, int]:
+        """Layer -> extra regular slots, checked (each layer's count within n_expert; the floor, ``n_slots``, is
+        checked against top-k by check_slots); empty on a device."""
+        extra = {il: x for il, x in (extra or {}).items() if x}
+        moe = {L.index for L in layout.layers}
+        for il, x in extra.items():
+            if il not in moe:
+                raise SpecterError(f"extra slots for layer {il}, which is not a MoE layer")
+            if x < 0 or n_slots + x > layout.n_expert:
+                raise SpecterError(f"layer {il}: {n_slots} slots {x:+d} extra is outside "
+                                   f"[{n_slots}, {layout.n_expert}] (n_expert)")
+        if getattr(model, "device", None) is not None:
+            # device slots are real memory, allocated at the largest count in every layer: a spread would pay
+            # for slots that only some layers use, so the counts stay uniform (the floor, n_slots)
+            return {}
+        return extra
+
     @property
     def layers(self):
         return self.residency.layers
 
     @property
     def n_usable(self) -> int:
+        """Slots every layer hands out now (a layer with extra slots hands out more: ``usable(il)``)."""
         return self.residency.n_usable
+
+    def usable(self, il: int) -> int:
+        """Slots layer il hands out now."""
+        return self.residency.usable(il)
+
+    def usable_per_layer(self) -> dict[int, int]:
+        """Layer -> slots it hands out now, in forward order (stats: not in ``counters``, whose every value is a
+        count that merges by summing)."""
+        return {il: st.n_usable for il, st in self.layers.items()}
+
+    def usable_mean(self) -> float:
+        """Slots a layer hands out now, on average over the MoE layers."""
+        return sum(st.n_usable for st in self.layers.values()) / len(self.layers)
 
     def count_upload(self, il: int) -> None:
         self.stats.uploads += 1
@@ -220,7 +259,6 @@ class ExpertCache:
 
     def release_held(self) -> None:
         """The memory held back (a draft's) is free now: every allocated slot may be used from here on."""
-        self.residency.n_usable = self.n_regular
         self.residency.release_held()
 
     def check(self) -> None:
@@ -242,7 +280,7 @@ class ExpertCache:
     def warm(self, experts_by_layer: dict[int, list[int]]) -> None:
         """Fill slots before the first token (e.g. from a routing profile), hottest first."""
         for il, experts in experts_by_layer.items():
-            for slot, e in enumerate(experts[: self.n_usable]):
+            for slot, e in enumerate(experts[: self.usable(il)]):
                 self.tier.upload(il, e, slot)
                 self.count_upload(il)
                 self.residency.assign(il, e, slot)

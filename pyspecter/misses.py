@@ -189,7 +189,7 @@ class SurrogateMisses(MissHandler):
         inflight = st.inflight()
         self._wait_for_due(il, missing, inflight)  # the exact expert is worth a short wait
         cache = self.cache
-        free = list(range(cache.n_regular, cache.n_slots))
+        free = list(self.res.reserved(il, cache.n_reserved))  # after this layer's regular slots
         for e in missing:
             if st.where[e] >= 0:
                 continue

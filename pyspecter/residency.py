@@ -8,9 +8,11 @@ one that failed leaves its slot free and its expert a miss, which the host path 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pyspecter import native
+from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
 from pyspecter.policies import GhostLRU, Policy
 
@@ -33,6 +35,10 @@ class LayerSlots:
     prev_call: int = 0  # clock of this layer's previous routing call (the previous token's, in decode)
     last_call: int = 0  # ... and of its latest
     need: list[float] = field(default_factory=list)  # expert -> predicted chance of use at the next call (plan.py)
+    # Slots [0, n_usable) are handed out; [n_usable, n_regular) are held (a draft's memory) until release_held;
+    # the reserved ones (surrogates) follow from n_regular. Per layer: layers may have different counts
+    n_usable: int = 0
+    n_regular: int = 0
 
     def inflight(self) -> dict[int, object]:
         """expert -> handle of its upload in flight."""
@@ -40,23 +46,52 @@ class LayerSlots:
 
 
 class Residency:
-    """Slot tables of every MoE layer of one model, with the policy that picks victims. Slots ``n_usable`` and
-    above are not handed out: held ones (a draft's memory, until it is dropped) and reserved ones (surrogates)."""
+    """Slot tables of every MoE layer of one model, with the policy that picks victims. A layer hands out its
+    slots below its own ``n_usable``; the rest are not handed out: held ones (a draft's memory, until it is
+    dropped) and reserved ones (surrogates)."""
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, n_usable: int, policy: Policy,
-                 ghost_capacity: int | None = None, api=None) -> None:
-        """api: the C slot functions (``native.slots()``); tests pass a stand-in that records the mirror."""
+                 ghost_capacity: int | None = None, api=None, *, held: int = 0,
+                 extra: Mapping[int, int] | None = None) -> None:
+        """n_slots: slots allocated per layer (the C side's count); n_usable: regular slots every layer uses from
+        the start, and ``held`` more once ``release_held`` is called; extra: layer -> regular slots that layer uses
+        beyond the others (a budget spread by layer), numbered before its held and reserved ones. ghost_capacity:
+        the held-slot ghost's size in a layer without extra slots. api: the C slot functions (``native.slots()``);
+        tests pass a stand-in that records the mirror."""
         self.model, self.policy = model, policy
         self.api = api if api is not None else native.slots()
-        self.n_slots, self.n_usable = n_slots, n_usable
+        self.n_slots, self.held = n_slots, held
+        extra = dict(extra or {})
+        unknown = set(extra) - {L.index for L in layout.layers}
+        if unknown:
+            raise SpecterError(f"extra slots for layers that are not MoE layers: {sorted(unknown)}")
         E = layout.n_expert
-        self.layers = {
-            L.index: LayerSlots(owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E,
-                                ghost=GhostLRU(ghost_capacity) if ghost_capacity else None, loaded=[0] * n_slots)
-            for L in layout.layers
-        }
+        self.layers: dict[int, LayerSlots] = {}
+        for L in layout.layers:
+            x = extra.get(L.index, 0)
+            if x < 0 or n_usable + held + x > n_slots:
+                raise SpecterError(f"layer {L.index}: {n_usable + held + x} regular slots do not fit in the "
+                                   f"{n_slots} allocated")
+            self.layers[L.index] = LayerSlots(
+                owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E,
+                ghost=GhostLRU(ghost_capacity + x) if ghost_capacity else None, loaded=[0] * n_slots,
+                n_usable=n_usable + x, n_regular=n_usable + held + x)
         self.clock = 0
         self.failed_uploads = 0
+
+    @property
+    def n_usable(self) -> int:
+        """The fewest slots any layer hands out now (every layer's, when the budget is not spread by layer)."""
+        return min((st.n_usable for st in self.layers.values()), default=0)
+
+    def usable(self, il: int) -> int:
+        """Slots layer il hands out now."""
+        return self.layers[il].n_usable
+
+    def reserved(self, il: int, n_reserved: int) -> range:
+        """Layer il's ``n_reserved`` reserved (surrogate) slots: right after its regular ones."""
+        n = self.layers[il].n_regular
+        return range(n, n + n_reserved)
 
     def begin_call(self, il: int) -> LayerSlots | None:
         """A routing call of layer il starts: tick the clock and note the call (None: not a MoE layer)."""
@@ -93,7 +128,7 @@ class Residency:
         and sent it to the host path). -1: none."""
         st = self.layers[il]
         best, best_key, spared = -1, None, -1
-        for s in range(self.n_usable):
+        for s in range(st.n_usable):
             if s in st.pending or s in taken:
                 continue
             e = st.owner[s]
@@ -138,4 +173,5 @@ class Residency:
     def release_held(self) -> None:
         """The memory held back (a draft's) is free now: every allocated regular slot may be used."""
         for st in self.layers.values():
+            st.n_usable = st.n_regular
             st.ghost = None
