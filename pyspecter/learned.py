@@ -7,12 +7,20 @@ layer: ``x @ A_j + b_j`` gives the logits of layers j+1..j+H side by side. Horiz
 routing hook sees them, not transformer blocks. A reduced-rank predictor (``fit-predictor --rank r``) stores each
 source's matrix as two factors [n_embd, r] and [r, H * n_expert]: two smaller matmuls, fewer bytes.
 
-What a caller gets (the runtime API; nothing here is wired into prefetching or eviction yet):
+Reuse maps (for eviction): per MoE layer j, a linear map from x_j to how likely each expert of layer j is to be
+used again by the next ``reuse_horizon`` tokens (ridge on multi-hot targets, fitted on the same recorded text).
+The layer-ahead maps see only the current token; which resident expert to give up depends on the tokens to
+come, and the hidden state already carries much of what the next token will be. ``miss_curves`` [L, E + 1]: the
+misses per token an LRU cache of s slots had at each layer on the fit text (the budget's slot allocation reads
+them).
+
+What a caller gets (the runtime API; plan.py wires it into prefetching and eviction):
 
     p = LearnedPredictor.for_model(model_path)     # the sidecar fitted for this exact file, or None
     p = LearnedPredictor.load("P.npz")             # an explicit file (or a model path: its sidecar, or an error)
     probs = p.predict(il, x)    # {layer index il+h: float32 [n_expert] (or [n_tokens, n_expert])} for h = 1..H
     p.topk(il, x)               # {layer index: int64 [n_used]} the predicted expert sets
+    p.reuse(il, x)              # float32 [n_expert]: scores of use at layer il within the next tokens (or None)
     p.nbytes                    # fast memory the predictor occupies (count it in the budget)
 
 ``predict``'s numbers are calibrated probabilities that an expert is in the layer's true top-k: the experts are
@@ -124,6 +132,10 @@ class LearnedPredictor:
     sel_bias: list[np.ndarray | None] = field(default_factory=list)
     # reduced rank (fit-predictor --rank r): A[j] is [n_embd, r] and A2[j] [r, n_t * n_expert]
     A2: list[np.ndarray | None] = field(default_factory=list)
+    # reuse maps (eviction): R[j] [n_embd, E], rb[j] [E]; empty for a predictor fitted before they existed
+    R: list[np.ndarray | None] = field(default_factory=list)
+    rb: list[np.ndarray | None] = field(default_factory=list)
+    miss_curves: np.ndarray | None = None  # [L, E + 1] LRU misses per token with s slots, on the fit text
 
     def __post_init__(self) -> None:
         self.n_expert = int(self.meta["n_expert"])
@@ -134,6 +146,9 @@ class LearnedPredictor:
         n = len(self.layers)
         self.sel_bias = self.sel_bias or [None] * n
         self.A2 = self.A2 or [None] * n
+        self.R = self.R or [None] * n
+        self.rb = self.rb or [None] * n
+        self.reuse_horizon = int(self.meta.get("reuse_horizon", 0))
         # per source j: the tables and bin edges of its targets j+1..j+n_t side by side ([n_t, B, E], [n_t, B-1])
         self._tables = [np.stack([self.rank_prob[j + h, h - 1] for h in range(1, self.n_targets(j) + 1)])
                         if self.b[j] is not None else None for j in range(n)]
@@ -148,8 +163,12 @@ class LearnedPredictor:
     @property
     def nbytes(self) -> int:
         """Bytes the predictor holds in memory (maps, biases, calibration tables): count them in the budget."""
-        arrays = [*self.A, *self.A2, *self.b, *self.sel_bias, self.rank_prob, self.gap_edges]
+        arrays = [*self.A, *self.A2, *self.b, *self.sel_bias, *self.R, *self.rb, self.rank_prob, self.gap_edges]
         return int(sum(a.nbytes for a in arrays if a is not None))
+
+    @property
+    def has_reuse(self) -> bool:
+        return any(r is not None for r in self.R)
 
     def n_targets(self, j: int) -> int:
         """Horizons available from MoE layer position j."""
@@ -212,6 +231,17 @@ class LearnedPredictor:
         ids = top_ids(y, k or self.n_used)
         return {self.layers[j + h]: ids[..., h - 1, :] for h in range(1, y.shape[-2] + 1)}
 
+    def reuse(self, il: int, x: np.ndarray) -> np.ndarray | None:
+        """Scores [n_expert] of each expert of layer il being used again within the next ``reuse_horizon``
+        tokens, from layer il's router input x [n_embd] (or [n_tokens, n_embd]: the last row, whose next token
+        is the one to come). Higher: keep. None when the predictor has no reuse map for the layer."""
+        j = self.pos[il]
+        R = self.R[j]
+        if R is None:
+            return None
+        x = np.asarray(x, np.float32)
+        return (x if x.ndim == 1 else x[-1]) @ R + self.rb[j]
+
     # --- files ---------------------------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -224,6 +254,10 @@ class LearnedPredictor:
                 arrays[f"A2_{j}"] = self.A2[j]
             if self.sel_bias[j] is not None:
                 arrays[f"sel_bias{j}"] = self.sel_bias[j]
+            if self.R[j] is not None:
+                arrays[f"R{j}"], arrays[f"rb{j}"] = self.R[j], self.rb[j]
+        if self.miss_curves is not None:
+            arrays["miss_curves"] = self.miss_curves
         meta = {**self.meta, "format": FORMAT, "layers": self.layers}
         meta.pop("path", None)  # where it was read from, not part of the file
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -272,4 +306,6 @@ class LearnedPredictor:
                    b=[arrays.get(f"b{j}") for j in range(n)], rank_prob=arrays["rank_prob"],
                    gap_edges=arrays["gap_edges"],
                    sel_bias=[arrays.get(f"sel_bias{j}") for j in range(n)],
-                   A2=[arrays.get(f"A2_{j}") for j in range(n)])
+                   A2=[arrays.get(f"A2_{j}") for j in range(n)],
+                   R=[arrays.get(f"R{j}") for j in range(n)], rb=[arrays.get(f"rb{j}") for j in range(n)],
+                   miss_curves=arrays.get("miss_curves"))

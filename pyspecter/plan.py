@@ -13,7 +13,10 @@ call, never below what recency says), and issues uploads most probable first whi
 them before their deadline; what cannot land in time is left to the miss path, where it would only compete with
 the reads the compute thread waits for. Eviction reads the same table (policy ``predicted``): the victim is the
 resident expert least likely to be needed, recency breaking ties, and a prediction never evicts an expert at
-least as likely to be needed as the one it brings in.
+least as likely to be needed as the one it brings in. Just before a layer routes, the learned reuse maps replace
+its row with how likely each expert is to be used by the next few tokens (``PrefetchPlan.reuse``): the misses of
+that call evict by the future, not by the past. That part reads nothing ahead, so it costs no link time and
+stays on whether or not the governor lets the plan issue uploads.
 
 Nothing here touches the output: a wrong plan costs reads, never correctness.
 """
@@ -72,6 +75,13 @@ class PrefetchPlan:
             need[e] = RECENCY if e in needed else 0.0
         self.due[il] = time.perf_counter() + next_call_in
 
+    def reuse(self, il: int, scores: np.ndarray) -> None:
+        """Layer il is about to route: rank its residents for this call's evictions by ``scores``, how likely
+        each expert is to be used within the next few tokens (the learned reuse maps)."""
+        st = self.cache.layers.get(il)
+        if st is not None:
+            st.need = scores.tolist()  # plain floats: the victim loop reads them one by one
+
     # --- uploads out -----------------------------------------------------------------------------------------
 
     def issue(self, layers) -> int:
@@ -127,11 +137,13 @@ class PrefetchPlan:
 
 
 class LayerAhead:
-    """The learned predictor as a plan source: at each MoE layer's router input (the input hook), predict the
-    next H layers of the same token and let the plan upload for them; after each routing call, recency."""
+    """The learned predictor as a plan source: at each MoE layer's router input (the input hook), the layer's
+    reuse scores for its own evictions, and (while the plan issues) a prediction of the next H layers of the same
+    token for the plan to upload; after each routing call, recency."""
 
-    def __init__(self, plan: PrefetchPlan, predictor) -> None:
+    def __init__(self, plan: PrefetchPlan, predictor, *, reuse: bool = True) -> None:
         self.plan, self.predictor = plan, predictor
+        self.reuse = reuse and predictor.has_reuse
         self.t_layer = 0.0  # EMA of the time between consecutive routing calls of one token
         self.t_token = 0.0
         self._last_call = 0.0
@@ -140,9 +152,15 @@ class LayerAhead:
         self.calls = 0
 
     def on_input(self, il: int, x: np.ndarray) -> None:
-        if not self.plan.enabled:  # the governor has the plan off: predicting would only cost time
-            return
         t0 = time.perf_counter_ns()
+        if self.reuse:
+            scores = self.predictor.reuse(il, x)
+            if scores is not None:
+                self.plan.reuse(il, scores)
+        if not self.plan.enabled:  # the governor has the plan off: predicting ahead would only cost time
+            self.predict_ns += time.perf_counter_ns() - t0
+            self.calls += 1
+            return
         preds = self.predictor.predict(il, x)
         now = time.perf_counter()
         step = self.t_layer or 0.0
@@ -163,9 +181,10 @@ class LayerAhead:
 
 
 class PlanGovernor:
-    """The plan never loses to plain on-demand loading by more than noise: after a warm-up with the plan on, it
-    times blocks of tokens with the plan's uploads off and on, alternating, keeps the faster, and checks again
-    every ``recheck`` tokens. What exploring cost is counted (tokens run in the mode that turned out slower)."""
+    """The plan never loses to plain on-demand loading by more than noise: after a warm-up with the plan's
+    uploads off (the safe mode: eviction still follows the predictions), it times blocks of tokens with them off
+    and on, alternating, keeps the faster, and checks again every ``recheck`` tokens. What exploring cost is
+    counted (tokens run in the mode that turned out slower)."""
 
     def __init__(self, plan: PrefetchPlan, *, warmup: int = 4, block: int = 4, rounds: int = 2,
                  recheck: int = 128) -> None:
@@ -176,6 +195,7 @@ class PlanGovernor:
         self.choice: bool | None = None  # decided mode, None while exploring
         self.explore_tokens_lost = 0
         self.decisions: list[tuple[int, bool]] = []
+        plan.enabled = False
 
     def observe(self, dt: float) -> None:
         """One decoded token took dt seconds; sets plan.enabled for the next one."""

@@ -143,7 +143,7 @@ def record(model_path: str | os.PathLike, n_tokens: int, *, held_out: bool = Fal
 
     lay = read_layout(model_path).require_moe()
     X_parts: list[list[np.ndarray]] = [[] for _ in lay.layers]
-    ids_parts, lengths, seen = [], [], set()
+    ids_parts, gen_parts, lengths, seen = [], [], [], set()
     bar = Progress(f"recording {'held-out' if held_out else 'fit'} text", n_tokens, "tokens")
     with native.Model(model_path) as model:
         items = _texts(model, held_out)
@@ -166,6 +166,8 @@ def record(model_path: str | os.PathLike, n_tokens: int, *, held_out: bool = Fal
                         for j in range(len(X)):
                             X_parts[j].append(X[j][keep])
                         ids_parts.append(ids[keep])
+                        # rows whose next tokens are the model's own text (the last prompt row's next is too)
+                        gen_parts.append((np.arange(len(seq)) >= len(toks) - 1)[keep])
                         lengths.append(int(keep.sum()))
                         total += int(keep.sum())
                     i += 1
@@ -179,6 +181,7 @@ def record(model_path: str | os.PathLike, n_tokens: int, *, held_out: bool = Fal
     ends = np.minimum(np.cumsum([0, *lengths]), n_tokens)
     lengths = [int(n) for n in np.diff(ends) if n > 0]
     return {"X": X, "ids": np.concatenate(ids_parts)[:n_tokens], "lengths": lengths,
+            "generated": np.concatenate(gen_parts)[:n_tokens],
             "layers": [L.index for L in lay.layers], "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used,
             "arch": lay.arch}
 

@@ -9,6 +9,8 @@ router itself: a check, not stored). All horizons of one source share one eigend
 matrix, so every penalty costs one more matrix product. The penalty is chosen per (layer, horizon) by top-k
 recall on a validation tail of the fit text (the last fifth of its sequences), the rank calibration of the
 runtime's probabilities is measured there too, and the maps are then refitted on all of it.
+
+The reuse maps for eviction and the LRU miss curves are fitted beside them (study/reuse_fit.py).
 """
 
 from __future__ import annotations
@@ -195,8 +197,11 @@ def fit_maps(X: list[np.ndarray], routers: Routers, horizons: int, val: np.ndarr
     return Fitted(maps, rank_prob, gap_edges, L, horizons, factors)
 
 
-def to_runtime(fitted: Fitted, layers: list[int], routers: Routers, meta: dict) -> LearnedPredictor:
-    """The runtime predictor: horizons 1..H of each source stacked into one float32 matrix (or its two factors)."""
+def to_runtime(fitted: Fitted, layers: list[int], routers: Routers, meta: dict,
+               reuse: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
+               curves: np.ndarray | None = None) -> LearnedPredictor:
+    """The runtime predictor: horizons 1..H of each source stacked into one float32 matrix (or its two factors);
+    ``reuse``: the reuse maps (R, rb) of ``fit_reuse``; ``curves``: LRU miss curves [L, E + 1]."""
     A, A2, b = [], [], []
     for j in range(fitted.n_layers):
         hs = [h for h in range(1, fitted.horizons + 1) if (j, h) in fitted.maps]
@@ -220,8 +225,10 @@ def to_runtime(fitted: Fitted, layers: list[int], routers: Routers, meta: dict) 
         if h >= 1:
             rp[j + h, h - 1], edges[j + h, h - 1] = fitted.rank_prob[j, h], fitted.gap_edges[j, h]
     sel = [None if s is None else np.asarray(s, np.float32) for s in routers.sel_bias]
+    R, rb = reuse if reuse is not None else ([], [])
     return LearnedPredictor(meta={**meta, "format": FORMAT, "horizons": fitted.horizons, "gating": routers.gating},
-                            layers=list(layers), A=A, b=b, rank_prob=rp, gap_edges=edges, sel_bias=sel, A2=A2)
+                            layers=list(layers), A=A, b=b, rank_prob=rp, gap_edges=edges, sel_bias=sel, A2=A2,
+                            R=list(R), rb=list(rb), miss_curves=curves)
 
 
 def evaluate(fitted: Fitted, X: list[np.ndarray], routers: Routers, true_ids: np.ndarray | None = None) -> dict:
@@ -296,6 +303,14 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
     bar = Progress("fitting", L, "layers") if progress else None
     fitted = fit_maps(fit["X"], routers, H, validation_rows(fit["lengths"]),
                       progress=bar.update if bar else None, rank=rank)
+    from pyspecter.study.reuse_fit import REUSE_HORIZON, evaluate_reuse, fit_reuse, lru_miss_curve
+
+    if bar:
+        bar.close()
+    bar = Progress("fitting reuse maps", L, "layers") if progress else None
+    R, rb, reuse_alpha = fit_reuse(fit["X"], fit["ids"], fit["lengths"], lay.n_expert, validation_rows(fit["lengths"]),
+                                   progress=bar.update if bar else None, rows=fit.get("generated"))
+    curves = np.stack([lru_miss_curve(fit["ids"][:, j], lay.n_expert) for j in range(L)])
     if bar:
         bar.close()
     ev = record(path, eval_tokens, held_out=True, n_threads=n_threads, progress=progress)
@@ -307,14 +322,20 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
                 "alpha": {f"{j}:{h}": m[2] for (j, h), m in fitted.maps.items()}}
     meta = {"model_key": key, "model": str(path), "model_name": lay.name, "arch": lay.arch,
             "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used, "n_embd": int(fit["X"][0].shape[1]),
-            "pyspecter": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "fit": fit_meta}
-    pred = to_runtime(fitted, [Lr.index for Lr in lay.layers], routers, meta)
+            "pyspecter": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "fit": fit_meta,
+            "reuse_horizon": REUSE_HORIZON}
+    pred = to_runtime(fitted, [Lr.index for Lr in lay.layers], routers, meta, reuse=(R, rb), curves=curves)
+    E, k = lay.n_expert, lay.n_expert_used
+    eviction = evaluate_reuse(pred, ev["X"], ev["ids"], sorted({max(k, E // 2), max(k, round(0.3 * E))}))
+    fit_meta["held_out_eviction"] = eviction
+    fit_meta["reuse_alpha"] = reuse_alpha
     dest = pred.save(Path(out) if out is not None else sidecar_path(path, key))
     return {"out": str(dest), "sidecar": out is None, "model": str(path), "model_key": key, "arch": lay.arch,
             "moe_layers": L, "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used, "horizons": H,
             "kind": fit_meta["kind"],
             "nbytes": pred.nbytes, "fit_tokens": fit_meta["tokens"], "held_out_tokens": fit_meta["held_out_tokens"],
-            "router_reproduction": reproduction, "held_out": held,
+            "router_reproduction": reproduction, "held_out": held, "reuse_horizon": REUSE_HORIZON,
+            "held_out_eviction": eviction,
             "per_layer": {"recall": _nan_none(scores["recall"]), "exact": _nan_none(scores["exact"])},
             "seconds": round(time.monotonic() - t0, 1)}
 
@@ -344,6 +365,12 @@ def describe(r: dict) -> str:
     for h, v in r["held_out"].items():
         what = "router itself (a check)" if h == "0" else f"{h} MoE layer{'s' if h != '1' else ''} ahead"
         lines.append(f"  h={h}: {100 * v['recall']:5.1f}% / {100 * v['exact']:5.1f}%   {what}")
+    if r.get("held_out_eviction"):
+        lines.append(f"held-out eviction (reuse maps: how soon each expert comes back within {r['reuse_horizon']} "
+                     "tokens), misses per token with s slots per layer:")
+        for s, v in r["held_out_eviction"].items():
+            lines.append(f"  s={s}: learned {v['learned']:.2f}   LRU {v['lru']:.2f}   Belady's MIN {v['belady']:.2f}"
+                         f"   (learned/LRU {v['learned'] / max(v['lru'], 1e-9):.2f}x)")
     where = "the model's sidecar, loaded automatically for this file" if r["sidecar"] else "not the sidecar"
     lines.append(f"written {r['out']} ({where})")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from pyspecter import learned
 from pyspecter.errors import SpecterError
 from pyspecter.learned import LearnedPredictor, model_key, selection_scores, sidecar_path
 from pyspecter.study import predictor_fit as pf
+from pyspecter.study import reuse_fit as rf
 
 
 def _chain(n: int, L: int = 5, d: int = 24, E: int = 8, noise: float = 0.3, seed: int = 0):
@@ -221,3 +222,62 @@ def test_a_reduced_rank_predictor_is_two_matmuls_with_the_same_answers(tmp_path:
     assert back.A2[0].shape == (4, 24) and back.nbytes == pred.nbytes
     assert all(np.array_equal(a, b) for a, b in zip(back.predict(0, Xe[0]).values(), pred.predict(0, Xe[0]).values(),
                                                     strict=True))
+
+
+def test_reuse_targets_look_ahead_within_a_sequence_only() -> None:
+    ids = np.array([[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]], [[0, 2]]])  # [n=5, L=1, k=2]; sequences of 3 and 2
+    Y, has = rf.reuse_targets(ids, [3, 2], 8, horizon=2)
+    assert has.tolist() == [True, True, False, True, False]
+    assert np.flatnonzero(Y[0, 0]).tolist() == [2, 3, 4, 5]  # the next two tokens of its sequence
+    assert np.flatnonzero(Y[1, 0]).tolist() == [4, 5]  # the sequence ends after one
+    assert not Y[2].any()  # last of its sequence: nothing after it counts, not the next sequence's
+    assert np.flatnonzero(Y[3, 0]).tolist() == [0, 2]
+
+
+def test_lru_miss_curve_is_a_direct_lru_simulation_for_every_size() -> None:
+    rng = np.random.default_rng(3)
+    ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(400)])
+    curve = rf.lru_miss_curve(ids, 8)
+    assert curve[0] == curve[1] == pytest.approx(2.0)  # below top-k every access misses
+    for s in range(2, 9):  # one token's experts are placed as a set: the stack model is off by a few at most
+        assert curve[s] * len(ids) == pytest.approx(rf.eviction_misses(ids, s), rel=0.02)
+    assert np.all(np.diff(curve) <= 1e-6)  # more slots never miss more (LRU's inclusion property)
+    assert curve[8] * len(ids) == 8  # all slots: first uses only
+
+
+def _reuse_data(n: int, seed: int):
+    """One layer whose next token's two experts are a linear function of this token's input."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype(np.float32)
+    W = np.random.default_rng(99).normal(size=(16, 8))
+    nxt = np.argsort(-(x @ W), axis=1)[:, :2]  # the experts row t + 1 uses
+    ids = np.concatenate([rng.choice(8, (1, 2), replace=False), nxt[:-1]])[:, None, :]  # [n, 1, 2]
+    return [x], ids
+
+
+def test_reuse_maps_evict_what_the_next_tokens_do_not_need() -> None:
+    X, ids = _reuse_data(4000, seed=0)
+    R, rb, alphas = rf.fit_reuse(X, ids, [400] * 10, 8, pf.validation_rows([400] * 10), horizon=1)
+    assert R[0].shape == (16, 8) and rb[0].shape == (8,) and alphas[0] in rf.REUSE_ALPHAS
+    Xe, ide = _reuse_data(1000, seed=1)
+    scores = Xe[0] @ R[0] + rb[0]
+    lru = rf.eviction_misses(ide[:, 0], 4)
+    learned_ = rf.eviction_misses(ide[:, 0], 4, scores)
+    assert learned_ < 0.85 * lru  # the future is in x: evicting by it beats recency by far
+
+
+def test_reuse_maps_and_miss_curves_round_trip(fitted, tmp_path: Path) -> None:
+    fit, R = fitted
+    layers = [1, 3, 4, 6, 9]
+    reuse = ([np.full((24, 8), j, np.float32) for j in range(5)], [np.arange(8, dtype=np.float32)] * 5)
+    curves = np.linspace(2, 0, 5 * 9, dtype=np.float32).reshape(5, 9)
+    pred = pf.to_runtime(fit, layers, R, {"n_expert": 8, "n_expert_used": 2, "reuse_horizon": 4}, reuse=reuse,
+                         curves=curves)
+    bare = pf.to_runtime(fit, layers, R, {"n_expert": 8, "n_expert_used": 2})
+    assert pred.has_reuse and not bare.has_reuse and bare.reuse(1, np.zeros(24)) is None
+    assert pred.nbytes == bare.nbytes + sum(a.nbytes for a in (*reuse[0], *reuse[1]))
+    back = LearnedPredictor.load(pred.save(tmp_path / "p.npz"))
+    assert back.reuse_horizon == 4 and np.array_equal(back.miss_curves, curves)
+    x = np.ones((3, 24), np.float32)
+    for j, il in enumerate(layers):
+        assert np.allclose(back.reuse(il, x), 24 * j + np.arange(8))  # a batch: its last row's next tokens

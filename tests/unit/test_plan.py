@@ -8,7 +8,7 @@ import time
 import numpy as np
 from test_decisions import _Api, _layout, _Upload
 
-from pyspecter.plan import RECENCY, PlanGovernor, PrefetchPlan
+from pyspecter.plan import RECENCY, LayerAhead, PlanGovernor, PrefetchPlan
 from pyspecter.policies import Predicted
 from pyspecter.residency import Residency
 
@@ -90,6 +90,34 @@ def test_recency_floor_and_newer_predictions() -> None:
     assert st.need[3] == RECENCY and st.need[4] == np.float32(0.9) and st.need[5] == np.float32(0.3)
     plan.enabled = False
     assert plan.issue([0]) == 0
+
+
+class _Reuse:
+    """A predictor with reuse maps only: expert e's score is x[e]."""
+
+    has_reuse = True
+
+    def reuse(self, il: int, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, np.float32)
+
+    def predict(self, il: int, x: np.ndarray) -> dict:
+        raise AssertionError("the plan is off: nothing may be predicted ahead")
+
+
+def test_reuse_scores_pick_the_victims_of_the_layers_own_call_with_the_plan_off() -> None:
+    cache = _Cache(n_slots=3)
+    plan = PrefetchPlan(cache)  # type: ignore[arg-type]
+    plan.enabled = False
+    ahead = LayerAhead(plan, _Reuse())
+    res = cache.residency
+    for slot, e in enumerate((1, 2, 3)):
+        res.assign(0, e, slot)
+    res.layers[0].last_use[:] = [5, 1, 3]  # LRU would give up expert 2 (slot 1)
+    ahead.on_input(0, _probs(e1=0.1, e2=0.9, e3=0.5))  # ... but the next tokens need it, and not expert 1
+    assert res.victim(0, protected={7}) == 0
+    ahead.on_input(0, _probs(e1=0.9, e2=0.9, e3=0.2))
+    assert res.victim(0, protected={7}) == 2
+    assert cache.tier.uploads == [] and ahead.calls == 2  # eviction only: nothing read ahead
 
 
 def test_governor_keeps_the_plan_only_where_it_is_faster() -> None:
