@@ -60,7 +60,7 @@ RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help=f"pena
 # bench's policies, named here so --help can list them without importing the bench
 BENCH_POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
                   "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
-                  "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "engine")
+                  "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine")
 BENCH_DEFAULTS = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu", "static-hot",
                   "prev-token")
 PromptsOpt = Annotated[Path | None, typer.Option(help="your prompts: a text file, one prompt a line, or JSONL "
@@ -300,7 +300,10 @@ def bench(
                                                       "expert and gives the oracle bound; static-hot pins the "
                                                       "experts most used on the packaged calibration prompts, "
                                                       "misses on the CPU; prev-token keeps what the previous token "
-                                                      "used, first-in first-out otherwise, misses waited for). "
+                                                      "used, first-in first-out otherwise, misses waited for; "
+                                                      "learned-evict evicts by the learned reuse maps, learned "
+                                                      "adds the prefetch plan, always on; engine is what "
+                                                      "generate runs). "
                                                       "Default: " +
                                                       ",".join(BENCH_DEFAULTS) + " (+ specter,specter-equal-slots "
                                                       "with --draft)", show_default=False)] = None,

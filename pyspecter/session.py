@@ -126,12 +126,16 @@ class Session:
             self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
         self.predictor = None if cfg.draft or cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
+        self.device = open_device(cfg.device)
+        # On the CPU, what whole slot rows leave of the budget is spent too, by layer: by the predictor's measured
+        # miss curves where there is one (a 5 MiB predictor once cost smol-moe a 50 MB row of slots)
         self.plan = MemoryPlan.for_budget(self.layout, cfg.budget, draft_bytes=self.draft_bytes,
                                           count_draft=cfg.draft_counts_in_budget,
                                           surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0,
-                                          predictor_bytes=self.predictor.nbytes if self.predictor else 0)
+                                          predictor_bytes=self.predictor.nbytes if self.predictor else 0,
+                                          spread=True, device=self.device is not None,
+                                          curves=self.predictor.miss_curves if self.predictor else None)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
-        self.device = open_device(cfg.device)
         if self.device is not None:
             check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)
         # on the disk tier the experts live in the file: loading must not read them all (patch 0005)
@@ -156,6 +160,7 @@ class Session:
         self.cache = ExpertCache(self.target, self.layout, self.plan.slots,
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
+                                 extra=self.plan.extra,
                                  on_input=(lambda il, x: box[0].on_input(il, x)) if learned else None)
         if learned:
             # the learned predictor and recency feed one prefetch plan; its governor keeps it only if it pays
@@ -265,7 +270,8 @@ class Session:
     def stats(self) -> dict:
         c = self.cache.counters()
         out = {"tokens": self.tokens_out, "tok_s": self.tokens_out / self.decode_s if self.decode_s else 0.0,
-               "slots_per_layer": self.n_slots, "n_expert": self.layout.n_expert, "tier": self.tier.name,
+               "slots_per_layer": self.n_slots, "slots_mean": self.cache.usable_mean(),
+               "n_expert": self.layout.n_expert, "tier": self.tier.name,
                "miss": self.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
                "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20,

@@ -34,7 +34,7 @@ from pyspecter.tiers import make_tier
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
-            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "engine")
+            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine")
 DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device")  # need --device
 # with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
 DEVICE_DEFAULTS = ("stock-cpu-moe", "stock-n-cpu-moe", "on-demand-lru", "on-demand-cpu", "prev-token", "static-hot")
@@ -154,7 +154,8 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
         for p in policies:
             if p in skipped:
                 continue
-            p_slots = {"surrogate": sur_slots, "learned": learned_slots or slots}.get(p, slots)
+            p_slots = {"surrogate": sur_slots, "learned": learned_slots or slots,
+                       "learned-evict": learned_slots or slots}.get(p, slots)
             try:
                 if tier == "disk" and p != "all-resident":  # all-resident is the no-stall limit: no cap
                     if p.startswith("specter") or p == "engine":
@@ -165,7 +166,8 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                         run, caps[p] = _run_capped(call, path, cap + extra)
                     else:
                         run, caps[p] = _run_capped({"fn": "run", "policy": p, "slots": p_slots,
-                                                    "surrogate_width": surrogate_width, **common}, path, cap)
+                                                    "surrogate_width": surrogate_width,
+                                                    "budget_bytes": budget_bytes, **common}, path, cap)
                     runs[p].append(run)
                 elif p == "engine":  # what generate and chat run by default: no draft, the learned plan if fitted
                     runs[p].append(run_specter(path, None, budget_bytes, True, tier, sets, n, n_threads, k,
@@ -224,7 +226,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
         sur_slots = MemoryPlan.for_budget(layout, str(budget_bytes), surrogate_bytes=sur_bytes).slots
     learned_slots = slots
-    if "learned" in policies:  # the predictor's tables live in fast memory too
+    if {"learned", "learned-evict"} & set(policies):  # the predictor's tables live in fast memory too
         from pyspecter.learned import LearnedPredictor
 
         learned_bytes = LearnedPredictor.load(path).nbytes
@@ -287,11 +289,12 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             **caps.get(p, uncapped),
         }
         if p == "engine":
-            out["policies"][p].update({k: c[k] for k in ("slots", "plan_prefetches", "plan_skipped_late",
+            out["policies"][p].update({k: c[k] for k in ("slots", "slots_mean", "plan_prefetches", "plan_skipped_late",
                                                           "predict_us_per_layer", "plan_on",
                                                           "plan_explore_tokens_lost", "predictor_mib") if k in c})
-        if p == "learned":
-            out["policies"][p].update(slots_per_layer=learned_slots, prefetches=c.get("prefetches", 0))
+        if p in ("learned", "learned-evict"):
+            out["policies"][p].update(slots_per_layer=learned_slots, slots_mean=c.get("slots_mean"),
+                                      prefetches=c.get("prefetches", 0))
         if p == "stock-n-cpu-moe":
             out["policies"][p]["n_cpu_moe"] = n_cpu_moe_for(layout, budget_bytes)
         if p == "static-hot":

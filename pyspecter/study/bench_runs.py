@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from pyspecter.budget import MemoryPlan
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
@@ -57,7 +58,7 @@ def merge_counters(parts: list[dict]) -> dict:
 
 
 def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier: str, path: Path,
-               surrogate_width: float, hot: dict[int, list[int]] | None) -> ExpertCache | None:
+               surrogate_width: float, hot: dict[int, list[int]] | None, budget_bytes: int = 0) -> ExpertCache | None:
     """The residency a policy runs with (None: stock, llama.cpp alone)."""
     if policy.startswith("all-resident"):
         # -hooked keeps the Python routing hook on with nothing to do: the hook's own cost per layer
@@ -72,17 +73,24 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False)
         cache.warm({il: hot_experts(hot[il], cache.n_usable) for il in cache.layers})
         return cache
-    if policy == "learned":
-        # on-demand waits as in on-demand-lru-ordered, plus the prefetch plan fed by the learned layer-ahead
-        # predictor and recency, and eviction by predicted reuse
+    if policy in ("learned", "learned-evict"):
+        # on-demand waits as in on-demand-lru-ordered, with eviction by the learned reuse maps; "learned" adds
+        # the prefetch plan fed by the learned layer-ahead predictor and recency, always issuing
         from pyspecter.learned import LearnedPredictor
         from pyspecter.plan import LayerAhead, PrefetchPlan
 
         predictor = LearnedPredictor.load(path)
+        extra = {}
+        if budget_bytes:  # as the engine spends its budget: the predictor's bytes out, the rest by miss curves
+            mp = MemoryPlan.for_budget(layout, str(budget_bytes), predictor_bytes=predictor.nbytes, spread=True,
+                                       curves=predictor.miss_curves)
+            slots, extra = mp.slots, mp.extra
         box: list[LayerAhead] = []
         cache = ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier), record=True,
-                            ordered=True, on_input=lambda il, x: box[0].on_input(il, x))
-        box.append(LayerAhead(PrefetchPlan(cache), predictor))
+                            ordered=True, on_input=lambda il, x: box[0].on_input(il, x), extra=extra)
+        plan = PrefetchPlan(cache)
+        plan.enabled = policy == "learned"
+        box.append(LayerAhead(plan, predictor))
         cache.route_observer = box[0]
         return cache
     if policy == "prev-token":
@@ -145,7 +153,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
     model = _model_for(policy, path, layout, device, budget_bytes, lazy_experts=tier == "disk")
     cache = None
     try:
-        cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot)
+        cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss
         with Context(model, n_threads=n_threads, n_ctx=max(map(len, prompts)) + n + 8) as ctx:
             ctx.warmup()
@@ -169,7 +177,10 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
                 if cache:
                     parts.append(cache.counters())
                     cache.check()
-        return Run(prefill, tpots, merge_counters(parts), peak, cache.trace if cache else None, tokens)
+        c = merge_counters(parts)
+        if cache:
+            c["slots_mean"] = cache.usable_mean()
+        return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens)
     finally:
         if cache:
             cache.close()
@@ -205,6 +216,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
             tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
         c = merge_counters(parts)
         c["slots"] = s.n_slots
+        c["slots_mean"] = s.cache.usable_mean()
         if s.decoder is not None:
             ds = s.decoder.stats
             c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off,
