@@ -354,6 +354,15 @@ def _learned(tr: Trace, rows: _Rows, lookaheads: list[int], predictor) -> tuple[
             entry["per_layer_recall_at_1"] = sc["per_layer_recall"]
         detail["by_horizon"][key] = {"recall": sc["recall"], "exact": sc["full_cover"], "samples": sc["samples"]}
         detail["per_layer"][key] = {"recall": sc["per_layer_recall"], "exact": per_exact}
+    if predictor.has_reuse:
+        # eviction by the reuse maps on the scored rows, one cache per layer, beside LRU and Belady's MIN
+        from pyspecter.study.reuse_fit import evaluate_reuse
+
+        k = tr.n_used
+        slots = sorted({max(k, E // 2), max(k, round(0.3 * E))})
+        Xs = [X[rows.eval, j].astype(np.float32) for j in range(L)]
+        detail["eviction"] = {"reuse_horizon": predictor.reuse_horizon,
+                              "misses_per_token": evaluate_reuse(predictor, Xs, tr["target_ids"][rows.eval], slots)}
     return entry, detail
 
 
@@ -598,6 +607,14 @@ def _format_learned(result: dict) -> list[str]:
         gx = gate.get("full_cover_at", {}).get(h) if gate.get("available") else None
         lines.append(f"  h={h}: learned {_fmt(v['recall'])} / {_fmt(v['exact'])}    next-layer-gate "
                      f"{_fmt(g)} / {_fmt(gx)}    ({v['samples']} layer-rows)")
+    ev = d.get("eviction")
+    if ev:
+        lines.append(f"eviction by its reuse maps (how soon each expert comes back, {ev['reuse_horizon']} tokens "
+                     "ahead), misses per token, one cache per layer:")
+        for s, v in ev["misses_per_token"].items():
+            lines.append(f"  {s} slots: learned {v['learned']:.2f}   LRU {v['lru']:.2f}   Belady's MIN "
+                         f"{v['belady']:.2f}   (learned/MIN {v['learned'] / max(v['belady'], 1e-9):.2f}x, "
+                         f"LRU/MIN {v['lru'] / max(v['belady'], 1e-9):.2f}x)")
     return lines
 
 

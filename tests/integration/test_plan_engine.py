@@ -1,6 +1,7 @@
 """The prefetch plan on the real path: a learned predictor fitted for tiny-qwen3moe drives uploads from the input
 hook, eviction reads its predictions, the governor decides; greedy output stays stock's, on the ram and disk
-tiers, in the session (what generate and chat run) and in bench's `learned` and `engine` policies."""
+tiers, in the session (what generate and chat run) and in bench's `learned`, `learned-evict` and `engine`
+policies."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from pyspecter import native
+from pyspecter.budget import parse_budget
 from pyspecter.engine import greedy
 from pyspecter.models.tiny import build_tiny
 from pyspecter.session import Session, SessionConfig
@@ -39,15 +41,21 @@ def test_session_with_the_plan_decodes_stocks_tokens(tier: str, fitted_cache: No
         assert s.generate(toks, 40, stop_at_eog=False) == ref
         st = s.stats()
         assert st["plan_prefetches"] > 0 and st["predict_us_per_layer"] > 0
+        assert s.predictor.has_reuse and s.ahead.reuse  # eviction by the reuse maps
+        # the whole budget is spent, by layer: the predictor's bytes and slots, to within one expert
+        lay = s.layout
+        spent = sum(s.cache.usable(L.index) * L.expert_bytes for L in lay.layers) + s.predictor.nbytes
+        assert parse_budget("25%", lay.expert_total_bytes) - max(L.expert_bytes for L in lay.layers) < spent
+        assert spent <= parse_budget("25%", lay.expert_total_bytes)
     with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, predictor="off")) as s:
         assert s.prefetch_plan is None
 
 
 def test_bench_learned_and_engine_policies_are_exact(fitted_cache: None) -> None:
     r = run_bench(build_tiny("tiny-qwen3moe"), tier="ram", budget="25%", repeat=1, n=12, n_threads=1,
-                  policies=["stock", "on-demand-lru", "learned", "engine"])
+                  policies=["stock", "on-demand-lru", "learned", "learned-evict", "engine"])
     pol = r["policies"]
-    for p in ("on-demand-lru", "learned", "engine"):
+    for p in ("on-demand-lru", "learned", "learned-evict", "engine"):
         assert pol[p]["same_tokens_as_stock"], p
-    assert pol["learned"]["prefetches"] > 0
+    assert pol["learned"]["prefetches"] > 0 and pol["learned-evict"]["prefetches"] == 0
     assert pol["learned"]["slots_per_layer"] <= r["slots_per_layer"]  # the predictor's bytes came out of it

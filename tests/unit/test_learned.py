@@ -281,3 +281,12 @@ def test_reuse_maps_and_miss_curves_round_trip(fitted, tmp_path: Path) -> None:
     x = np.ones((3, 24), np.float32)
     for j, il in enumerate(layers):
         assert np.allclose(back.reuse(il, x), 24 * j + np.arange(8))  # a batch: its last row's next tokens
+
+
+def test_reuse_maps_fit_on_every_row_when_too_few_are_generated() -> None:
+    X, ids = _reuse_data(800, seed=0)
+    only_last = np.zeros(800, bool)
+    only_last[399::400] = True  # a fixture's "generated" rows: the last of each sequence, with no next token
+    val = pf.validation_rows([400, 400])
+    R, rb, _ = rf.fit_reuse(X, ids, [400, 400], 8, val, horizon=1, rows=only_last)
+    assert np.isfinite(R[0]).all() and np.isfinite(rb[0]).all()
