@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from pyspecter.cache import ExpertCache
+from pyspecter.policies import EvictionDuel
 
 RECENCY = 0.5  # chance an expert a layer just used is needed at its next call (smol-moe's prev-token reuse ~0.5)
 # Below an even chance a prefetch costs more than it saves on a link-bound tier: a wrong upload takes the link from
@@ -75,12 +76,12 @@ class PrefetchPlan:
             need[e] = RECENCY if e in needed else 0.0
         self.due[il] = time.perf_counter() + next_call_in
 
-    def reuse(self, il: int, scores: np.ndarray) -> None:
-        """Layer il is about to route: rank its residents for this call's evictions by ``scores``, how likely
-        each expert is to be used within the next few tokens (the learned reuse maps)."""
+    def reuse(self, il: int, scores: list[float]) -> None:
+        """Layer il is about to route: rank its residents for this call's evictions by ``scores``, how soon
+        each expert is likely to be used again (the learned reuse maps)."""
         st = self.cache.layers.get(il)
         if st is not None:
-            st.need = scores.tolist()  # plain floats: the victim loop reads them one by one
+            st.need = scores
 
     # --- uploads out -----------------------------------------------------------------------------------------
 
@@ -141,9 +142,14 @@ class LayerAhead:
     reuse scores for its own evictions, and (while the plan issues) a prediction of the next H layers of the same
     token for the plan to upload; after each routing call, recency."""
 
-    def __init__(self, plan: PrefetchPlan, predictor, *, reuse: bool = True) -> None:
+    def __init__(self, plan: PrefetchPlan, predictor, *, reuse: bool = True, duel: bool = True) -> None:
+        """duel: evict by the reuse scores only while a bookkeeping duel against LRU says they miss less
+        (``policies.EvictionDuel``); False: always by the scores."""
         self.plan, self.predictor = plan, predictor
         self.reuse = reuse and predictor.has_reuse
+        cache = plan.cache
+        self.duel = EvictionDuel({il: cache.usable(il) for il in cache.layers}) if self.reuse and duel else None
+        self._scores: dict[int, list[float]] = {}
         self.t_layer = 0.0  # EMA of the time between consecutive routing calls of one token
         self.t_token = 0.0
         self._last_call = 0.0
@@ -156,7 +162,9 @@ class LayerAhead:
         if self.reuse:
             scores = self.predictor.reuse(il, x)
             if scores is not None:
-                self.plan.reuse(il, scores)
+                self._scores[il] = scores = scores.tolist()  # plain floats: victim loops read them one by one
+                if self.duel is None or self.duel.use_learned:
+                    self.plan.reuse(il, scores)
         if not self.plan.enabled:  # the governor has the plan off: predicting ahead would only cost time
             self.predict_ns += time.perf_counter_ns() - t0
             self.calls += 1
@@ -177,51 +185,75 @@ class LayerAhead:
             if gap < 0.5:  # between layers of one token, not across a pause
                 self.t_layer = gap if not self.t_layer else 0.9 * self.t_layer + 0.1 * gap
         self._last_call = now
+        if self.duel is not None:  # before used(): the scores may be the layer's table, which used() rewrites
+            self.duel.observe(il, needed, self._scores.pop(il, None), count=n_tokens == 1)
         self.plan.used(il, needed, self.t_layer * self._n_layers)
 
 
 class PlanGovernor:
-    """The plan never loses to plain on-demand loading by more than noise: after a warm-up with the plan's
-    uploads off (the safe mode: eviction still follows the predictions), it times blocks of tokens with them off
-    and on, alternating, keeps the faster, and checks again every ``recheck`` tokens. What exploring cost is
-    counted (tokens run in the mode that turned out slower)."""
+    """The plan never loses to plain on-demand loading by more than noise. Each look starts with a warm-up with
+    the plan's uploads off (the safe mode: eviction still follows the predictions). If the routing hooks (waits
+    for misses included) took most of those tokens, the link is busy nearly all the time and has no idle time
+    for prefetches to fill, so the plan stays off without exploring (on smol-moe's disk tier the hooks take
+    70-75% of a token, and the plan lost there in every measurement). Otherwise it times blocks of tokens with
+    the uploads off and on, alternating, and keeps the faster. It looks again every ``recheck`` tokens. What
+    exploring cost is counted (tokens run in the mode that turned out slower)."""
 
     def __init__(self, plan: PrefetchPlan, *, warmup: int = 4, block: int = 4, rounds: int = 2,
-                 recheck: int = 128) -> None:
+                 recheck: int = 128, max_stall_share: float = 0.5) -> None:
         self.plan, self.warmup, self.block, self.rounds, self.recheck = plan, warmup, block, rounds, recheck
+        self.max_stall_share = max_stall_share
         self.tokens = 0
         self._times: dict[bool, list[float]] = {True: [], False: []}
-        self._explore_until = warmup + 2 * rounds * block
+        self._start = 0  # token count when the current look began
+        self._warm = [0.0, 0.0]  # the look's warm-up: seconds, seconds in the routing hooks
+        self._hook_ns: int | None = None
         self.choice: bool | None = None  # decided mode, None while exploring
         self.explore_tokens_lost = 0
+        self.skipped_link_bound = 0  # looks that kept the plan off without exploring
         self.decisions: list[tuple[int, bool]] = []
         plan.enabled = False
+
+    def _hook_seconds(self) -> float:
+        """Seconds the cache's routing hooks took since the last call."""
+        ns = self.plan.cache.totals.hook_ns
+        prev, self._hook_ns = self._hook_ns, ns
+        return (ns - prev) / 1e9 if prev is not None else 0.0
 
     def observe(self, dt: float) -> None:
         """One decoded token took dt seconds; sets plan.enabled for the next one."""
         self.tokens += 1
-        t = self.tokens
-        if t <= self.warmup:
-            if t == self.warmup:
-                self.plan.enabled = False  # exploring starts with a block of plain on-demand loading
+        hooks = self._hook_seconds()
+        k = self.tokens - self._start  # tokens into the current look
+        explore_end = self.warmup + 2 * self.rounds * self.block
+        if self.choice is None and k <= self.warmup:
+            self._warm[0] += dt
+            self._warm[1] += hooks
+            if k == self.warmup and self._warm[1] > self.max_stall_share * self._warm[0]:
+                self.skipped_link_bound += 1
+                self._decided(False)
             return
-        if t <= self._explore_until:
+        if self.choice is None and k <= explore_end:
             self._times[self.plan.enabled].append(dt)
-            if t == self._explore_until:
+            if k == explore_end:
                 self._decide()
             else:
-                self.plan.enabled = ((t - self.warmup) // self.block) % 2 == 1
+                self.plan.enabled = ((k - self.warmup) // self.block) % 2 == 1
             return
-        if self.recheck and (t - self._explore_until) % self.recheck == 0:  # look again: the text may change
+        if self.recheck and self.decisions and self.tokens - self.decisions[-1][0] >= self.recheck:
+            # look again: the text may change
+            self._start, self.choice = self.tokens, None
             self._times = {True: [], False: []}
-            self._explore_until = t + 2 * self.rounds * self.block
+            self._warm = [0.0, 0.0]
             self.plan.enabled = False
 
     def _decide(self) -> None:
         med = {m: sorted(v)[len(v) // 2] for m, v in self._times.items() if v}
         on = med.get(True, 0.0) <= med.get(False, float("inf"))
-        loser = self._times[not on]
-        self.explore_tokens_lost += len(loser)
+        self.explore_tokens_lost += len(self._times[not on])
+        self._decided(on)
+
+    def _decided(self, on: bool) -> None:
         self.choice = on
         self.plan.enabled = on
         self.decisions.append((self.tokens, on))

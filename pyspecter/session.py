@@ -281,7 +281,12 @@ class Session:
             out.update(plan_prefetches=pp.issued, plan_skipped_late=pp.skipped_late,
                        predict_us_per_layer=self.ahead.predict_ns / 1e3 / max(self.ahead.calls, 1),
                        plan_on=pp.enabled, plan_explore_tokens_lost=g.explore_tokens_lost,
+                       plan_skipped_link_bound=g.skipped_link_bound,
                        predictor_mib=self.predictor.nbytes / 2**20)
+            duel = self.ahead.duel
+            if duel is not None:  # which eviction the bookkeeping duel chose, and the misses each had
+                out.update(evict="learned" if duel.use_learned else "lru", evict_switches=duel.switches,
+                           duel_misses_lru=duel.totals[0], duel_misses_learned=duel.totals[1])
         if self.decoder is not None:
             s = self.decoder.stats
             out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps, draft_off=s.draft_off,

@@ -27,7 +27,7 @@ from pyspecter.native.devices import Device, open_device
 from pyspecter.native.hooks import Hooks
 from pyspecter.prompts import load_prompts, render_prompt
 from pyspecter.study.analyze import simulate_cache
-from pyspecter.study.bench_runs import Run, n_cpu_moe_for, run_policy, run_specter
+from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
@@ -289,9 +289,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             **caps.get(p, uncapped),
         }
         if p == "engine":
-            out["policies"][p].update({k: c[k] for k in ("slots", "slots_mean", "plan_prefetches", "plan_skipped_late",
-                                                          "predict_us_per_layer", "plan_on",
-                                                          "plan_explore_tokens_lost", "predictor_mib") if k in c})
+            out["policies"][p].update({k: c[k] for k in ("slots", "slots_mean", *ENGINE_STATS) if k in c})
         if p in ("learned", "learned-evict"):
             out["policies"][p].update(slots_per_layer=learned_slots, slots_mean=c.get("slots_mean"),
                                       prefetches=c.get("prefetches", 0))

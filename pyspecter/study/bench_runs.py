@@ -26,6 +26,11 @@ from pyspecter.session import Session, SessionConfig
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
+# what the engine's session reports of its plan, governor and eviction duel (Session.stats), per bench row
+ENGINE_STATS = ("plan_prefetches", "plan_skipped_late", "predict_us_per_layer", "plan_on", "plan_explore_tokens_lost",
+                "plan_skipped_link_bound", "predictor_mib", "evict", "evict_switches", "duel_misses_lru",
+                "duel_misses_learned")
+
 
 @dataclass
 class Run:
@@ -90,7 +95,7 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
                             ordered=True, on_input=lambda il, x: box[0].on_input(il, x), extra=extra)
         plan = PrefetchPlan(cache)
         plan.enabled = policy == "learned"
-        box.append(LayerAhead(plan, predictor))
+        box.append(LayerAhead(plan, predictor, duel=False))  # always by the scores: what they alone do
         cache.route_observer = box[0]
         return cache
     if policy == "prev-token":
@@ -223,8 +228,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
                      draft_dropped_at=ds.dropped_at,
                      skipped_late=s.decoder.prefetcher.skipped_late if s.decoder.prefetcher else 0)
         st = s.stats()
-        c.update({k: st[k] for k in ("plan_prefetches", "plan_skipped_late", "predict_us_per_layer", "plan_on",
-                                     "plan_explore_tokens_lost", "predictor_mib") if k in st})
+        c.update({k: st[k] for k in ENGINE_STATS if k in st})
         return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens)
     finally:
         s.close()

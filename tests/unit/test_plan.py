@@ -9,7 +9,7 @@ import numpy as np
 from test_decisions import _Api, _layout, _Upload
 
 from pyspecter.plan import RECENCY, LayerAhead, PlanGovernor, PrefetchPlan
-from pyspecter.policies import Predicted
+from pyspecter.policies import EvictionDuel, Predicted
 from pyspecter.residency import Residency
 
 
@@ -33,8 +33,12 @@ class _Cache:
         self.expert_bytes = {L.index: L.expert_bytes for L in self.layout.layers}
         self.tier = _Tier()
         self.stats = type("S", (), {"prefetches": 0})()
+        self.totals = type("T", (), {"hook_ns": 0})()
         self.uploaded = 0
         self._gbps = gbps
+
+    def usable(self, il: int) -> int:
+        return self.residency.usable(il)
 
     def link_gbps(self) -> float | None:
         return self._gbps
@@ -108,7 +112,7 @@ def test_reuse_scores_pick_the_victims_of_the_layers_own_call_with_the_plan_off(
     cache = _Cache(n_slots=3)
     plan = PrefetchPlan(cache)  # type: ignore[arg-type]
     plan.enabled = False
-    ahead = LayerAhead(plan, _Reuse())
+    ahead = LayerAhead(plan, _Reuse(), duel=False)
     res = cache.residency
     for slot, e in enumerate((1, 2, 3)):
         res.assign(0, e, slot)
@@ -120,6 +124,21 @@ def test_reuse_scores_pick_the_victims_of_the_layers_own_call_with_the_plan_off(
     assert cache.tier.uploads == [] and ahead.calls == 2  # eviction only: nothing read ahead
 
 
+def test_the_duel_evicts_by_the_scores_only_once_they_miss_less_than_lru() -> None:
+    rng = np.random.default_rng(0)
+    for scores_know in (True, False):
+        duel = EvictionDuel({0: 4}, decay=0.99)
+        assert not duel.use_learned  # LRU until the scores have shown they miss less
+        seq = [sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(600)]
+        for t, needed in enumerate(seq):
+            soon = {e for later in seq[t + 1:t + 4] for e in later}
+            # scores that know what the next tokens use, or that prefer exactly what they do not
+            scores = [float((e in soon) == scores_know) for e in range(8)]
+            duel.observe(0, needed, scores)
+        lru, learned = duel.totals
+        assert duel.use_learned is scores_know and (learned < lru) is scores_know
+
+
 def test_governor_keeps_the_plan_only_where_it_is_faster() -> None:
     for plan_pays in (True, False):
         plan = PrefetchPlan(_Cache())  # type: ignore[arg-type]
@@ -129,3 +148,20 @@ def test_governor_keeps_the_plan_only_where_it_is_faster() -> None:
             gov.observe(0.010 if on == plan_pays else 0.013)
         assert gov.choice is plan_pays and plan.enabled is plan_pays
         assert gov.explore_tokens_lost == 8  # two blocks of four in the slower mode
+
+
+def test_governor_keeps_the_plan_off_without_exploring_when_the_link_is_busy() -> None:
+    cache = _Cache()
+    plan = PrefetchPlan(cache)  # type: ignore[arg-type]
+    gov = PlanGovernor(plan, warmup=4, block=4, rounds=2, recheck=32)
+    for t in range(100):
+        assert not plan.enabled  # never explored: no token ran with the plan's uploads
+        cache.totals.hook_ns += 8_000_000 if t < 40 else 1_000_000  # 8 of 10 ms in the hooks, then 1 of 10
+        gov.observe(0.010)
+        if t == 40:
+            break
+    assert gov.skipped_link_bound == 2 and gov.explore_tokens_lost == 0  # at token 4, and again at 40
+    for _ in range(60):  # the link frees up: the next look explores, and the plan's uploads run again
+        cache.totals.hook_ns += 1_000_000
+        gov.observe(0.009 if plan.enabled else 0.010)
+    assert gov.choice is True and plan.enabled
