@@ -713,9 +713,10 @@ def fit_predictor(
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Fit learned routing predictors: from each MoE layer's router input, ridge maps to the router logits of the
-    next H MoE layers, recorded through llama.cpp on calibration text and fitted in numpy; scored on held-out
-    text. Recording runs the model token by token (one thread by default: the hooks call Python at every layer,
-    and more threads spin meanwhile)."""
+    next H MoE layers (prefetch), and to how soon each of the layer's own experts is used again (eviction),
+    recorded through llama.cpp on calibration text and fitted in numpy; scored on held-out text (recall, and
+    misses of eviction by the maps against LRU and Belady's MIN). Recording runs the model token by token (one
+    thread by default: the hooks call Python at every layer, and more threads spin meanwhile)."""
     from pyspecter.study.predictor_fit import describe, fit_model
 
     r = fit_model(resolve_model(model), out, horizons=horizons, n_tokens=tokens, eval_tokens=eval_tokens,

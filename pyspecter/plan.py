@@ -214,6 +214,10 @@ class PlanGovernor:
         self.decisions: list[tuple[int, bool]] = []
         plan.enabled = False
 
+    def mark(self) -> None:
+        """A prompt's pass has just ended: it is no decode token (and its hooks not a token's); start the clocks."""
+        self._hook_ns = self.plan.cache.totals.hook_ns
+
     def _hook_seconds(self) -> float:
         """Seconds the cache's routing hooks took since the last call."""
         ns = self.plan.cache.totals.hook_ns

@@ -225,11 +225,17 @@ class Session:
             self.tctx.clear()
             todo = prompt
         t = time.perf_counter()
+        prompt_pass = True
         for tok, _ in generate_step(self.tctx, todo, self.sampler, history=prompt):
             self.cache.check()
             now = time.perf_counter()
             if self.plan_governor is not None:
-                self.plan_governor.observe(now - t)
+                # the first token comes from the prompt's pass, which the governor must not time as decode
+                if prompt_pass:
+                    self.plan_governor.mark()
+                else:
+                    self.plan_governor.observe(now - t)
+            prompt_pass = False
             t = now
             yield tok
             if stop_at_eog and self.target.is_eog(tok):
