@@ -109,7 +109,7 @@ class GhostLRU:
         return misses
 
 
-def _ghost_step(resident: dict[int, int], needed, capacity: int, clock: int, scores: list[float] | None) -> int:
+def ghost_step(resident: dict[int, int], needed, capacity: int, clock: int, scores: list[float] | None) -> int:
     """One routing call of a cache simulated in bookkeeping (expert -> last use): its misses. Victims: the least
     recently used, or (``scores``) the lowest score, LRU among equals; what does not fit stays out (the host
     path), as in the real cache."""
@@ -162,8 +162,8 @@ class EvictionDuel:
             return
         self.clock += 1
         cap = self.slots[il]
-        a = _ghost_step(self._lru[il], needed, cap, self.clock, None)
-        b = _ghost_step(self._learned[il], needed, cap, self.clock, scores)
+        a = ghost_step(self._lru[il], needed, cap, self.clock, None)
+        b = ghost_step(self._learned[il], needed, cap, self.clock, scores)
         if not count:
             return
         d = self.decay

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from pyspecter.learned import LearnedPredictor
+from pyspecter.policies import ghost_step
+from pyspecter.study.analyze import lru_stack_positions, simulate_cache
 from pyspecter.study.predictor_fit import Ridge
 
 # Tokens ahead whose use keeps an expert, and how much a later use counts: the target of expert e is
@@ -81,54 +83,30 @@ def fit_reuse(X: list[np.ndarray], ids: np.ndarray, lengths: list[int], n_expert
 
 def lru_miss_curve(ids: np.ndarray, n_expert: int) -> np.ndarray:
     """Misses per token of an LRU cache of s = 0..E slots on one layer's routing ids [n, k], from one
-    stack-distance pass (LRU's inclusion property: a hit with s slots is a hit with more). Below k slots every
-    access misses."""
+    stack-distance pass (``analyze.lru_stack_positions``: a hit with s slots is a hit with more). Below k slots
+    every access misses."""
     n, k = ids.shape
-    stack: list[int] = []  # most recent first
-    depth_count = np.zeros(n_expert + 1, np.int64)  # depth_count[d]: accesses found at depth d; [E]: first uses
-    for row in ids:
-        need = [int(e) for e in row if e >= 0]
-        for e in need:
-            depth_count[stack.index(e) if e in stack else n_expert] += 1
-        for e in need:
-            if e in stack:
-                stack.remove(e)
-        stack[:0] = need
-    total = depth_count.sum()
-    misses = np.array([total - depth_count[:s].sum() for s in range(n_expert + 1)], np.float64)
-    misses[:k] = total
+    pos = lru_stack_positions(ids)[ids >= 0]
+    misses = np.array([np.sum((pos < 0) | (pos >= s)) for s in range(n_expert + 1)], np.float64)
+    misses[:k] = len(pos)
     return (misses / max(n, 1)).astype(np.float32)
 
 
 def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = None) -> int:
     """Misses of one layer's cache of ``slots`` over routing ids [n, k]: LRU, or (scores [n, E], each row's
-    prediction made at that row) evicting the resident expert with the lowest predicted reuse, LRU among equals."""
+    prediction made at that row) evicting the resident expert with the lowest predicted reuse, LRU among equals
+    (the engine's own bookkeeping step, ``policies.ghost_step``)."""
     resident: dict[int, int] = {}  # expert -> last use
     misses = 0
     for t, row in enumerate(ids):
         need = {int(e) for e in row if e >= 0}
-        for e in need:
-            if e in resident:
-                continue
-            misses += 1
-            if len(resident) >= slots:
-                cands = [v for v in resident if v not in need]
-                if scores is None:
-                    victim = min(cands, key=lambda v: resident[v])
-                else:
-                    victim = min(cands, key=lambda v: (scores[t, v], resident[v]))
-                del resident[victim]
-            resident[e] = t
-        for e in need:
-            resident[e] = t
+        misses += ghost_step(resident, need, slots, t, None if scores is None else scores[t])
     return misses
 
 
 def evaluate_reuse(pred: LearnedPredictor, X: list[np.ndarray], ids: np.ndarray, slots: list[int]) -> dict:
     """Held-out eviction per slot count: misses per token of LRU, of eviction by the reuse maps and of Belady's
     MIN (the optimum, which knows the future), each layer's cache on its own."""
-    from pyspecter.study.analyze import simulate_cache
-
     n, L, _ = ids.shape
     out = {}
     for s in slots:
