@@ -386,7 +386,7 @@ def _print_bench(r: dict) -> None:
           f"{r['link_gbps']:.2f} GB/s, {r['n_threads']} threads, {_prompt_desc(r)}, "
           f"{r['decode_tokens']} decode tokens x {r['repeat']}; memory: {r['memory_cap']}")
     print(f"{'policy':<22}{'TPOT ms':>9}{'tok/s':>9}{'prefill/s':>10}{'hit%':>7}{'KiB/tok':>9}{'stall ms':>9}"
-          f"{'hook us':>8}{'vs lru':>8}{'vs all':>8}")
+          f"{'hook us':>8}{'vs lru':>8}{'vs all':>8}{'slots':>7}")
     for name, p in r["policies"].items():
         if "skipped" in p:
             print(f"{name:<22} skipped: {p['skipped']}")
@@ -394,7 +394,8 @@ def _print_bench(r: dict) -> None:
         print(f"{name:<22}{p['tpot_ms']:>9.2f}{p['decode_tok_s']:>9.1f}{p.get('prefill_tok_s', float('nan')):>10.1f}"
               f"{100 * p.get('hit_rate', 1):>7.1f}{p['bytes_per_token'] / 1024:>9.1f}"
               f"{p.get('stall_ms_per_token', 0):>9.2f}{p.get('hook_us_per_call', 0):>8.1f}"
-              f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}")
+              f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}"
+              f"{p['slots_mean'] if p.get('slots_mean') is not None else float('nan'):>7.2f}")
     if "round_trip_us_per_layer" in r:
         print(f"routing round trip (all-resident vs stock-device, per MoE layer): "
               f"{r['round_trip_us_per_layer']:.1f} us")

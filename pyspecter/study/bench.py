@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter import native
-from pyspecter.budget import MemoryPlan, check_slots, parse_budget, slots_for_budget
+from pyspecter.budget import MemoryPlan, allocate_slots, check_slots, parse_budget, slots_for_budget, split_counts
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
@@ -107,6 +107,8 @@ def _run_capped(call: dict, path: Path, cap_bytes: int) -> tuple[Run, dict]:
     """One policy on the disk tier in a capped child (``study/capped.py``): budget plus non-expert weights plus
     runtime, page cache included, starting cold."""
     result, how = run_capped("pyspecter.study.bench_child", call, path, cap_bytes)
+    # how the cap pressed on this run, kept per run: one run of several that thrashes shows which one
+    result["counters"].update(major_faults=result.pop("major_faults"), cap_hits=how.pop("cap_hits"))
     return Run(**result), how
 
 
@@ -129,20 +131,29 @@ def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0, devi
     return nbytes / dt / 1e9
 
 
-def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int) -> int:
-    """Uploads an optimal (MIN) cache of `slots` per layer needs for this routing trace [(layer, experts)]."""
+def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int, extra: dict[int, int] | None = None) -> int:
+    """Uploads an optimal (MIN) cache of `slots` per layer needs for this routing trace [(layer, experts)],
+    starting from the best cache it could hold: the real caches start warm from the prompt, so an empty start
+    would count first uses no real cache pays. The best start holds the first `slots` distinct experts used (what
+    MIN itself would load into empty slots), so it is MIN from empty less those loads: a lower bound for any cache
+    of that size, whatever it held before. ``extra``: layer -> slots beyond ``slots`` in that layer."""
     per_layer: dict[int, list[tuple[int, ...]]] = {}
     for il, needed in trace:
         per_layer.setdefault(il, []).append(needed)
-    return sum(sum(len(set(s)) for s in steps) - simulate_cache(steps, slots, "belady")
-               for steps in per_layer.values())
+    total = 0
+    for il, steps in per_layer.items():
+        n = slots + (extra or {}).get(il, 0)
+        total += (sum(len(set(s)) for s in steps) - simulate_cache(steps, n, "belady")
+                  - min(n, len({e for s in steps for e in s if e >= 0})))
+    return total
 
 
 def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list[list[int]],
                 hot: dict[int, list[int]] | None, inputs: Path, *, tier: str, slots: int, sur_slots: int,
                 budget_bytes: int, n: int, repeat: int, n_threads: int, draft: str | Path | None, k: int,
                 adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None,
-                learned_slots: int | None = None) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
+                learned_slots: int | None = None, extra: dict[int, int] | None = None,
+                ) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
     """Every policy ``repeat`` times, interleaved so that drift hits every policy alike. Returns the runs, the
     policies skipped (and why: e.g. the draft alone is bigger than the budget) and how each capped run was held."""
     runs: dict[str, list[Run]] = {p: [] for p in policies}
@@ -166,7 +177,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                         run, caps[p] = _run_capped(call, path, cap + extra)
                     else:
                         run, caps[p] = _run_capped({"fn": "run", "policy": p, "slots": p_slots,
-                                                    "surrogate_width": surrogate_width,
+                                                    "surrogate_width": surrogate_width, "extra": extra or {},
                                                     "budget_bytes": budget_bytes, **common}, path, cap)
                     runs[p].append(run)
                 elif p == "engine":  # what generate and chat run by default: no draft, the learned plan if fitted
@@ -180,7 +191,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                                                device=device.spec if device else None))
                 else:
                     runs[p].append(run_policy(p, path, layout, p_slots, tier, sets, n, n_threads, surrogate_width,
-                                              hot, device=device, budget_bytes=budget_bytes))
+                                              hot, device=device, budget_bytes=budget_bytes, extra=extra))
             except SpecterError as e:
                 skipped[p] = str(e)
     return runs, skipped, caps
@@ -215,8 +226,11 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         if p in DEVICE_POLICIES and dev is None:
             raise SpecterError(f"policy {p} needs --device")
     budget_bytes = parse_budget(budget or "50%", layout.expert_total_bytes)
+    extra: dict[int, int] = {}  # the baselines' slots beyond whole rows, as the engine spends its budget
     if slots is None:
         slots = slots_for_budget(layout, budget_bytes)
+        if dev is None:  # device slots are uniform (one count for all layers)
+            slots, extra = split_counts(allocate_slots(layout, budget_bytes))
     else:
         budget_bytes = slots * sum(L.expert_bytes for L in layout.layers)
     check_slots(layout, slots)
@@ -244,7 +258,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         runs, skipped, caps = _interleave(path, layout, policies, sets, hot, inputs, tier=tier, slots=slots,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
                                           n_threads=n_threads, draft=draft, k=k, adaptive=adaptive, cutoff=cutoff,
-                                          surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots)
+                                          surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots,
+                                          extra=extra)
     uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
                 "cgroup": "none"}
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)
@@ -282,6 +297,10 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             "route_us_per_call": c.get("route_us_per_call", 0.0),
             "hook_us_per_call": c.get("hook_us_per_call", 0.0),
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
+            "slots_mean": c.get("slots_mean"),  # usable slots per layer, on average (layers may differ)
+            # per run, capped children only: pages read back from the file, and times the cgroup hit its cap
+            "major_faults": [r.counters["major_faults"] for r in rs if "major_faults" in r.counters] or None,
+            "cap_hits": [r.counters["cap_hits"] for r in rs if "cap_hits" in r.counters] or None,
             # exact policies must decode stock's greedy tokens (on repacked quant types, stock's own kernels may
             # round differently: `verify` is the exactness check against an unrepacked stock)
             "same_tokens_as_stock": (all(r.tokens == stock_tokens for r in rs) if stock_tokens is not None
@@ -310,7 +329,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     # overlapped; exact policies decode the same greedy tokens, so any one of their traces will do
     trace = next((r.trace for p in policies for r in runs[p] if r.trace), None)
     if trace is not None and "all-resident" in out["policies"]:
-        mn = belady_misses(trace, slots)
+        mn = belady_misses(trace, slots, extra)
         t_link = mn * layer_bytes / n_decode / (link_gbps * 1e9)
         ar = out["policies"]["all-resident"]["tpot_ms"] / 1e3
         tpot = max(ar, t_link)

@@ -26,7 +26,8 @@ def run(args: dict) -> dict:
         r = run_policy(args["policy"], p, read_layout(p), args["slots"], "disk", prompts, args["n"],
                        args["n_threads"], args["surrogate_width"],
                        {int(il): c for il, c in hot.items()} if hot else None,  # JSON keys are strings
-                       budget_bytes=args.get("budget_bytes", 0))
+                       budget_bytes=args.get("budget_bytes", 0),
+                       extra={int(il): n for il, n in args.get("extra", {}).items()})
     else:
         r = run_specter(p, Path(args["draft"]) if args["draft"] else None, args["budget_bytes"], args["count_draft"],
                         "disk", prompts,

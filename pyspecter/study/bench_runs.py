@@ -63,8 +63,12 @@ def merge_counters(parts: list[dict]) -> dict:
 
 
 def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier: str, path: Path,
-               surrogate_width: float, hot: dict[int, list[int]] | None, budget_bytes: int = 0) -> ExpertCache | None:
-    """The residency a policy runs with (None: stock, llama.cpp alone)."""
+               surrogate_width: float, hot: dict[int, list[int]] | None, budget_bytes: int = 0,
+               extra: dict[int, int] | None = None) -> ExpertCache | None:
+    """The residency a policy runs with (None: stock, llama.cpp alone). ``extra``: the baselines' slots beyond
+    ``slots`` by layer (what whole rows leave of the budget, ``budget.allocate_slots``), so they spend the same
+    memory as the engine; the learned policies spend theirs as the engine does."""
+    extra = extra or {}
     if policy.startswith("all-resident"):
         # -hooked keeps the Python routing hook on with nothing to do: the hook's own cost per layer
         cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"), hook=policy.endswith("hooked"))
@@ -75,8 +79,8 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         # the host (as on-demand-cpu computes its misses, without the uploads)
         if hot is None:
             raise SpecterError("static-hot needs a routing profile")
-        cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False)
-        cache.warm({il: hot_experts(hot[il], cache.n_usable) for il in cache.layers})
+        cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False, extra=extra)
+        cache.warm({il: hot_experts(hot[il], cache.usable(il)) for il in cache.layers})
         return cache
     if policy in ("learned", "learned-evict"):
         # on-demand waits as in on-demand-lru-ordered, with eviction by the learned reuse maps; "learned" adds
@@ -100,15 +104,16 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         return cache
     if policy == "prev-token":
         # misses waited for, as on-demand-lru and -lfu do: only the eviction order differs
-        return ExpertCache(model, layout, slots, policy="prev-token", miss="wait", tier=make_tier(tier), record=True)
+        return ExpertCache(model, layout, slots, policy="prev-token", miss="wait", tier=make_tier(tier), record=True,
+                           extra=extra)
     if policy == "on-demand-lru-ordered":
         # wait mode, but a layer's misses are computed after its resident experts, while they land (0005)
         return ExpertCache(model, layout, slots, policy="lru", miss="wait", tier=make_tier(tier), record=True,
-                           ordered=True)
+                           ordered=True, extra=extra)
     if policy.startswith("on-demand-"):
         kind = policy.removeprefix("on-demand-")
         return ExpertCache(model, layout, slots, policy="lru" if kind == "cpu" else kind,
-                           miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True)
+                           miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True, extra=extra)
     if policy == "surrogate":
         # approximate: single-token misses computed by the expert's surrogate; `slots` already paid for them
         sur = Surrogates(layout, select_neurons(path, surrogate_width, progress=False))
@@ -149,7 +154,8 @@ def _model_for(policy: str, path: Path, layout: ModelLayout, device: Device | No
 
 def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompts: list[list[int]],
                n: int, n_threads: int, surrogate_width: float = 0.25,
-               hot: dict[int, list[int]] | None = None, device: Device | None = None, budget_bytes: int = 0) -> Run:
+               hot: dict[int, list[int]] | None = None, device: Device | None = None, budget_bytes: int = 0,
+               extra: dict[int, int] | None = None) -> Run:
     """One run of a non-speculative policy over every prompt. ``hot``: static-hot's profile, per MoE layer the
     times each expert was selected (``bench.calibration_profile``: the model reading the packaged calibration
     prompts, text the bench never measures); its slots get the most selected, once. ``device``: layers (and our
@@ -158,7 +164,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
     model = _model_for(policy, path, layout, device, budget_bytes, lazy_experts=tier == "disk")
     cache = None
     try:
-        cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes)
+        cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss
         with Context(model, n_threads=n_threads, n_ctx=max(map(len, prompts)) + n + 8) as ctx:
             ctx.warmup()

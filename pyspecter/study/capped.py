@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -71,6 +72,17 @@ def _read(path: Path) -> str:
         return ""
 
 
+def _cap_hits(events: str, kind: str) -> int:
+    """Times the cgroup ran into its cap: v1's failcnt, v2's memory.events "max" count (-1: unknown)."""
+    if kind == "v1":
+        return int(events.strip() or -1)
+    for line in events.splitlines():
+        key, _, val = line.partition(" ")
+        if key == "max":
+            return int(val)
+    return -1
+
+
 def run_capped(module: str, job: dict, path: Path, cap_bytes: int) -> tuple[dict, dict]:
     """``job`` (with "path") in ``python -m module`` under a ``cap_bytes`` memory cgroup, the file's page cache
     dropped first. Returns the child's JSON result and how the cap held. Without a writable cgroup the page cache
@@ -93,6 +105,9 @@ def run_capped(module: str, job: dict, path: Path, cap_bytes: int) -> tuple[dict
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["killed (out of memory under the cap?)"])[-1]
             raise SpecterError(last.removeprefix("pyspecter: error: "))
+        # how hard the cap pressed: times the cgroup hit its limit and reclaimed (a thrashing run shows here)
+        events = _read(cg / ("memory.failcnt" if kind == "v1" else "memory.events")) if cg else ""
+        how["cap_hits"] = _cap_hits(events, kind)
         return json.loads(r.stdout.strip().splitlines()[-1]), how
     finally:
         signal.signal(signal.SIGTERM, old_term)
@@ -108,7 +123,10 @@ def child_main(argv: list[str], run: Callable[[dict], dict]) -> None:
         procs, job = argv[0], json.loads(argv[1])
         if procs != "-":
             Path(procs).write_text(str(os.getpid()))
-        print(json.dumps(run(job)))
+        result = run(job)
+        # major page faults: pages the child had to read back from the file (mmap'd weights evicted by the cap)
+        result["major_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        print(json.dumps(result))
     except SpecterError as e:
         print(f"pyspecter: error: {e}", file=sys.stderr)
         sys.exit(2)

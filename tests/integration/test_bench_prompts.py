@@ -37,10 +37,14 @@ def test_the_baselines_in_capped_children_read_the_shared_inputs(tmp_path: Path)
     """The disk tier runs each policy in a child process: prompts and profile reach it through a file."""
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('{"prompt": "Name a colour."}\n"Count to five."\n')
-    out = _bench("--prompts", str(prompts), "--tier", "disk", "--budget", "25%",
+    out = _bench("--prompts", str(prompts), "--tier", "disk", "--budget", "30%",
                  "--policies", "stock,static-hot,prev-token")
     for name in ("static-hot", "prev-token"):
         assert out["policies"][name]["same_tokens_as_stock"] is True, name
+        # 30% of 32 experts is 9.6 slots a layer: the baselines spend what whole rows leave, as the engine does
+        assert out["slots_per_layer"] == 9 and 9.5 <= out["policies"][name]["slots_mean"] <= 9.6, name
+        # how hard the cap pressed, per run
+        assert len(out["policies"][name]["major_faults"]) == 1 and len(out["policies"][name]["cap_hits"]) == 1
     assert out["n_prompts"] == 2
 
 
