@@ -170,11 +170,11 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
             try:
                 if tier == "disk" and p != "all-resident":  # all-resident is the no-stall limit: no cap
                     if p.startswith("specter") or p == "engine":
-                        extra = 0 if p != "specter-equal-slots" else Path(draft).stat().st_size
+                        on_top = 0 if p != "specter-equal-slots" else Path(draft).stat().st_size
                         call = {"fn": "specter", "draft": str(draft) if p != "engine" else None,
                                 "budget_bytes": budget_bytes, "count_draft": p != "specter-equal-slots", "k": k,
                                 "adaptive": adaptive, "cutoff": cutoff, **common}
-                        run, caps[p] = _run_capped(call, path, cap + extra)
+                        run, caps[p] = _run_capped(call, path, cap + on_top)
                     else:
                         run, caps[p] = _run_capped({"fn": "run", "policy": p, "slots": p_slots,
                                                     "surrogate_width": surrogate_width, "extra": extra or {},
@@ -291,6 +291,9 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             "tpot_p10_ms": 1e3 * float(np.percentile(tp, 10)), "tpot_p90_ms": 1e3 * float(np.percentile(tp, 90)),
             "decode_tok_s": 1 / tpot,
             "prefill_tok_s": n_prompt_tokens / statistics.median(r.prefill_s for r in rs),
+            "load_s": statistics.median(r.load_s for r in rs),
+            # from a cold start to the first prompt's first token: load + that prefill (see Run.load_s)
+            "cold_ttft_s": statistics.median(r.load_s + r.first_prefill_s for r in rs),
             "hit_rate": c.get("hit_rate", 1.0), "coverage": c.get("slot_row_rate", 1.0),
             "bytes_per_token": statistics.mean(ups) / n_decode,
             "stall_ms_per_token": statistics.mean(hook_ms) / n_decode,
@@ -353,7 +356,8 @@ RUN_FIELDS = ("model", "tier", "emulated", "budget", "budget_bytes", "budget_pct
 CSV_FIELDS = ("model", "draft", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer",
               "memory_cap", "cap_bytes", "capped", "cgroup", "link_gbps", "n_threads", "prompts", "n_prompts",
               "prompt_tokens", "decode_tokens", "repeat", "build", "policy", "tpot_ms",
-              "tpot_p10_ms", "tpot_p90_ms", "decode_tok_s", "prefill_tok_s", "hit_rate", "coverage",
+              "tpot_p10_ms", "tpot_p90_ms", "decode_tok_s", "prefill_tok_s", "load_s", "cold_ttft_s", "hit_rate",
+              "coverage",
               "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "draft_off",
               "vs_on_demand_lru", "vs_all_resident", "vs_oracle_bound")
 

@@ -40,6 +40,11 @@ class Run:
     peak_rss: int
     trace: list | None = None  # routing of decode [(layer, experts)], prompts one after another
     tokens: list[int] | None = None  # the greedy tokens decoded after each prompt, one prompt after another
+    # loading the model, its slots and context, and their warm-up; with the first prompt's prefill, the time to
+    # the first token from a cold start (stock's load reads the experts its prefill then finds in the page cache;
+    # our disk tier's load reads none of them, so prefill alone compares unlike work)
+    load_s: float = 0.0
+    first_prefill_s: float = 0.0
 
 
 # counters that are ratios: recomputed from the summed counts, never summed themselves
@@ -161,19 +166,23 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
     prompts, text the bench never measures); its slots get the most selected, once. ``device``: layers (and our
     slots) on that device, experts' host copy in RAM."""
     proc = psutil.Process()
+    t_load = time.perf_counter()
     model = _model_for(policy, path, layout, device, budget_bytes, lazy_experts=tier == "disk")
     cache = None
     try:
         cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss
+        first_prefill = None
         with Context(model, n_threads=n_threads, n_ctx=max(map(len, prompts)) + n + 8) as ctx:
             ctx.warmup()
+            load_s = time.perf_counter() - t_load
             for prompt in prompts:
                 ctx.clear()
                 mark = len(cache.trace) if cache and cache.trace is not None else 0
                 t0 = time.perf_counter()
                 logits = ctx.decode(prompt)
                 prefill += time.perf_counter() - t0
+                first_prefill = prefill if first_prefill is None else first_prefill
                 if cache:
                     cache.check()
                     cache.reset_counters()
@@ -191,7 +200,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         c = merge_counters(parts)
         if cache:
             c["slots_mean"] = cache.usable_mean()
-        return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens)
+        return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens, load_s, first_prefill or 0.0)
     finally:
         if cache:
             cache.close()
@@ -205,11 +214,14 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
     With a draft: speculative decoding with draft-driven prefetch and the K governor; without one ("engine"): the
     learned predictor's prefetch plan (when one is fitted for the model) under its governor."""
     proc = psutil.Process()
+    t_load = time.perf_counter()
     s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k, adaptive=adaptive,
                               n_ctx=max(map(len, prompts)) + n + 16, n_threads=n_threads,
                               draft_counts_in_budget=count_draft, prefetch_cutoff=cutoff, device=device))
+    load_s = time.perf_counter() - t_load  # the session warms its contexts up
     try:
         prefill, tpots, parts, tokens = 0.0, [], [], []
+        first_prefill = None
         for prompt in prompts:
             stamps: list[float] = []
 
@@ -222,6 +234,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
             # the first token comes straight from the target's prefill; the rest are decode
             out = s.generate(prompt, n + 1, stop_at_eog=False, on_token=on_token)
             prefill += stamps[0] - t0
+            first_prefill = prefill if first_prefill is None else first_prefill
             tpots += [(stamps[-1] - stamps[0]) / max(len(out) - 1, 1)] * (len(out) - 1)
             parts.append(s.cache.counters())
             tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
@@ -235,6 +248,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
                      skipped_late=s.decoder.prefetcher.skipped_late if s.decoder.prefetcher else 0)
         st = s.stats()
         c.update({k: st[k] for k in ENGINE_STATS if k in st})
-        return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens)
+        return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens, load_s=load_s,
+                   first_prefill_s=first_prefill or 0.0)
     finally:
         s.close()

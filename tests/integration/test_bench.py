@@ -17,8 +17,10 @@ def test_bench_json_keys() -> None:
     for name in ("stock", "all-resident", "on-demand-lru", "on-demand-lfu"):
         p = out["policies"][name]
         for key in ("tpot_ms", "decode_tok_s", "prefill_tok_s", "hit_rate", "coverage", "bytes_per_token",
-                    "stall_ms_per_token", "peak_rss_mb", "vs_on_demand_lru", "vs_all_resident", "vs_oracle_bound"):
+                    "stall_ms_per_token", "peak_rss_mb", "vs_on_demand_lru", "vs_all_resident", "vs_oracle_bound",
+                    "load_s", "cold_ttft_s"):
             assert key in p, (name, key)
+        assert 0 < p["load_s"] < p["cold_ttft_s"], name  # load, then the prompt's prefill
     assert out["policies"]["all-resident"]["hit_rate"] == 1.0
     assert "oracle-bound" in out["policies"]
 
