@@ -235,7 +235,10 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
             out = s.generate(prompt, n + 1, stop_at_eog=False, on_token=on_token)
             prefill += stamps[0] - t0
             first_prefill = prefill if first_prefill is None else first_prefill
-            tpots += [(stamps[-1] - stamps[0]) / max(len(out) - 1, 1)] * (len(out) - 1)
+            if draft is None:  # one decode per token: per-token times, as the other policies report them
+                tpots += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            else:  # accepted drafts come out in bursts: a token's own time means nothing, only the step's mean
+                tpots += [(stamps[-1] - stamps[0]) / max(len(out) - 1, 1)] * (len(out) - 1)
             parts.append(s.cache.counters())
             tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
         c = merge_counters(parts)

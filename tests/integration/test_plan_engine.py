@@ -12,9 +12,11 @@ import pytest
 from pyspecter import native
 from pyspecter.budget import parse_budget
 from pyspecter.engine import greedy
+from pyspecter.layout import read_layout
 from pyspecter.models.tiny import build_tiny
 from pyspecter.session import Session, SessionConfig
 from pyspecter.study.bench import run_bench
+from pyspecter.study.bench_runs import run_specter
 from pyspecter.study.predictor_fit import fit_model
 
 
@@ -62,3 +64,16 @@ def test_bench_learned_and_engine_policies_are_exact(fitted_cache: None) -> None
         assert pol[p]["same_tokens_as_stock"], p
     assert pol["learned"]["prefetches"] > 0 and pol["learned-evict"]["prefetches"] == 0
     assert pol["learned"]["slots_per_layer"] <= r["slots_per_layer"]  # the predictor's bytes came out of it
+
+
+def test_the_engine_row_times_each_token_as_the_others_do(fitted_cache: None) -> None:
+    """Without a draft the engine decodes one token per step: its row holds per-token times, as every other
+    policy's does, not one mean repeated (a mean beside the others' medians made it look slower on a disk whose
+    stalls come now and then)."""
+    model = build_tiny("tiny-qwen3moe")
+    budget = parse_budget("25%", read_layout(model).expert_total_bytes)
+    with native.Model(model) as m:
+        prompts = [m.tokenize("one prompt"), m.tokenize("and another one, a little longer")]
+    r = run_specter(model, None, budget, True, "ram", prompts, 10, 1, 4)
+    assert len(r.tpots) == 20 and len(set(r.tpots)) > 10
+    assert 0 < r.load_s and 0 < r.first_prefill_s <= r.prefill_s
