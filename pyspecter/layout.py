@@ -7,6 +7,10 @@ what lets the slow tiers read an expert with a single pread.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter.errors import SpecterError
+from pyspecter.paths import atomic_path, cache_dir, content_key
 
 # Matmul weights of the routed experts (biases and scales stay resident: they are tiny and indexed logically).
 EXPERT_KINDS = ("gate_up", "gate", "up", "down")
@@ -97,9 +102,11 @@ def _field_value(reader, key: str):
 
 
 def read_layout(path: str | Path) -> ModelLayout:
-    """Parse a GGUF's header and tensor table. Raises SpecterError for a missing, foreign or truncated file."""
-    import gguf
+    """Parse a GGUF's header and tensor table. Raises SpecterError for a missing, foreign or truncated file.
 
+    The result is cached by the file's identity (path, size, modification time, inode) and this code's own
+    bytes: gguf's reader walks every tokenizer string of the header, 2.1 s for smol-moe's 49k-token vocabulary,
+    which every `generate` and `chat` paid before its first token."""
     p = Path(path)
     if not p.exists():
         raise SpecterError(f"{p}: no such file")
@@ -108,11 +115,45 @@ def read_layout(path: str | Path) -> ModelLayout:
     try:
         with open(p, "rb") as f:
             magic = f.read(4)
+        st = p.stat()
     except OSError as e:
         raise SpecterError(f"{p}: cannot read ({e.strerror})") from None
     if magic != b"GGUF":
         raise SpecterError(f"{p}: not a GGUF file (bad magic)")
-    file_bytes = p.stat().st_size
+    cached = _cache_path(p, st)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return _from_json(json.loads(cached.read_text()), p)
+    layout = _parse(p, st.st_size)
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next reader the parse
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(cached) as tmp:
+            tmp.write_text(json.dumps(_to_json(layout)))
+    return layout
+
+
+def _cache_path(p: Path, st: os.stat_result) -> Path:
+    from pyspecter import gguf_check
+
+    code = b"".join(Path(m).read_bytes() for m in (__file__, gguf_check.__file__))
+    key = content_key(code, str(p.resolve()), str(st.st_size), str(st.st_mtime_ns), str(st.st_ino))
+    return cache_dir() / "layouts" / f"{p.stem}-{key}.json"
+
+
+def _to_json(lay: ModelLayout) -> dict:
+    d = dataclasses.asdict(lay)
+    d["path"] = str(lay.path)
+    return d
+
+
+def _from_json(d: dict, p: Path) -> ModelLayout:
+    layers = [MoELayer(L["index"], {k: ExpertTensor(**{**t, "shape": tuple(t["shape"])})
+                                    for k, t in L["tensors"].items()}) for L in d["layers"]]
+    return ModelLayout(**{**d, "path": p, "layers": layers})
+
+
+def _parse(p: Path, file_bytes: int) -> ModelLayout:
+    import gguf
+
     try:
         reader = gguf.GGUFReader(p, "r")
     except Exception as e:  # the reader raises many types on a cut or garbled header
