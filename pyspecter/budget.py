@@ -76,7 +76,8 @@ def allocate_slots(layout: ModelLayout, budget_bytes: int, *,
     from ``base`` everywhere, each next slot goes to the layer whose misses fall most per byte, looking past a
     flat stretch of its curve (the best average drop over its next slots), so a layer whose gain comes a few
     slots later is not starved. Ties (flat curves) go to the layer with the fewest slots, then in forward order,
-    which spreads evenly.
+    which spreads evenly. The session does not spend by curves: on smol-moe they read 1-3% less in
+    steady decoding at 50% and 1-7% more on a cold prompt and at 30% (see session.py).
 
     device=True: slots on a device are real memory in every layer up to the largest count (the C side allocates
     one count for all layers), so the counts stay uniform: whole rows only, curves ignored."""

@@ -77,7 +77,7 @@ def test_per_layer_counts_exact(stock, miss: str, ordered: bool, tier: str) -> N
 
 
 def test_budget_spread_by_curves_is_exact(stock) -> None:
-    # the path a session takes: a byte budget, per-layer counts from miss curves, the cache built from them
+    # a byte budget spent by miss curves (an option of allocate_slots; sessions spend the remainder by layer)
     path, toks, ref_tokens, _ = stock
     lay = read_layout(path)
     E = lay.n_expert
