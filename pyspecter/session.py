@@ -127,15 +127,15 @@ class Session:
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
         self.predictor = None if cfg.draft or cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
         self.device = open_device(cfg.device)
-        # On the CPU, what whole slot rows leave of the budget is spent too, one more slot per layer while it lasts
-        # (a 5 MiB predictor once cost smol-moe a 50 MB row of slots). Not by the predictor's miss curves: on
-        # smol-moe's bytes read (ram tier, deterministic) they saved 1-3% in steady decoding at 50% and cost 1-7%
-        # on a cold prompt and at 30%
+        # On the CPU, what whole slot rows leave of the budget is spent too, by layer (a 5 MiB predictor once cost
+        # smol-moe a 50 MB row of slots): one more slot per layer while it lasts, or by the predictor's miss curves
+        # where they promise clearly fewer misses (budget.allocate_slots)
         self.plan = MemoryPlan.for_budget(self.layout, cfg.budget, draft_bytes=self.draft_bytes,
                                           count_draft=cfg.draft_counts_in_budget,
                                           surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0,
                                           predictor_bytes=self.predictor.nbytes if self.predictor else 0,
-                                          spread=True, device=self.device is not None)
+                                          spread=True, device=self.device is not None,
+                                          curves=self.predictor.miss_curves if self.predictor else None)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
         if self.device is not None:
             check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)

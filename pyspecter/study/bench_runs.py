@@ -94,8 +94,9 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         from pyspecter.plan import LayerAhead, PrefetchPlan
 
         predictor = LearnedPredictor.load(path)
-        if budget_bytes:  # as the engine spends its budget: the predictor's bytes out, the remainder by layer
-            mp = MemoryPlan.for_budget(layout, str(budget_bytes), predictor_bytes=predictor.nbytes, spread=True)
+        if budget_bytes:  # as the engine spends its budget: the predictor's bytes out, the rest by layer
+            mp = MemoryPlan.for_budget(layout, str(budget_bytes), predictor_bytes=predictor.nbytes, spread=True,
+                                       curves=predictor.miss_curves)
             slots, extra = mp.slots, mp.extra
         box: list[LayerAhead] = []
         cache = ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier), record=True,

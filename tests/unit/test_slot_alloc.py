@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from pyspecter.budget import MemoryPlan, allocate_slots, slot_bytes, slots_for_budget, split_counts
+from pyspecter.budget import CURVE_MIN_GAIN, MemoryPlan, allocate_slots, slot_bytes, slots_for_budget, split_counts
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
@@ -169,9 +169,10 @@ def test_never_exceeds_the_budget_and_spends_the_remainder() -> None:
         assert set(counts) == {L.index for L in lay.layers}
         left = budget - spent
         open_ = [L for L in lay.layers if counts[L.index] < E]
-        if curves is not None:  # greedy stops only when no layer fits one more slot
+        if counts != allocate_slots(lay, budget):  # by the curves: greedy stops only when no layer fits one more
+            assert curves is not None
             assert all(L.expert_bytes > left for L in open_), (sizes, budget, counts)
-        else:  # whole rows, and a remainder smaller than a row
+        else:  # whole rows, and a remainder smaller than a row (also where the curves promised too little)
             assert left < sum(sizes) or not open_
 
 
@@ -306,3 +307,19 @@ def test_cache_checks_extra_and_keeps_a_device_uniform() -> None:
         ExpertCache._check_extra(dev, lay, 4, {1: -1})
     with pytest.raises(SpecterError, match="not a MoE layer"):
         ExpertCache._check_extra(cpu, lay, 4, {5: 1})
+
+
+def test_curves_are_followed_only_where_they_promise_clearly_fewer_misses() -> None:
+    lay = _layout([100, 100])
+    E = lay.n_expert
+    # both layers alike: the curves promise nothing over an even split, which is kept
+    same = [[float(E - s) for s in range(E + 1)]] * 2
+    assert allocate_slots(lay, 1000, curves=same) == allocate_slots(lay, 1000)
+    # layer 0 gains nothing from slots past 2, layer 1 from each: its curve is followed
+    steep = [[1.0] * (E + 1), [float(E - s) for s in range(E + 1)]]
+    counts = allocate_slots(lay, 1000, curves=steep)
+    assert counts[lay.layers[1].index] > counts[lay.layers[0].index]
+    # a promise just under the threshold is not enough
+    a = [float(E - s) for s in range(E + 1)]
+    b = [x * (1 + 0.5 * CURVE_MIN_GAIN) if s < 5 else x for s, x in enumerate(a)]
+    assert allocate_slots(lay, 1000, curves=[a, b]) == allocate_slots(lay, 1000)
