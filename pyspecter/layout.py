@@ -120,14 +120,16 @@ def read_layout(path: str | Path) -> ModelLayout:
         raise SpecterError(f"{p}: cannot read ({e.strerror})") from None
     if magic != b"GGUF":
         raise SpecterError(f"{p}: not a GGUF file (bad magic)")
-    cached = _cache_path(p, st)
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+    cached = None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # any doubt: parse the file again
+        cached = _cache_path(p, st)
         return _from_json(json.loads(cached.read_text()), p)
     layout = _parse(p, st.st_size)
-    with contextlib.suppress(OSError):  # a read-only cache only costs the next reader the parse
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(cached) as tmp:
-            tmp.write_text(json.dumps(_to_json(layout)))
+    if cached is not None:
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next reader the parse
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(cached) as tmp:
+                tmp.write_text(json.dumps(_to_json(layout)))
     return layout
 
 

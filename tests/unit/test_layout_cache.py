@@ -34,3 +34,13 @@ def test_a_changed_file_is_parsed_again(tmp_path: Path) -> None:
     os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 1))
     with pytest.raises(SpecterError, match="GGUF"):
         read_layout(p)
+
+
+def test_a_broken_cache_entry_is_parsed_again_and_replaced(tmp_path: Path) -> None:
+    p = tmp_path / "m.gguf"
+    shutil.copyfile(build_tiny("tiny-qwen3moe"), p)
+    first = read_layout(p)
+    entry = _cache_path(p, p.stat())
+    entry.write_text('{"arch": "qwen3moe", "layers": [')  # cut short, as a crash mid-write would leave it
+    assert read_layout(p) == first
+    assert read_layout(p) == first and entry.read_text().endswith("}")
