@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -133,11 +134,16 @@ def read_layout(path: str | Path) -> ModelLayout:
     return layout
 
 
-def _cache_path(p: Path, st: os.stat_result) -> Path:
+@functools.cache
+def _code_key() -> str:
+    """This parser's own bytes (and the checks it runs): a change to either makes every cached layout stale."""
     from pyspecter import gguf_check
 
-    code = b"".join(Path(m).read_bytes() for m in (__file__, gguf_check.__file__))
-    key = content_key(code, str(p.resolve()), str(st.st_size), str(st.st_mtime_ns), str(st.st_ino))
+    return content_key(b"".join(Path(m).read_bytes() for m in (__file__, gguf_check.__file__)))
+
+
+def _cache_path(p: Path, st: os.stat_result) -> Path:
+    key = content_key(_code_key(), str(p.resolve()), str(st.st_size), str(st.st_mtime_ns), str(st.st_ino))
     return cache_dir() / "layouts" / f"{p.stem}-{key}.json"
 
 
