@@ -10,7 +10,10 @@ source's matrix as two factors [n_embd, r] and [r, H * n_expert]: two smaller ma
 Reuse maps (for eviction): per MoE layer j, a linear map from x_j to how likely each expert of layer j is to be
 used again by the next ``reuse_horizon`` tokens (ridge on multi-hot targets, fitted on the same recorded text).
 The layer-ahead maps see only the current token; which resident expert to give up depends on the tokens to
-come, and the hidden state already carries much of what the next token will be. ``miss_curves`` [L, E + 1]: the
+come, and the hidden state already carries much of what the next token will be. ``blend`` [L, 6] then weighs
+that score with what the layer's own past says of each expert (``Recency``: the recency and frequency LRU and
+LFU go by), fitted on rows the maps were not: where x says little of the future (random-weight models), the
+past carries the score, and where it says much, the two together evict best. ``miss_curves`` [L, E + 1]: the
 misses per token an LRU cache of s slots had at each layer on the fit text (the budget's slot allocation reads
 them).
 
@@ -20,7 +23,8 @@ What a caller gets (the runtime API; plan.py wires it into prefetching and evict
     p = LearnedPredictor.load("P.npz")             # an explicit file (or a model path: its sidecar, or an error)
     probs = p.predict(il, x)    # {layer index il+h: float32 [n_expert] (or [n_tokens, n_expert])} for h = 1..H
     p.topk(il, x)               # {layer index: int64 [n_used]} the predicted expert sets
-    p.reuse(il, x)              # float32 [n_expert]: scores of use at layer il within the next tokens (or None)
+    p.reuse(il, x, recency)     # float32 [n_expert]: scores of use at layer il within the next tokens (or None);
+                                # recency: the layer's Recency, blended in where the file has a blend
     p.nbytes                    # fast memory the predictor occupies (count it in the budget)
 
 ``predict``'s numbers are calibrated probabilities that an expert is in the layer's true top-k: the experts are
@@ -77,6 +81,68 @@ def model_key(path: str | os.PathLike) -> str:
     except OSError as e:
         raise SpecterError(f"{p}: cannot read ({e.strerror})") from None
     return h.hexdigest()[:16]
+
+
+class Recency:
+    """What one layer's past routing calls say of each expert, the features the reuse blend weighs: used by the
+    previous call; share of the last 4 calls and of the last 16 that used it; 1 / (1 + calls since its last
+    use), 0 if never used. Kept incrementally (a ring of the last 16 calls), so a call costs a few numpy ops.
+    The same class makes the features offline (``features_of``) and at run time, so fit and use agree."""
+
+    N_FEATURES = 4
+    _WINDOW = 16
+    _SHORT = 4
+
+    def __init__(self, n_expert: int) -> None:
+        self.ring = np.zeros((self._WINDOW, n_expert), np.float32)
+        self.short = np.zeros(n_expert, np.float32)  # uses in the last 4 calls
+        self.long = np.zeros(n_expert, np.float32)  # uses in the last 16 calls
+        self.last = np.full(n_expert, -np.inf)  # call index of the last use
+        self.calls = 0
+
+    def features(self) -> np.ndarray:
+        """[n_expert, 4] before the next call."""
+        prev = self.ring[(self.calls - 1) % self._WINDOW] if self.calls else self.short * 0
+        return np.stack([prev, self.short / self._SHORT, self.long / self._WINDOW,
+                         1.0 / (1.0 + self.calls - self.last)], axis=1).astype(np.float32)
+
+    def blend(self, w: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        """``blend_scores(w, scores, self.features())`` without building the features: the per-call path."""
+        out = w[0] * scores + w[5] + (w[2] / self._SHORT) * self.short + (w[3] / self._WINDOW) * self.long
+        out += w[4] / (1.0 + self.calls - self.last)
+        if self.calls:
+            out += w[1] * self.ring[(self.calls - 1) % self._WINDOW]
+        return out
+
+    def observe(self, needed) -> None:
+        """One routing call used ``needed`` (expert ids)."""
+        W, t = self._WINDOW, self.calls
+        row = np.zeros(self.ring.shape[1], np.float32)
+        row[list(needed)] = 1.0
+        if t >= self._SHORT:
+            self.short -= self.ring[(t - self._SHORT) % W]
+        if t >= W:
+            self.long -= self.ring[t % W]
+        self.ring[t % W] = row
+        self.short += row
+        self.long += row
+        self.last[row > 0] = t
+        self.calls = t + 1
+
+    @classmethod
+    def features_of(cls, ids: np.ndarray, n_expert: int) -> np.ndarray:
+        """Features [n, n_expert, 4] of one layer's routing ids [n, k] (-1: none), each row's before its call."""
+        rec = cls(n_expert)
+        out = np.empty((len(ids), n_expert, cls.N_FEATURES), np.float32)
+        for t, row in enumerate(ids):
+            out[t] = rec.features()
+            rec.observe([int(e) for e in row if e >= 0])
+        return out
+
+
+def blend_scores(w: np.ndarray, scores: np.ndarray, recency: np.ndarray) -> np.ndarray:
+    """w [6] over (the reuse map's score, the 4 recency features, 1): scores [..., E], recency [..., E, 4]."""
+    return w[0] * scores + recency @ w[1:5] + w[5]
 
 
 def predictors_dir() -> Path:
@@ -136,6 +202,7 @@ class LearnedPredictor:
     R: list[np.ndarray | None] = field(default_factory=list)
     rb: list[np.ndarray | None] = field(default_factory=list)
     miss_curves: np.ndarray | None = None  # [L, E + 1] LRU misses per token with s slots, on the fit text
+    blend: np.ndarray | None = None  # [L, 6] reuse score and recency weights (``blend_scores``); None: scores alone
 
     def __post_init__(self) -> None:
         self.n_expert = int(self.meta["n_expert"])
@@ -163,7 +230,8 @@ class LearnedPredictor:
     @property
     def nbytes(self) -> int:
         """Bytes the predictor holds in memory (maps, biases, calibration tables): count them in the budget."""
-        arrays = [*self.A, *self.A2, *self.b, *self.sel_bias, *self.R, *self.rb, self.rank_prob, self.gap_edges]
+        arrays = [*self.A, *self.A2, *self.b, *self.sel_bias, *self.R, *self.rb, self.rank_prob, self.gap_edges,
+                  self.blend]
         return int(sum(a.nbytes for a in arrays if a is not None))
 
     @property
@@ -231,16 +299,27 @@ class LearnedPredictor:
         ids = top_ids(y, k or self.n_used)
         return {self.layers[j + h]: ids[..., h - 1, :] for h in range(1, y.shape[-2] + 1)}
 
-    def reuse(self, il: int, x: np.ndarray) -> np.ndarray | None:
+    def reuse(self, il: int, x: np.ndarray, recency: Recency | None = None) -> np.ndarray | None:
         """Scores [n_expert] of each expert of layer il being used again within the next ``reuse_horizon``
         tokens, from layer il's router input x [n_embd] (or [n_tokens, n_embd]: the last row, whose next token
-        is the one to come). Higher: keep. None when the predictor has no reuse map for the layer."""
+        is the one to come) and, where the file has a blend, the layer's past calls (``recency``).
+        Higher: keep. None when the predictor has no reuse map for the layer."""
+        x = np.asarray(x, np.float32)
         j = self.pos[il]
+        s = self.reuse_rows(j, x if x.ndim == 1 else x[-1])
+        if s is None or self.blend is None or recency is None:
+            return s
+        return recency.blend(self.blend[j], s)
+
+    def reuse_rows(self, j: int, x: np.ndarray, recency: np.ndarray | None = None) -> np.ndarray | None:
+        """``reuse`` by MoE layer position j, for one row or many: x [..., n_embd], recency [..., n_expert, 4]."""
         R = self.R[j]
         if R is None:
             return None
-        x = np.asarray(x, np.float32)
-        return (x if x.ndim == 1 else x[-1]) @ R + self.rb[j]
+        s = np.asarray(x, np.float32) @ R + self.rb[j]
+        if self.blend is None or recency is None:
+            return s
+        return blend_scores(self.blend[j], s, recency)
 
     # --- files ---------------------------------------------------------------------------------------------
 
@@ -258,6 +337,8 @@ class LearnedPredictor:
                 arrays[f"R{j}"], arrays[f"rb{j}"] = self.R[j], self.rb[j]
         if self.miss_curves is not None:
             arrays["miss_curves"] = self.miss_curves
+        if self.blend is not None:
+            arrays["blend"] = self.blend
         meta = {**self.meta, "format": FORMAT, "layers": self.layers}
         meta.pop("path", None)  # where it was read from, not part of the file
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -302,10 +383,13 @@ class LearnedPredictor:
         meta["path"] = str(p)
         layers = [int(i) for i in meta["layers"]]
         n = len(layers)
+        blend = arrays.get("blend")
+        if blend is not None and blend.shape != (n, Recency.N_FEATURES + 2):
+            raise SpecterError(f"{p}: reuse blend of shape {blend.shape}, expected ({n}, {Recency.N_FEATURES + 2})")
         return cls(meta=meta, layers=layers, A=[arrays.get(f"A{j}") for j in range(n)],
                    b=[arrays.get(f"b{j}") for j in range(n)], rank_prob=arrays["rank_prob"],
                    gap_edges=arrays["gap_edges"],
                    sel_bias=[arrays.get(f"sel_bias{j}") for j in range(n)],
                    A2=[arrays.get(f"A2_{j}") for j in range(n)],
                    R=[arrays.get(f"R{j}") for j in range(n)], rb=[arrays.get(f"rb{j}") for j in range(n)],
-                   miss_curves=arrays.get("miss_curves"))
+                   miss_curves=arrays.get("miss_curves"), blend=blend)

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from pyspecter.cache import ExpertCache
+from pyspecter.learned import Recency
 from pyspecter.policies import EvictionDuel
 
 RECENCY = 0.5  # chance an expert a layer just used is needed at its next call (smol-moe's prev-token reuse ~0.5)
@@ -148,7 +149,12 @@ class LayerAhead:
         self.plan, self.predictor = plan, predictor
         self.reuse = reuse and predictor.has_reuse
         cache = plan.cache
-        self.duel = EvictionDuel({il: cache.usable(il) for il in cache.layers}) if self.reuse and duel else None
+        # a blended predictor was weighed against recency when it was fitted: the duel starts on its scores
+        self.duel = (EvictionDuel({il: cache.usable(il) for il in cache.layers},
+                                  start_learned=predictor.blend is not None) if self.reuse and duel else None)
+        # each layer's past calls, which the predictor's blend weighs beside its map (where it has one)
+        self._recency = ({il: Recency(cache.layout.n_expert) for il in cache.layers}
+                         if self.reuse and predictor.blend is not None else {})
         self._scores: dict[int, list[float]] = {}
         self.t_layer = 0.0  # EMA of the time between consecutive routing calls of one token
         self.t_token = 0.0
@@ -160,7 +166,7 @@ class LayerAhead:
     def on_input(self, il: int, x: np.ndarray) -> None:
         t0 = time.perf_counter_ns()
         if self.reuse:
-            scores = self.predictor.reuse(il, x)
+            scores = self.predictor.reuse(il, x, self._recency.get(il))
             if scores is not None:
                 self._scores[il] = scores = scores.tolist()  # plain floats: victim loops read them one by one
                 if self.duel is None or self.duel.use_learned:
@@ -187,6 +193,9 @@ class LayerAhead:
         self._last_call = now
         if self.duel is not None:  # before used(): the scores may be the layer's table, which used() rewrites
             self.duel.observe(il, needed, self._scores.pop(il, None), count=n_tokens == 1)
+        rec = self._recency.get(il)
+        if rec is not None:
+            rec.observe(needed)
         self.plan.used(il, needed, self.t_layer * self._n_layers)
 
 

@@ -139,11 +139,15 @@ class EvictionDuel:
     bookkeeping twice, under LRU and under eviction by the learned reuse scores, with the layer's own slot count,
     and the real cache evicts by whichever missed less lately (decayed counts of one-token calls, with a margin
     so that a near-tie does not flip it). Counts of misses on the same routing are not noisy the way timings
-    are, and nothing is explored on the real cache: it starts with LRU, the safe choice, and moves to the
+    are, and nothing is explored on the real cache: it starts with LRU, the safe choice (or with the scores,
+    for a predictor whose fit already weighed them against recency), and moves to the
     learned scores only once they have missed less (on smol-moe, a cold start favours LRU for a prompt or so,
     and steady decoding favours the scores by 13% fewer reads)."""
 
-    def __init__(self, slots: dict[int, int], *, decay: float = 0.998, margin: float = 0.03) -> None:
+    def __init__(self, slots: dict[int, int], *, decay: float = 0.998, margin: float = 0.03,
+                 start_learned: bool = False) -> None:
+        """start_learned: evict by the scores until they miss more than LRU (scores whose fit already weighed
+        them against recency on held-out text, ``learned.Recency``: a cold start under LRU only costs reads)."""
         self.slots = dict(slots)
         self._lru: dict[int, dict[int, int]] = {il: {} for il in slots}
         self._learned: dict[int, dict[int, int]] = {il: {} for il in slots}
@@ -151,7 +155,7 @@ class EvictionDuel:
         self.clock = 0
         self.recent = [0.0, 0.0]  # decayed misses: LRU, learned
         self.totals = [0, 0]  # misses since the start: LRU, learned
-        self.use_learned = False
+        self.use_learned = self.trust_learned = start_learned
         self.switches = 0
 
     def observe(self, il: int, needed, scores: list[float] | None, *, count: bool = True) -> None:
@@ -171,7 +175,11 @@ class EvictionDuel:
         self.totals[0] += a
         self.totals[1] += b
         lru, learned = self.recent
-        use = learned < (1 - self.margin) * lru if not self.use_learned else learned <= lru
+        m = self.margin  # the trusted side keeps a near-tie
+        if self.trust_learned:
+            use = lru >= (1 - m) * learned if self.use_learned else learned <= lru
+        else:
+            use = learned < (1 - m) * lru if not self.use_learned else learned <= lru
         if use != self.use_learned:
             self.use_learned = use
             self.switches += 1

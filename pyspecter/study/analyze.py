@@ -361,7 +361,7 @@ def _learned(tr: Trace, rows: _Rows, lookaheads: list[int], predictor) -> tuple[
         k = tr.n_used
         slots = sorted({max(k, E // 2), max(k, round(0.3 * E))})
         Xs = [X[rows.eval, j].astype(np.float32) for j in range(L)]
-        detail["eviction"] = {"reuse_horizon": predictor.reuse_horizon,
+        detail["eviction"] = {"reuse_horizon": predictor.reuse_horizon, "blend": predictor.blend is not None,
                               "misses_per_token": evaluate_reuse(predictor, Xs, tr["target_ids"][rows.eval], slots)}
     return entry, detail
 
@@ -609,12 +609,16 @@ def _format_learned(result: dict) -> list[str]:
                      f"{_fmt(g)} / {_fmt(gx)}    ({v['samples']} layer-rows)")
     ev = d.get("eviction")
     if ev:
+        blend = ", blended with each layer's recency and frequency" if ev.get("blend") else ""
         lines.append(f"eviction by its reuse maps (how soon each expert comes back, {ev['reuse_horizon']} tokens "
-                     "ahead), misses per token, one cache per layer:")
+                     f"ahead{blend}), misses per token, one cache per layer:")
         for s, v in ev["misses_per_token"].items():
             lines.append(f"  {s} slots: learned {v['learned']:.2f}   LRU {v['lru']:.2f}   Belady's MIN "
                          f"{v['belady']:.2f}   (learned/MIN {v['learned'] / max(v['belady'], 1e-9):.2f}x, "
                          f"LRU/MIN {v['lru'] / max(v['belady'], 1e-9):.2f}x)")
+            if v.get("oracle"):
+                lines.append("    knowing the next k tokens' routing exactly: " + "   ".join(
+                    f"k={k} {m:.2f} ({m / max(v['belady'], 1e-9):.2f}x)" for k, m in v["oracle"].items()))
     return lines
 
 

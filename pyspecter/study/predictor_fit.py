@@ -308,8 +308,9 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
     if bar:
         bar.close()
     bar = Progress("fitting reuse maps", L, "layers") if progress else None
-    R, rb, reuse_alpha = fit_reuse(fit["X"], fit["ids"], fit["lengths"], lay.n_expert, validation_rows(fit["lengths"]),
-                                   progress=bar.update if bar else None, rows=fit.get("generated"))
+    R, rb, reuse_alpha, blend = fit_reuse(fit["X"], fit["ids"], fit["lengths"], lay.n_expert,
+                                          validation_rows(fit["lengths"]), progress=bar.update if bar else None,
+                                          rows=fit.get("generated"))
     curves = np.stack([lru_miss_curve(fit["ids"][:, j], lay.n_expert) for j in range(L)])
     if bar:
         bar.close()
@@ -325,10 +326,12 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
             "pyspecter": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "fit": fit_meta,
             "reuse_horizon": REUSE_HORIZON}
     pred = to_runtime(fitted, [Lr.index for Lr in lay.layers], routers, meta, reuse=(R, rb), curves=curves)
+    pred.blend = blend
     E, k = lay.n_expert, lay.n_expert_used
     eviction = evaluate_reuse(pred, ev["X"], ev["ids"], sorted({max(k, E // 2), max(k, round(0.3 * E))}))
     fit_meta["held_out_eviction"] = eviction
     fit_meta["reuse_alpha"] = reuse_alpha
+    fit_meta["reuse_blend"] = np.round(blend, 4).tolist()
     dest = pred.save(Path(out) if out is not None else sidecar_path(path, key))
     return {"out": str(dest), "sidecar": out is None, "model": str(path), "model_key": key, "arch": lay.arch,
             "moe_layers": L, "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used, "horizons": H,

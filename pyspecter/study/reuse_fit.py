@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyspecter.learned import LearnedPredictor
+from pyspecter.learned import LearnedPredictor, Recency
 from pyspecter.policies import ghost_step
 from pyspecter.study.analyze import lru_stack_positions, simulate_cache
 from pyspecter.study.predictor_fit import Ridge
@@ -48,10 +48,12 @@ def reuse_targets(ids: np.ndarray, lengths: list[int], n_expert: int, horizon: i
 def fit_reuse(X: list[np.ndarray], ids: np.ndarray, lengths: list[int], n_expert: int, val: np.ndarray,
               horizon: int = REUSE_HORIZON, decay: float = REUSE_DECAY,
               alphas: tuple[float, ...] = REUSE_ALPHAS, progress=None,
-              rows: np.ndarray | None = None) -> tuple[list[np.ndarray], list[np.ndarray], list[float]]:
+              rows: np.ndarray | None = None) -> tuple[list[np.ndarray], list[np.ndarray], list[float], np.ndarray]:
     """Per MoE layer j: (R [d, E], rb [E]) with x_j @ R + rb ≈ how soon each expert of layer j is used again
     (``reuse_targets``); the penalty whose maps miss least when they evict on the validation rows (half the
-    experts as slots), then refitted on every row.
+    experts as slots), then refitted on every row. Also the blend [L, 6] (``learned.blend_scores``): least
+    squares of the same targets on the validation rows' map scores (from the maps fitted without those rows)
+    and the layer's ``Recency`` features.
     ``rows``: the rows to learn from (default all); decode is what eviction serves, so the fit passes the rows
     whose next tokens the model generated: on smol-moe, maps fitted on 751 rows of the model's own greedy text
     evicted better than maps fitted on 12000 rows that were mostly prompts (16.1 against 19.5 misses per token
@@ -61,16 +63,19 @@ def fit_reuse(X: list[np.ndarray], ids: np.ndarray, lengths: list[int], n_expert
         has &= rows
     fit, chk = has & ~val, has & val
     slots = max(ids.shape[2], n_expert // 2)
-    R, rb, chosen = [], [], []
+    R, rb, chosen, blend = [], [], [], []
     for j in range(len(X)):
         r_fit = Ridge(X[j][fit])
         proj = r_fit.project(Y[fit, j])
-        misses = []
+        misses, held = [], []
         for a in alphas:  # judged by what the maps are for: misses of the validation text's own eviction
             B, c = r_fit.solve(proj, a)
-            misses.append(eviction_misses(ids[val, j], slots, X[j][val].astype(np.float64) @ B + c)
-                          if chk.any() else 0)
-        a = alphas[int(np.argmin(misses))]  # argmin takes the first (smallest) penalty on a tie
+            held.append(X[j][val].astype(np.float64) @ B + c)
+            misses.append(eviction_misses(ids[val, j], slots, held[-1]) if chk.any() else 0)
+        best = int(np.argmin(misses))  # argmin takes the first (smallest) penalty on a tie
+        a = alphas[best]
+        blend.append(_fit_blend(held[best][has[val]], Recency.features_of(ids[:, j], n_expert)[chk],
+                                Y[chk, j]) if chk.sum() >= MIN_ROWS else _PLAIN)
         r_all = Ridge(X[j][has])
         B, c = r_all.solve(r_all.project(Y[has, j]), a)
         R.append(np.ascontiguousarray(B, np.float32))
@@ -78,7 +83,17 @@ def fit_reuse(X: list[np.ndarray], ids: np.ndarray, lengths: list[int], n_expert
         chosen.append(a)
         if progress is not None:
             progress(j + 1)
-    return R, rb, chosen
+    return R, rb, chosen, np.stack(blend).astype(np.float32)
+
+
+_PLAIN = np.array([1.0, 0, 0, 0, 0, 0])  # the map's score alone (too few rows to weigh it against the past)
+
+
+def _fit_blend(scores: np.ndarray, recency: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    """Weights [6] of (score, 4 recency features, 1) fitting Y [n, E] by least squares, lightly damped (6
+    unknowns over n * E equations: well determined)."""
+    A = np.concatenate([scores[..., None], recency, np.ones(scores.shape + (1,))], axis=-1).reshape(-1, 6)
+    return np.linalg.solve(A.T @ A + 1e-3 * np.eye(6), A.T @ Y.reshape(-1))
 
 
 def lru_miss_curve(ids: np.ndarray, n_expert: int) -> np.ndarray:
@@ -104,18 +119,44 @@ def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = Non
     return misses
 
 
+def oracle_scores(ids: np.ndarray, n_expert: int, k: int) -> np.ndarray:
+    """Scores [n, E] of a predictor that knows the next ``k`` rows of one layer's routing ids [n, u] exactly:
+    k + 1 - d for an expert next used d rows ahead (d <= k), else 0. Evicting by them (``eviction_misses``) is
+    the best any predictor of the next k tokens can do; k -> inf is Belady's MIN."""
+    nxt = np.full(n_expert, np.inf)  # row of each expert's next use after the current row
+    out = np.zeros((len(ids), n_expert), np.float32)
+    for t in range(len(ids) - 1, -1, -1):
+        d = nxt - t
+        out[t] = np.where(d <= k, k + 1 - d, 0.0)
+        for e in ids[t]:
+            if e >= 0:
+                nxt[e] = t
+    return out
+
+
+# Lookaheads of the exact-future eviction rows in ``evaluate_reuse``: a draft drafts about 4 tokens
+ORACLE_LOOKAHEADS = (1, 2, 4, 8, 16)
+
+
 def evaluate_reuse(pred: LearnedPredictor, X: list[np.ndarray], ids: np.ndarray, slots: list[int]) -> dict:
-    """Held-out eviction per slot count: misses per token of LRU, of eviction by the reuse maps and of Belady's
-    MIN (the optimum, which knows the future), each layer's cache on its own."""
+    """Held-out eviction per slot count: misses per token of LRU, of eviction by the reuse maps, of eviction
+    knowing the next k tokens' routing exactly (``oracle``: k -> misses, the bound on any predictor of k tokens)
+    and of Belady's MIN (the optimum, which knows the whole future), each layer's cache on its own. The rows are
+    prompts back to back; the exact-future rows see across a prompt's end, as MIN does."""
     n, L, _ = ids.shape
+    E = pred.n_expert
     out = {}
     for s in slots:
         lru = learned = belady = 0
+        oracle = dict.fromkeys(ORACLE_LOOKAHEADS, 0)
         for j in range(L):
             lru += eviction_misses(ids[:, j], s)
-            sc = np.asarray(X[j], np.float32) @ pred.R[j] + pred.rb[j] if pred.R[j] is not None else None
-            learned += eviction_misses(ids[:, j], s, sc) if sc is not None else eviction_misses(ids[:, j], s)
+            sc = pred.reuse_rows(j, X[j], Recency.features_of(ids[:, j], E))
+            learned += eviction_misses(ids[:, j], s, sc)
             distinct = sum(len({int(e) for e in row if e >= 0}) for row in ids[:, j])
             belady += distinct - simulate_cache(ids[:, j], s, "belady")
-        out[str(s)] = {"lru": lru / n, "learned": learned / n, "belady": belady / n}
+            for k in ORACLE_LOOKAHEADS:
+                oracle[k] += eviction_misses(ids[:, j], s, oracle_scores(ids[:, j], E, k))
+        out[str(s)] = {"lru": lru / n, "learned": learned / n, "belady": belady / n,
+                       "oracle": {str(k): v / n for k, v in oracle.items()}}
     return out

@@ -245,6 +245,28 @@ def test_lru_miss_curve_is_a_direct_lru_simulation_for_every_size() -> None:
     assert curve[8] * len(ids) == 8  # all slots: first uses only
 
 
+def test_oracle_scores_rank_by_the_next_use_within_k_rows() -> None:
+    ids = np.array([[0, 1], [2, 3], [0, 4], [5, 2]])
+    sc = rf.oracle_scores(ids, 6, k=2)
+    assert sc[0].tolist() == [1, 0, 2, 2, 1, 0]  # k + 1 - d: experts 2 and 3 come back 1 row ahead, 0 and 4 in 2
+    assert sc[1].tolist() == [2, 0, 1, 0, 2, 1]
+    assert not sc[3].any()  # nothing comes after the last row
+    assert not rf.oracle_scores(ids, 6, k=0).any()
+
+
+def test_knowing_more_of_the_future_never_evicts_worse_and_ends_at_belady() -> None:
+    from pyspecter.study.analyze import simulate_cache
+
+    rng = np.random.default_rng(5)
+    ids = np.stack([rng.choice(8, 2, replace=False, p=np.linspace(2, 1, 8) / 12) for _ in range(600)])
+    distinct = 2 * len(ids)
+    belady = distinct - simulate_cache(ids, 4, "belady")
+    by_k = [rf.eviction_misses(ids, 4, rf.oracle_scores(ids, 8, k)) for k in (1, 2, 4, 8, 64)]
+    assert by_k[0] < rf.eviction_misses(ids, 4)  # even one token of the future beats recency
+    assert all(a >= b - 2 for a, b in zip(by_k, by_k[1:], strict=False))  # ties may differ by a miss or two
+    assert by_k[-1] == pytest.approx(belady, abs=3)
+
+
 def _reuse_data(n: int, seed: int):
     """One layer whose next token's two experts are a linear function of this token's input."""
     rng = np.random.default_rng(seed)
@@ -257,7 +279,7 @@ def _reuse_data(n: int, seed: int):
 
 def test_reuse_maps_evict_what_the_next_tokens_do_not_need() -> None:
     X, ids = _reuse_data(4000, seed=0)
-    R, rb, alphas = rf.fit_reuse(X, ids, [400] * 10, 8, pf.validation_rows([400] * 10), horizon=1)
+    R, rb, alphas, _ = rf.fit_reuse(X, ids, [400] * 10, 8, pf.validation_rows([400] * 10), horizon=1)
     assert R[0].shape == (16, 8) and rb[0].shape == (8,) and alphas[0] in rf.REUSE_ALPHAS
     Xe, ide = _reuse_data(1000, seed=1)
     scores = Xe[0] @ R[0] + rb[0]
@@ -283,10 +305,74 @@ def test_reuse_maps_and_miss_curves_round_trip(fitted, tmp_path: Path) -> None:
         assert np.allclose(back.reuse(il, x), 24 * j + np.arange(8))  # a batch: its last row's next tokens
 
 
+def test_recency_features_kept_incrementally_equal_the_history_read_directly() -> None:
+    rng = np.random.default_rng(2)
+    ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(60)])
+    ids[7, 1] = -1  # a call that used one expert
+    F = learned.Recency.features_of(ids, 8)
+    used = np.zeros((60, 8))
+    for t, row in enumerate(ids):
+        used[t, row[row >= 0]] = 1
+    for t in (0, 1, 5, 20, 59):
+        past = used[:t]
+        last = [max((i for i in range(t) if past[i, e]), default=None) for e in range(8)]
+        want = np.stack([past[-1] if t else np.zeros(8), past[-4:].sum(0) / 4, past[-16:].sum(0) / 16,
+                         [0 if i is None else 1 / (1 + t - i) for i in last]], axis=1)
+        assert np.allclose(F[t], want), t
+    rec, w = learned.Recency(8), np.array([0.5, 1.0, -2.0, 3.0, 0.7, 0.1])
+    for t, row in enumerate(ids):  # the per-call path gives what the features give
+        s = rng.normal(size=8).astype(np.float32)
+        assert np.allclose(rec.blend(w, s), learned.blend_scores(w, s, F[t]), atol=1e-6), t
+        rec.observe([int(e) for e in row if e >= 0])
+
+
+def test_the_blend_weighs_the_past_where_the_hidden_state_says_nothing() -> None:
+    rng = np.random.default_rng(4)
+    n, E = 4000, 16
+    ids, work = [], list(range(5))
+    for _ in range(n):  # each token picks 2 of a slowly drifting working set of 5, whatever x is
+        if rng.random() < 0.05:
+            work[int(rng.integers(5))] = int(rng.choice([e for e in range(E) if e not in work]))
+        ids.append(rng.choice(work, 2, replace=False))
+    ids = np.array(ids)[:, None, :]
+    X = [rng.normal(size=(n, 16)).astype(np.float32)]  # noise: the maps learn nothing
+    lengths = [400] * 10
+    R, rb, _, blend = rf.fit_reuse(X, ids, lengths, E, pf.validation_rows(lengths), horizon=4)
+    assert blend.shape == (1, 6) and blend[0, 1:5].sum() > 3 * abs(blend[0, 0])
+    rec = learned.Recency.features_of(ids[:, 0], E)
+    plain = X[0] @ R[0] + rb[0]
+    lru = rf.eviction_misses(ids[:, 0], 6)
+    blended = rf.eviction_misses(ids[:, 0], 6, learned.blend_scores(blend[0], plain, rec))
+    alone = rf.eviction_misses(ids[:, 0], 6, plain)
+    assert blended <= 1.05 * lru and 3 * lru < alone, (blended, lru, alone)  # the map alone evicts at random
+
+
+def test_a_blend_round_trips_and_is_applied_only_with_features(fitted, tmp_path: Path) -> None:
+    fit, R = fitted
+    layers = [1, 3, 4, 6, 9]
+    reuse = ([np.ones((24, 8), np.float32)] * 5, [np.zeros(8, np.float32)] * 5)
+    pred = pf.to_runtime(fit, layers, R, {"n_expert": 8, "n_expert_used": 2}, reuse=reuse)
+    pred.blend = np.tile(np.array([2.0, 0, 0, 0, 1.0, 0.5], np.float32), (5, 1))
+    back = LearnedPredictor.load(pred.save(tmp_path / "p.npz"))
+    rec = learned.Recency(8)
+    for needed in ({3, 5}, {5, 6}, {1, 2}):
+        rec.observe(needed)
+    x = np.ones(24, np.float32)
+    assert np.allclose(back.reuse(4, x), 24)  # no recency: the map alone
+    got = back.reuse(4, x, rec)
+    assert np.allclose(got, learned.blend_scores(back.blend[2], np.full(8, 24.0), rec.features()))
+    assert got[5] > got[3] > got[0]  # used 2 calls ago, 3 calls ago, never
+    bad = tmp_path / "bad.npz"
+    with np.load(tmp_path / "p.npz") as z:
+        np.savez(bad, **{k: (z[k][:, :5] if k == "blend" else z[k]) for k in z.files})
+    with pytest.raises(SpecterError, match="blend"):
+        LearnedPredictor.load(bad)
+
+
 def test_reuse_maps_fit_on_every_row_when_too_few_are_generated() -> None:
     X, ids = _reuse_data(800, seed=0)
     only_last = np.zeros(800, bool)
     only_last[399::400] = True  # a fixture's "generated" rows: the last of each sequence, with no next token
     val = pf.validation_rows([400, 400])
-    R, rb, _ = rf.fit_reuse(X, ids, [400, 400], 8, val, horizon=1, rows=only_last)
+    R, rb, _, _ = rf.fit_reuse(X, ids, [400, 400], 8, val, horizon=1, rows=only_last)
     assert np.isfinite(R[0]).all() and np.isfinite(rb[0]).all()

@@ -100,8 +100,10 @@ class _Reuse:
     """A predictor with reuse maps only: expert e's score is x[e]."""
 
     has_reuse = True
+    blend = None
 
-    def reuse(self, il: int, x: np.ndarray) -> np.ndarray:
+    def reuse(self, il: int, x: np.ndarray, recency=None) -> np.ndarray:
+        assert recency is None  # no blend: the layer's past is not tracked
         return np.asarray(x, np.float32)
 
     def predict(self, il: int, x: np.ndarray) -> dict:
@@ -124,6 +126,36 @@ def test_reuse_scores_pick_the_victims_of_the_layers_own_call_with_the_plan_off(
     assert cache.tier.uploads == [] and ahead.calls == 2  # eviction only: nothing read ahead
 
 
+class _Blended(_Reuse):
+    """A predictor whose blend keeps whatever the previous call used (weight on the first recency feature)."""
+
+    blend = np.array([[0.0, 1.0, 0, 0, 0, 0]])
+
+    def __init__(self) -> None:
+        self.seen: list[np.ndarray] = []
+
+    def reuse(self, il: int, x: np.ndarray, recency=None) -> np.ndarray:
+        self.seen.append(recency.features())
+        return recency.blend(self.blend[0], np.zeros(8, np.float32))
+
+
+def test_a_blend_sees_each_layers_own_past_calls() -> None:
+    cache = _Cache(n_slots=3)
+    plan = PrefetchPlan(cache)  # type: ignore[arg-type]
+    plan.enabled = False
+    pred = _Blended()
+    ahead = LayerAhead(plan, pred, duel=False)
+    res = cache.residency
+    for slot, e in enumerate((1, 2, 3)):
+        res.assign(0, e, slot)
+    ahead.on_input(0, np.zeros(8))
+    assert not pred.seen[0].any()  # no call yet: no past
+    ahead.on_route(0, {2, 5}, 1)
+    ahead.on_input(0, np.zeros(8))
+    assert pred.seen[1][:, 0].tolist() == [0, 0, 1, 0, 0, 1, 0, 0]  # the previous call's experts
+    assert res.victim(0, protected={7}) != 1  # expert 2 (slot 1), used last call, is kept
+
+
 def test_the_duel_evicts_by_the_scores_only_once_they_miss_less_than_lru() -> None:
     rng = np.random.default_rng(0)
     for scores_know in (True, False):
@@ -137,6 +169,18 @@ def test_the_duel_evicts_by_the_scores_only_once_they_miss_less_than_lru() -> No
             duel.observe(0, needed, scores)
         lru, learned = duel.totals
         assert duel.use_learned is scores_know and (learned < lru) is scores_know
+
+
+def test_a_duel_that_trusts_the_scores_starts_on_them_and_still_leaves_bad_ones() -> None:
+    rng = np.random.default_rng(1)
+    for scores_know in (True, False):
+        duel = EvictionDuel({0: 4}, decay=0.99, start_learned=True)
+        assert duel.use_learned
+        seq = [sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(600)]
+        for t, needed in enumerate(seq):
+            soon = {e for later in seq[t + 1:t + 4] for e in later}
+            duel.observe(0, needed, [float((e in soon) == scores_know) for e in range(8)])
+        assert duel.use_learned is scores_know
 
 
 def test_governor_keeps_the_plan_only_where_it_is_faster() -> None:
