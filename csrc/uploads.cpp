@@ -4,7 +4,13 @@
 
 #include "llama-impl.h"
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <fcntl.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
+#include <cerrno>
 #include <exception>
 #include <new>
 #include <system_error>
@@ -228,6 +234,54 @@ int32_t llama_pyspecter_load_expert(llama_model * model, int32_t il, int32_t exp
         return rc;
     }
     return pyspecter_run_copy(L->parent->counters, [=] { return load_one(L, expert, slot); });
+}
+
+int32_t llama_pyspecter_read_slot(llama_model * model, int32_t il, int32_t kind, int32_t slot, int32_t fd,
+                                  int64_t offset, void * buf, size_t buf_size, bool drop_cache) {
+#if defined(__unix__) || defined(__APPLE__)
+    llama_pyspecter_layer * L = nullptr;
+    const int32_t rc = layer_for_upload(model, il, &L);
+    if (rc != LLAMA_PYSPECTER_OK) {
+        return rc;
+    }
+    if (kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->slot[kind] || slot < 0 || slot >= L->parent->n_slots ||
+            !buf) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    const int64_t align = 4096;
+    const size_t  n     = L->slot[kind]->nb[2];
+    const int64_t start = offset / align * align;
+    const int64_t end   = (offset + (int64_t) n + align - 1) / align * align;
+    if (fd < 0 || offset < 0 || (uintptr_t) buf % align != 0 || (size_t) (end - start) > buf_size) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    size_t got = 0;
+    while (got < (size_t) (end - start)) {
+        const ssize_t r = pread(fd, (char *) buf + got, (size_t) (end - start) - got, start + (int64_t) got);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            break; // an error, or the end of the file (the aligned range of the last tensor may pass it)
+        }
+        got += (size_t) r;
+    }
+#ifdef POSIX_FADV_DONTNEED
+    if (drop_cache) {
+        posix_fadvise(fd, start, end - start, POSIX_FADV_DONTNEED);
+    }
+#endif
+    if (got < (size_t) (offset - start) + n) {
+        L->parent->counters.upload_failures++;
+        return LLAMA_PYSPECTER_ERR_IO;
+    }
+    const char * src = (const char *) buf + (offset - start);
+    return pyspecter_run_copy(L->parent->counters, [=] { return write_one(L, kind, slot, src, n); });
+#else
+    GGML_UNUSED(model); GGML_UNUSED(il); GGML_UNUSED(kind); GGML_UNUSED(slot); GGML_UNUSED(fd);
+    GGML_UNUSED(offset); GGML_UNUSED(buf); GGML_UNUSED(buf_size); GGML_UNUSED(drop_cache);
+    return LLAMA_PYSPECTER_ERR_IO; // no pread: the disk tier reads in Python there
+#endif
 }
 
 // The queued copy holds the layer, not the model: the model's lookup of its slots is gone while they are freed.

@@ -86,48 +86,42 @@ def model_key(path: str | os.PathLike) -> str:
 class Recency:
     """What one layer's past routing calls say of each expert, the features the reuse blend weighs: used by the
     previous call; share of the last 4 calls and of the last 16 that used it; 1 / (1 + calls since its last
-    use), 0 if never used. Kept incrementally (a ring of the last 16 calls), so a call costs a few numpy ops.
-    The same class makes the features offline (``features_of``) and at run time, so fit and use agree."""
+    use), 0 if never used. ``observe`` only notes a call (every routing call has one, ~2 us); the features are
+    built when a blend needs them, which the lazy reuse scores (plan.py) ask for only on calls that evict. The
+    same class makes the features offline (``features_of``) and at run time, so fit and use agree."""
 
     N_FEATURES = 4
     _WINDOW = 16
     _SHORT = 4
 
     def __init__(self, n_expert: int) -> None:
-        self.ring = np.zeros((self._WINDOW, n_expert), np.float32)
-        self.short = np.zeros(n_expert, np.float32)  # uses in the last 4 calls
-        self.long = np.zeros(n_expert, np.float32)  # uses in the last 16 calls
-        self.last = np.full(n_expert, -np.inf)  # call index of the last use
+        self.n_expert = n_expert
+        self.ring = np.zeros((self._WINDOW, n_expert), np.float32)  # row t % 16: the experts call t used
+        self.last = np.full(n_expert, -np.inf)  # call index of each expert's last use
         self.calls = 0
 
     def features(self) -> np.ndarray:
         """[n_expert, 4] before the next call."""
-        prev = self.ring[(self.calls - 1) % self._WINDOW] if self.calls else self.short * 0
-        return np.stack([prev, self.short / self._SHORT, self.long / self._WINDOW,
-                         1.0 / (1.0 + self.calls - self.last)], axis=1).astype(np.float32)
+        t, W = self.calls, self._WINDOW
+        out = np.empty((self.n_expert, self.N_FEATURES), np.float32)
+        out[:, 0] = self.ring[(t - 1) % W]  # all zero before the first call
+        out[:, 1] = self.ring[np.arange(t - self._SHORT, t) % W].sum(0) / self._SHORT  # rows not yet used are 0
+        out[:, 2] = self.ring.sum(0) / W
+        out[:, 3] = 1.0 / (1.0 + t - self.last)
+        return out
 
     def blend(self, w: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        """``blend_scores(w, scores, self.features())`` without building the features: the per-call path."""
-        out = w[0] * scores + w[5] + (w[2] / self._SHORT) * self.short + (w[3] / self._WINDOW) * self.long
-        out += w[4] / (1.0 + self.calls - self.last)
-        if self.calls:
-            out += w[1] * self.ring[(self.calls - 1) % self._WINDOW]
-        return out
+        """``blend_scores(w, scores, self.features())``."""
+        return blend_scores(w, scores, self.features())
 
     def observe(self, needed) -> None:
         """One routing call used ``needed`` (expert ids)."""
-        W, t = self._WINDOW, self.calls
-        row = np.zeros(self.ring.shape[1], np.float32)
-        row[list(needed)] = 1.0
-        if t >= self._SHORT:
-            self.short -= self.ring[(t - self._SHORT) % W]
-        if t >= W:
-            self.long -= self.ring[t % W]
-        self.ring[t % W] = row
-        self.short += row
-        self.long += row
-        self.last[row > 0] = t
-        self.calls = t + 1
+        ids = list(needed)
+        row = self.ring[self.calls % self._WINDOW]
+        row[:] = 0.0
+        row[ids] = 1.0
+        self.last[ids] = self.calls
+        self.calls += 1
 
     @classmethod
     def features_of(cls, ids: np.ndarray, n_expert: int) -> np.ndarray:

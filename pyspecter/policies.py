@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pyspecter.residency import LayerSlots
+
+
+class Scores(Protocol):
+    """Per-expert scores read by index: a list, or the plan's lazily computed reuse scores."""
+
+    def __getitem__(self, e: int, /) -> float: ...
 
 
 class Policy:
@@ -109,7 +115,7 @@ class GhostLRU:
         return misses
 
 
-def ghost_step(resident: dict[int, int], needed, capacity: int, clock: int, scores: list[float] | None) -> int:
+def ghost_step(resident: dict[int, int], needed, capacity: int, clock: int, scores: Scores | None) -> int:
     """One routing call of a cache simulated in bookkeeping (expert -> last use): its misses. Victims: the least
     recently used, or (``scores``) the lowest score, LRU among equals; what does not fit stays out (the host
     path), as in the real cache."""
@@ -158,7 +164,7 @@ class EvictionDuel:
         self.use_learned = self.trust_learned = start_learned
         self.switches = 0
 
-    def observe(self, il: int, needed, scores: list[float] | None, *, count: bool = True) -> None:
+    def observe(self, il: int, needed, scores: Scores | None, *, count: bool = True) -> None:
         """Layer il's routing call needed ``needed``; ``scores``: the reuse scores it would have evicted by (None:
         none were computed, the learned simulation falls back to LRU for this call). ``count``: a one-token call
         (a prompt's batch moves both simulations but is not what decode speed depends on)."""

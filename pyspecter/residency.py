@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pyspecter import native
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
-from pyspecter.policies import GhostLRU, Policy
+from pyspecter.policies import GhostLRU, Policy, Scores
 
 
 @dataclass
@@ -34,7 +34,7 @@ class LayerSlots:
     loaded: list[int] = field(default_factory=list)  # slot -> clock its expert was mapped (FIFO order)
     prev_call: int = 0  # clock of this layer's previous routing call (the previous token's, in decode)
     last_call: int = 0  # ... and of its latest
-    need: list[float] = field(default_factory=list)  # expert -> predicted chance of use at the next call (plan.py)
+    need: Scores = field(default_factory=list)  # expert -> predicted chance of use at the next call (plan.py)
     # Slots [0, n_usable) are handed out; [n_usable, n_regular) are held (a draft's memory) until release_held;
     # the reserved ones (surrogates) follow from n_regular. Per layer: layers may have different counts
     n_usable: int = 0

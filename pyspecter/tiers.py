@@ -248,20 +248,15 @@ class DiskTier(Tier):
             self._active += 1
         t = self.layout.layer(il).tensors[kind]
         try:
-            mm, addr = self._buffer()
-            off = t.expert_offset(expert)
-            start = off // self.ALIGN * self.ALIGN
-            end = -(-(off + t.expert_bytes) // self.ALIGN) * self.ALIGN
-            view = memoryview(mm)[: end - start]
-            got = os.preadv(self.fd, [view], start)
-            view.release()
-            if got < off - start + t.expert_bytes:
-                raise SpecterError(f"{self.layout.path}: short read of {t.name} expert {expert}")
-            if not self.direct:
-                os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
-            rc = self._write(il, kind, slot, addr + off - start, t.expert_bytes)
+            _, addr = self._buffer()
+            # read and copy in one foreign call (the GIL released throughout): a read in Python took its reader
+            # ~80 us of Python a tensor (smol-moe, disk), time the compute thread's hooks then waited for the GIL
+            rc = self.api.read_slot(self.model.ptr, il, native.KIND_NAMES[kind], slot, self.fd,
+                                    t.expert_offset(expert), addr, self.buf_size, not self.direct)
+            if rc == native.ERR_IO:
+                raise SpecterError(f"{self.layout.path}: read of {t.name} expert {expert} failed or came back short")
             if rc != 0:
-                raise SpecterError(f"write into slot {slot} of layer {il} failed ({rc})")
+                raise SpecterError(f"write into slot {slot} of layer {il} failed ({native.status_name(rc)})")
         finally:
             with self._lock:
                 self.read_bytes += t.expert_bytes

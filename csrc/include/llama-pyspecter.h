@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 7
+#define LLAMA_PYSPECTER_VERSION 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -38,6 +38,7 @@ enum llama_pyspecter_status {
     LLAMA_PYSPECTER_ERR_UPLOAD_FAILED  =  -9, // the copy of this ticket failed, or was cancelled when the model was freed
     LLAMA_PYSPECTER_ERR_UNKNOWN_TICKET = -10, // a ticket that was never issued (<= 0, or not yet)
     LLAMA_PYSPECTER_ERR_INTERNAL       = -11, // an unexpected C++ exception, caught at the API boundary
+    LLAMA_PYSPECTER_ERR_IO             = -12, // read_slot: the file read failed or came back short
 };
 
 // Which matmul weight of an expert (a layer has gate+up+down, or merged gate_up+down).
@@ -93,6 +94,18 @@ LLAMA_API int64_t llama_pyspecter_write_slot_async (struct llama_model * model, 
                                                     int32_t slot, const void * src, size_t nbytes);
 LLAMA_API int64_t llama_pyspecter_load_expert_async(struct llama_model * model, int32_t il, int32_t expert,
                                                     int32_t slot);
+// Read one kind's bytes of one expert from a file and copy them into slot, in one call: the disk tier's reader
+// threads call it from Python with the GIL released, so a read costs them one foreign call rather than a Python
+// read, a buffer view and a second call for the copy. fd: the GGUF, opened by the caller (O_DIRECT or not);
+// offset: where the expert's bytes start in it (nbytes == expert_nbytes); buf: the calling thread's own
+// page-aligned buffer of buf_size >= nbytes + 2 * 4096 bytes, as O_DIRECT wants (aligned offset, size and memory:
+// the read covers the 4096-aligned range around the bytes). drop_cache: give the range's pages back to the
+// kernel afterwards (buffered reads). 0, LLAMA_PYSPECTER_ERR_IO (the read failed or was short: the slot was
+// not written), or another negative status.
+LLAMA_API int32_t llama_pyspecter_read_slot(struct llama_model * model, int32_t il, int32_t kind, int32_t slot,
+                                            int32_t fd, int64_t offset, void * buf, size_t buf_size,
+                                            bool drop_cache);
+
 LLAMA_API int32_t llama_pyspecter_upload_status(struct llama_model * model, int64_t ticket);
 LLAMA_API int32_t llama_pyspecter_upload_wait  (struct llama_model * model, int64_t ticket);
 LLAMA_API bool    llama_pyspecter_upload_done  (struct llama_model * model, int64_t ticket);

@@ -2,6 +2,7 @@
 models and contexts opened through those bindings (``model``)."""
 
 from pyspecter.native.lib import (
+    ERR_IO,
     INPUT_CB,
     KIND_DOWN,
     KIND_GATE,
@@ -24,8 +25,8 @@ from pyspecter.native.lib import (
 from pyspecter.native.model import Context, Model
 
 __all__ = [
-    "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB", "PATCH_SERIES_VERSION", "ROUTE_CB",
-    "WAIT_CB",
+    "ERR_IO", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB", "PATCH_SERIES_VERSION",
+    "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",
 ]

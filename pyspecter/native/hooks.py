@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
+import numpy as np
+
 from pyspecter.errors import SpecterError
 from pyspecter.native.lib import INPUT_CB, ROUTE_CB, WAIT_CB, slots
 
@@ -60,11 +62,10 @@ class Hooks:
         except BaseException as e:  # noqa: BLE001 - never unwind into C
             self.error = self.error or e
 
-    def _input(self, _ud, il, n_tokens, n_embd, x_p) -> None:
+    def _input(self, _ud, il, n_tokens, n_embd, x_addr) -> None:
         try:
-            import numpy as np
-
-            self._input_fn(il, np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)))
+            x = np.frombuffer((ctypes.c_float * (n_tokens * n_embd)).from_address(x_addr), np.float32)
+            self._input_fn(il, x.reshape(n_tokens, n_embd))
         except BaseException as e:  # noqa: BLE001 - never unwind into C
             self.error = self.error or e
 

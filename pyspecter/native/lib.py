@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 7
+PATCH_SERIES_VERSION = 8
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -125,8 +125,8 @@ ROUTE_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int3
 # llama_pyspecter_wait_cb(user_data, il): the layer's late uploads must have landed when it returns
 WAIT_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
 # llama_pyspecter_input_cb(user_data, il, n_tokens, n_embd, x): the layer's router input, [n_tokens][n_embd] f32
-INPUT_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-                            ctypes.POINTER(ctypes.c_float))
+# (x arrives as a plain address: wrapping it in numpy from there costs 1 us a layer, from a ctypes pointer 4)
+INPUT_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
 
 # enum llama_pyspecter_status
 OK = 0
@@ -141,12 +141,14 @@ ERR_STOPPED = -8
 ERR_UPLOAD_FAILED = -9
 ERR_UNKNOWN_TICKET = -10
 ERR_INTERNAL = -11
+ERR_IO = -12
 STATUS_NAMES = {
     ERR_ARG: "bad argument", ERR_ENABLED: "slots already enabled", ERR_DENSE: "the model has no experts",
     ERR_NO_MEMORY: "out of memory", ERR_LAYOUT: "an expert tensor does not hold n_expert experts",
     ERR_REPACKED: "expert tensors are repacked (load with extra_bufts=False)", ERR_NO_SLOTS: "slots not enabled",
     ERR_STOPPED: "the model is being freed", ERR_UPLOAD_FAILED: "the upload failed",
     ERR_UNKNOWN_TICKET: "unknown upload ticket", ERR_INTERNAL: "internal error",
+    ERR_IO: "the read failed or came back short",
 }
 
 
@@ -244,6 +246,16 @@ def llama_pyspecter_set_slot(model: ModelPtr, il: int, expert: int, slot: int, /
 def llama_pyspecter_write_slot(model: ModelPtr, il: int, kind: int, slot: int, src: int | ctypes.c_void_p,
                                nbytes: int, /) -> int:
     """Copy one kind's bytes of one expert from src into slot. 0 or a negative status."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_read_slot",
+                 [_model, _i32, _i32, _i32, _i32, ctypes.c_int64, ctypes.c_void_p, _size, ctypes.c_bool], _i32)
+def llama_pyspecter_read_slot(model: ModelPtr, il: int, kind: int, slot: int, fd: int, offset: int,
+                              buf: int | ctypes.c_void_p, buf_size: int, drop_cache: bool, /) -> int:
+    """Read one kind of one expert from fd at offset (through the caller's page-aligned buf of buf_size bytes)
+    into slot, in one call with the GIL released. 0, ERR_IO (failed or short; the slot untouched) or another
+    negative status."""
     ...
 
 

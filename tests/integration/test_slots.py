@@ -248,3 +248,43 @@ def test_a_miss_does_not_wait_for_uploads_it_cannot_evict() -> None:
         assert cache.misses._slot_for_miss(il, needed) == -1
         st.pending.clear()
         cache.close()
+
+
+def test_read_slot_reads_whole_experts_or_refuses() -> None:
+    """The disk tier's one-call read (C): a whole expert lands; a read past the end of the file, a closed file,
+    a misaligned or too small buffer come back as a status, never as a slot that looks written."""
+    import ctypes
+    import mmap
+
+    path = build_tiny("tiny-mixtral")
+    lay = read_layout(path)
+    api = native.slots()
+    L = lay.layers[0]
+    kind, t = next(iter(L.tensors.items()))
+    k = native.KIND_NAMES[kind]
+    size = (t.expert_bytes + 2 * 4096) // 4096 * 4096
+    buf = mmap.mmap(-1, size)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with native.Model(path) as model:
+            cache = ExpertCache(model, lay, 2, miss="wait")
+            api.stats_reset(model.ptr)
+            assert api.read_slot(model.ptr, L.index, k, 0, fd, t.expert_offset(1), addr, size, False) == 0
+            assert api.stats(model.ptr).upload_bytes == t.expert_bytes
+            end = os.path.getsize(path)
+            assert api.read_slot(model.ptr, L.index, k, 0, fd, end - 8, addr, size, False) == native.ERR_IO
+            assert api.read_slot(model.ptr, L.index, k, 0, fd, 0, addr + 8, size, False) == native.lib.ERR_ARG
+            assert api.read_slot(model.ptr, L.index, k, 0, fd, 0, addr, t.expert_bytes, False) == native.lib.ERR_ARG
+            assert api.read_slot(model.ptr, L.index, k, 5, fd, 0, addr, size, False) == native.lib.ERR_ARG  # no slot 5
+            assert api.stats(model.ptr).upload_bytes == t.expert_bytes  # nothing else was written
+            cache.close()
+    finally:
+        os.close(fd)
+    fd2 = os.open(path, os.O_RDONLY)
+    os.close(fd2)  # a closed descriptor: the read fails
+    with native.Model(path) as model:
+        cache = ExpertCache(model, lay, 2, miss="wait")
+        assert api.read_slot(model.ptr, L.index, k, 0, fd2, 0, addr, size, False) == native.ERR_IO
+        cache.close()
+    buf.close()

@@ -149,11 +149,14 @@ def test_a_blend_sees_each_layers_own_past_calls() -> None:
     for slot, e in enumerate((1, 2, 3)):
         res.assign(0, e, slot)
     ahead.on_input(0, np.zeros(8))
-    assert not pred.seen[0].any()  # no call yet: no past
+    assert pred.seen == []  # scored only when something is evicted: most calls evict nothing
+    res.victim(0, protected={7})
+    res.victim(0, protected={7})
+    assert len(pred.seen) == 1 and not pred.seen[0].any()  # once a call; no call yet: no past
     ahead.on_route(0, {2, 5}, 1)
     ahead.on_input(0, np.zeros(8))
-    assert pred.seen[1][:, 0].tolist() == [0, 0, 1, 0, 0, 1, 0, 0]  # the previous call's experts
     assert res.victim(0, protected={7}) != 1  # expert 2 (slot 1), used last call, is kept
+    assert pred.seen[1][:, 0].tolist() == [0, 0, 1, 0, 0, 1, 0, 0]  # the previous call's experts
 
 
 def test_the_duel_evicts_by_the_scores_only_once_they_miss_less_than_lru() -> None:
