@@ -2,7 +2,8 @@
 
 ``ram`` copies from the model's own (mmap'd) expert tensors on the C upload thread; ``emulated:GBPS`` is the same
 with the copies throttled to a link speed (results are labelled emulated); ``disk`` reads the GGUF with O_DIRECT on
-small thread pools, so the page cache holds nothing of the experts.
+small thread pools, so the page cache holds nothing of the experts (each read and its copy into the slot is one C
+call, ``read_slot``, with the GIL released).
 
 Every upload returns a handle: ``done()`` once it has finished, ``ok()`` whether it finished whole. A failed or
 short read never counts as landed: the cache then leaves the expert a miss (computed exactly on the host) and
