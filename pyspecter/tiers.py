@@ -250,8 +250,8 @@ class DiskTier(Tier):
         t = self.layout.layer(il).tensors[kind]
         try:
             _, addr = self._buffer()
-            # read and copy in one foreign call (the GIL released throughout): a read in Python took its reader
-            # ~80 us of Python a tensor (smol-moe, disk), time the compute thread's hooks then waited for the GIL
+            # read and copy in one foreign call (the GIL released throughout): a read in Python held the GIL for
+            # its view, pread wrapper and second call, which the compute thread's hooks then waited for
             rc = self.api.read_slot(self.model.ptr, il, native.KIND_NAMES[kind], slot, self.fd,
                                     t.expert_offset(expert), addr, self.buf_size, not self.direct)
             if rc == native.ERR_IO:
