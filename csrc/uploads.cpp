@@ -280,7 +280,7 @@ int32_t llama_pyspecter_read_slot(llama_model * model, int32_t il, int32_t kind,
 #else
     GGML_UNUSED(model); GGML_UNUSED(il); GGML_UNUSED(kind); GGML_UNUSED(slot); GGML_UNUSED(fd);
     GGML_UNUSED(offset); GGML_UNUSED(buf); GGML_UNUSED(buf_size); GGML_UNUSED(drop_cache);
-    return LLAMA_PYSPECTER_ERR_IO; // no pread: the disk tier reads in Python there
+    return LLAMA_PYSPECTER_ERR_IO; // no pread here: every disk read fails, its expert stays on the host path
 #endif
 }
 

@@ -110,10 +110,6 @@ class Recency:
         out[:, 3] = 1.0 / (1.0 + t - self.last)
         return out
 
-    def blend(self, w: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        """``blend_scores(w, scores, self.features())``."""
-        return blend_scores(w, scores, self.features())
-
     def observe(self, needed) -> None:
         """One routing call used ``needed`` (expert ids)."""
         ids = list(needed)
@@ -299,11 +295,8 @@ class LearnedPredictor:
         is the one to come) and, where the file has a blend, the layer's past calls (``recency``).
         Higher: keep. None when the predictor has no reuse map for the layer."""
         x = np.asarray(x, np.float32)
-        j = self.pos[il]
-        s = self.reuse_rows(j, x if x.ndim == 1 else x[-1])
-        if s is None or self.blend is None or recency is None:
-            return s
-        return recency.blend(self.blend[j], s)
+        feats = recency.features() if recency is not None and self.blend is not None else None
+        return self.reuse_rows(self.pos[il], x if x.ndim == 1 else x[-1], feats)
 
     def reuse_rows(self, j: int, x: np.ndarray, recency: np.ndarray | None = None) -> np.ndarray | None:
         """``reuse`` by MoE layer position j, for one row or many: x [..., n_embd], recency [..., n_expert, 4]."""

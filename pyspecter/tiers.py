@@ -235,12 +235,13 @@ class DiskTier(Tier):
         finally:
             mm.close()
 
-    def _buffer(self) -> tuple[mmap.mmap, int]:
-        # one page-aligned buffer per thread (anonymous mmap is page aligned, as O_DIRECT needs)
+    def _buffer(self) -> int:
+        """The address of this thread's page-aligned buffer (anonymous mmap is page aligned, as O_DIRECT needs);
+        the mapping lives in the thread-local, so the address stays valid."""
         if not hasattr(self._local, "mm"):
             self._local.mm = mmap.mmap(-1, self.buf_size)
             self._local.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._local.mm))
-        return self._local.mm, self._local.addr
+        return self._local.addr
 
     def _read_tensor(self, il: int, kind: str, expert: int, slot: int) -> None:
         with self._lock:
@@ -249,7 +250,7 @@ class DiskTier(Tier):
             self._active += 1
         t = self.layout.layer(il).tensors[kind]
         try:
-            _, addr = self._buffer()
+            addr = self._buffer()
             # read and copy in one foreign call (the GIL released throughout): a read in Python held the GIL for
             # its view, pread wrapper and second call, which the compute thread's hooks then waited for
             rc = self.api.read_slot(self.model.ptr, il, native.KIND_NAMES[kind], slot, self.fd,

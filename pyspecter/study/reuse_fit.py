@@ -145,18 +145,18 @@ def evaluate_reuse(pred: LearnedPredictor, X: list[np.ndarray], ids: np.ndarray,
     prompts back to back; the exact-future rows see across a prompt's end, as MIN does."""
     n, L, _ = ids.shape
     E = pred.n_expert
-    out = {}
-    for s in slots:
-        lru = learned = belady = 0
-        oracle = dict.fromkeys(ORACLE_LOOKAHEADS, 0)
-        for j in range(L):
-            lru += eviction_misses(ids[:, j], s)
-            sc = pred.reuse_rows(j, X[j], Recency.features_of(ids[:, j], E))
-            learned += eviction_misses(ids[:, j], s, sc)
-            distinct = sum(len({int(e) for e in row if e >= 0}) for row in ids[:, j])
-            belady += distinct - simulate_cache(ids[:, j], s, "belady")
-            for k in ORACLE_LOOKAHEADS:
-                oracle[k] += eviction_misses(ids[:, j], s, oracle_scores(ids[:, j], E, k))
-        out[str(s)] = {"lru": lru / n, "learned": learned / n, "belady": belady / n,
-                       "oracle": {str(k): v / n for k, v in oracle.items()}}
-    return out
+    tot = {s: {"lru": 0, "learned": 0, "belady": 0, "oracle": dict.fromkeys(ORACLE_LOOKAHEADS, 0)} for s in slots}
+    for j in range(L):  # what a layer's scores are does not depend on the slot count: once per layer
+        lay = ids[:, j]
+        sc = pred.reuse_rows(j, X[j], Recency.features_of(lay, E))
+        distinct = sum(len({int(e) for e in row if e >= 0}) for row in lay)
+        known = {k: oracle_scores(lay, E, k) for k in ORACLE_LOOKAHEADS}
+        for s in slots:
+            t = tot[s]
+            t["lru"] += eviction_misses(lay, s)
+            t["learned"] += eviction_misses(lay, s, sc)
+            t["belady"] += distinct - simulate_cache(lay, s, "belady")
+            for k, ks in known.items():
+                t["oracle"][k] += eviction_misses(lay, s, ks)
+    return {str(s): {"lru": t["lru"] / n, "learned": t["learned"] / n, "belady": t["belady"] / n,
+                     "oracle": {str(k): v / n for k, v in t["oracle"].items()}} for s, t in tot.items()}

@@ -322,7 +322,8 @@ def test_recency_features_kept_incrementally_equal_the_history_read_directly() -
     rec, w = learned.Recency(8), np.array([0.5, 1.0, -2.0, 3.0, 0.7, 0.1])
     for t, row in enumerate(ids):  # the per-call path gives what the features give
         s = rng.normal(size=8).astype(np.float32)
-        assert np.allclose(rec.blend(w, s), learned.blend_scores(w, s, F[t]), atol=1e-6), t
+        assert np.allclose(learned.blend_scores(w, s, rec.features()), learned.blend_scores(w, s, F[t]),
+                           atol=1e-6), t
         rec.observe([int(e) for e in row if e >= 0])
 
 

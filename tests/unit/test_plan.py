@@ -8,6 +8,7 @@ import time
 import numpy as np
 from test_decisions import _Api, _layout, _Upload
 
+from pyspecter import learned
 from pyspecter.plan import RECENCY, LayerAhead, PlanGovernor, PrefetchPlan
 from pyspecter.policies import EvictionDuel, Predicted
 from pyspecter.residency import Residency
@@ -136,7 +137,7 @@ class _Blended(_Reuse):
 
     def reuse(self, il: int, x: np.ndarray, recency=None) -> np.ndarray:
         self.seen.append(recency.features())
-        return recency.blend(self.blend[0], np.zeros(8, np.float32))
+        return learned.blend_scores(self.blend[0], np.zeros(8, np.float32), recency.features())
 
 
 def test_a_blend_sees_each_layers_own_past_calls() -> None:
