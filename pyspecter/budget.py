@@ -75,7 +75,8 @@ def allocate_slots(layout: ModelLayout, budget_bytes: int, *,
     different sizes, so a slot costs its own layer's expert bytes.
 
     Without ``curves``: whole slot rows, then the remainder as one more slot per layer in forward order while it
-    lasts (a budget is rarely a whole number of rows: a 5 MiB predictor once cost a 50 MB row). With ``curves``
+    lasts (a budget is rarely a whole number of rows, and whole rows alone would leave up to a row unspent: a 5 MiB
+    predictor taken out of 8 rows of 50 MB would cost a whole row). With ``curves``
     (for MoE layer position j, ``curves[j][s]`` = misses measured with s slots, s = 0..n_expert; lower is better):
     from ``base`` everywhere, each next slot goes to the layer whose misses fall most per byte, looking past a
     flat stretch of its curve (the best average drop over its next slots), so a layer whose gain comes a few

@@ -107,7 +107,7 @@ def read_layout(path: str | Path) -> ModelLayout:
 
     The result is cached by the file's identity (path, size, modification time, inode) and this code's own
     bytes: gguf's reader walks every tokenizer string of the header, 2.1 s for smol-moe's 49k-token vocabulary,
-    which every `generate` and `chat` paid before its first token."""
+    which would otherwise delay every `generate` and `chat` before its first token."""
     p = Path(path)
     if not p.exists():
         raise SpecterError(f"{p}: no such file")

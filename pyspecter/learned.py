@@ -188,7 +188,7 @@ class LearnedPredictor:
     sel_bias: list[np.ndarray | None] = field(default_factory=list)
     # reduced rank (fit-predictor --rank r): A[j] is [n_embd, r] and A2[j] [r, n_t * n_expert]
     A2: list[np.ndarray | None] = field(default_factory=list)
-    # reuse maps (eviction): R[j] [n_embd, E], rb[j] [E]; empty for a predictor fitted before they existed
+    # reuse maps (eviction): R[j] [n_embd, E], rb[j] [E]; empty for a file that has none (``reuse`` then returns None)
     R: list[np.ndarray | None] = field(default_factory=list)
     rb: list[np.ndarray | None] = field(default_factory=list)
     miss_curves: np.ndarray | None = None  # [L, E + 1] LRU misses per token with s slots, on the fit text

@@ -127,9 +127,9 @@ class Session:
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
         self.predictor = None if cfg.draft or cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
         self.device = open_device(cfg.device)
-        # On the CPU, what whole slot rows leave of the budget is spent too, by layer (a 5 MiB predictor once cost
-        # smol-moe a 50 MB row of slots): one more slot per layer while it lasts, or by the predictor's miss curves
-        # where they promise clearly fewer misses (budget.allocate_slots)
+        # On the CPU, what whole slot rows leave of the budget is spent too, by layer (otherwise a 5 MiB predictor
+        # would cost smol-moe a whole 50 MB row of slots): one more slot per layer while it lasts, or by the
+        # predictor's miss curves where they promise clearly fewer misses (budget.allocate_slots)
         self.plan = MemoryPlan.for_budget(self.layout, cfg.budget, draft_bytes=self.draft_bytes,
                                           count_draft=cfg.draft_counts_in_budget,
                                           surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0,

@@ -1,6 +1,6 @@
 """Devices: where a model's layers and expert slots live, named as on the command line (``--device``).
 
-``cpu`` is today's placement (everything in host memory). Any other device is a ggml backend device: ``cuda0``
+``cpu`` is the default placement (everything in host memory). Any other device is a ggml backend device: ``cuda0``
 (``CUDA0`` in ggml), or ``rpc:HOST:PORT``, llama.cpp's RPC backend, whose server (``pyspecter rpc-server``) may run
 on this machine or another. With a device, every layer goes to it and the routed-expert tensors stay in host memory
 through tensor buffer-type overrides, as llama.cpp's ``--cpu-moe`` does; expert slots are then allocated in the
