@@ -32,17 +32,20 @@ class Response:
     stats: dict
 
 
-def load(model: str | os.PathLike, *, budget: str | None = None, tier: str = "ram", draft: str | None = None,
-         **config) -> Session:
+def load(model: str | os.PathLike, *, budget: str | None = None, tier: str | None = None,
+         device: str | None = None, draft: str | None = None, **config) -> Session:
     """A model (a GGUF path or a built-in name such as ``smol-moe``) with ``budget`` of fast memory for its
-    experts (``"40%"``, ``"2GiB"``; None: all resident) on ``tier`` (ram, disk, emulated:GBPS). Other keyword
-    arguments are ``SessionConfig`` fields (``n_ctx``, ``n_threads``, ``temperature``, ``top_p``, ``k``...).
+    experts (``"40%"``, ``"2GiB"``) on ``tier`` (ram, disk, emulated:GBPS) and ``device`` (cuda0, rpc:HOST:PORT).
+    What is left out is chosen as the command line chooses it (``placement.place``): a model that fits runs as
+    stock llama.cpp; ``session.placement.why`` says what was chosen. Other keyword arguments are
+    ``SessionConfig`` fields (``n_ctx``, ``n_threads``, ``temperature``, ``top_p``, ``k``, ``force``...).
     Close it (or use it in a ``with`` block) to free the model."""
     from pyspecter.models.catalog import resolve_model  # built-in names are built (or found cached) on demand
 
     path = resolve_model(str(model))
     dpath = resolve_model(str(draft)) if draft else None
-    return Session(SessionConfig(model=Path(path), draft=dpath, budget=budget, tier=tier, **config))
+    return Session(SessionConfig(model=Path(path), draft=dpath, budget=budget, tier=tier, device=device,
+                                 **config))
 
 
 def _prompt_tokens(session: Session, prompt: str | list[dict[str, str]], chat: bool) -> list[int]:

@@ -284,32 +284,36 @@ def fit_to_memory(layout: ModelLayout, available_bytes: int) -> Fit:
     """Choose the tier and budget from the model's size and the memory available now (``psutil``'s figure),
     keeping a margin and the runtime's headroom free. A model that fits runs all-resident from RAM; one that does
     not streams its experts from disk with as many slots as the rest of the memory holds."""
-    gb = 1e9
+    from pyspecter.units import fmt_size as gb
+
     usable = usable_memory(available_bytes)
     size = layout.file_bytes
     if size <= usable:
-        return Fit("ram", None, f"model {size / gb:.1f} GB fits in {available_bytes / gb:.1f} GB available ({_KEPT}): "
+        return Fit("ram", None, f"model {gb(size)} fits in {gb(available_bytes)} available ({_KEPT}): "
                                 "every expert resident")
     slot_bytes = usable - layout.nonexpert_bytes
     slots = slots_for_budget(layout, max(slot_bytes, 0))
     if slots < layout.n_expert_used:
-        raise SpecterError(f"model {size / gb:.1f} GB does not fit: {available_bytes / gb:.1f} GB available leaves "
+        raise SpecterError(f"model {gb(size)} does not fit: {gb(available_bytes)} available leaves "
                            f"room for {slots} expert slots per layer ({_KEPT}), top-{layout.n_expert_used} needed")
     budget = slots * sum(L.expert_bytes for L in layout.layers)
-    return Fit("disk", str(budget), f"model {size / gb:.1f} GB > {usable / gb:.1f} GB usable of "
-                                    f"{available_bytes / gb:.1f} GB available: experts stream from disk, "
-                                    f"{budget / gb:.1f} GB of slots ({100 * budget / layout.expert_total_bytes:.0f}%)")
+    return Fit("disk", str(budget), f"model {gb(size)} > {gb(usable)} usable of "
+                                    f"{gb(available_bytes)} available: experts stream from disk, "
+                                    f"{gb(budget)} of slots ({100 * budget / layout.expert_total_bytes:.0f}%)")
 
 
-def check_budget_fits(layout: ModelLayout, budget_bytes: int, available_bytes: int) -> None:
+def check_budget_fits(layout: ModelLayout, budget_bytes: int, available_bytes: int, given: str | None = None) -> None:
     """Refuse a budget whose slots, beside the non-expert weights, need more than the usable share of the memory
     available now (the share fit_to_memory fills). Slots are allocated memory that cannot be paged out (these
-    machines have no swap): past that share the process is killed mid-run instead of refused at the start."""
-    gb = 1e9
+    machines have no swap): past that share the process is killed mid-run instead of refused at the start.
+    ``given``: the budget as typed, whose unit family (MiB or MB) the message keeps."""
+    from pyspecter.units import family, fmt_budget_arg, fmt_size
+
     usable = usable_memory(available_bytes)
     if budget_bytes + layout.nonexpert_bytes <= usable:
         return
-    most = max(usable - layout.nonexpert_bytes, 0) // 10**8 / 10  # GB, rounded down: the figure given must fit
-    raise SpecterError(f"budget {budget_bytes / gb:.1f} GB + {layout.nonexpert_bytes / gb:.1f} GB of non-expert "
-                       f"weights > {usable / gb:.1f} GB usable of {available_bytes / gb:.1f} GB available ({_KEPT}); "
-                       f"give --budget {most:.1f}GB or less, or --force to run anyway")
+    fam = family(given)
+    most = fmt_budget_arg(max(usable - layout.nonexpert_bytes, 0), fam, up=False)  # the figure given must fit
+    raise SpecterError(f"budget {fmt_size(budget_bytes, fam)} + {fmt_size(layout.nonexpert_bytes, fam)} of "
+                       f"non-expert weights > {fmt_size(usable, fam)} usable of {fmt_size(available_bytes, fam)} "
+                       f"available ({_KEPT}); give --budget {most} or less, or --force to run anyway")

@@ -123,3 +123,10 @@ def render_prompt(model: Model, messages: list[dict]) -> str:
             return buf.raw[:n].decode("utf-8", errors="replace")
         size = n + 1
     return render_chatml(messages)
+
+
+def has_chat_template(model: Model) -> bool:
+    """Whether the GGUF carries a chat template (fixtures have none: their prompts are plain text)."""
+    import llama_cpp
+
+    return bool(llama_cpp.llama_model_chat_template(model.ptr, None))

@@ -7,6 +7,7 @@ draft that does not pay and gives its memory to the slots).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import LearnedPredictor
 from pyspecter.native.devices import Device, open_device
+from pyspecter.placement import Placement, place
 from pyspecter.plan import LayerAhead, PlanGovernor, PrefetchPlan
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
@@ -34,9 +36,11 @@ from pyspecter.tiers import make_tier
 class SessionConfig:
     model: Path
     draft: Path | None = None
-    budget: str | None = None  # fast-tier bytes for target expert slots; None: all experts resident
-    tier: str = "ram"
+    # where the experts live (placement.place): None leaves it to the fit to this machine (or to the device)
+    budget: str | None = None  # fast-tier bytes for target expert slots; None with a tier: all experts resident
+    tier: str | None = None  # ram, disk, emulated:GBPS
     device: str | None = None  # None/cpu: slots in RAM; cuda0, rpc:HOST:PORT: layers and slots on that device
+    force: bool = False  # run a budget the memory available cannot hold (refused by default, with the numbers)
     miss: str | None = None  # None: "wait" on the disk tier (the host copy is on disk too), else "cpu"
     policy: str = "lru"
     k: int = 4
@@ -107,9 +111,14 @@ def sampling_params(cfg: SessionConfig, layout: ModelLayout) -> SamplingParams:
 
 
 class Session:
-    def __init__(self, cfg: SessionConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: SessionConfig, placement: Placement | None = None) -> None:
+        """``placement``: where the experts live, when the caller already chose it (``placement.place``, which
+        the session calls itself otherwise)."""
         self.layout = read_layout(cfg.model).require_moe()
+        self.placement = placement or place(self.layout, tier=cfg.tier, budget=cfg.budget, device=cfg.device,
+                                            force=cfg.force)
+        p = self.placement
+        cfg = self.cfg = dataclasses.replace(cfg, tier=p.tier, budget=p.budget, device=p.device)
         dlay = None
         if cfg.draft:
             dlay = read_layout(cfg.draft)

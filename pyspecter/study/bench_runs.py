@@ -214,8 +214,9 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
     learned predictor's prefetch plan (when one is fitted for the model) under its governor."""
     proc = psutil.Process()
     t_load = time.perf_counter()
-    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, k=k, adaptive=adaptive,
-                              n_ctx=max(map(len, prompts)) + n + 16, n_threads=n_threads,
+    # force: the bench placed its budget, and its capped children see the host's memory, not their cap
+    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, force=True, k=k,
+                              adaptive=adaptive, n_ctx=max(map(len, prompts)) + n + 16, n_threads=n_threads,
                               draft_counts_in_budget=count_draft, prefetch_cutoff=cutoff, device=device))
     load_s = time.perf_counter() - t_load  # the session warms its contexts up
     try:

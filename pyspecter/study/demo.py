@@ -51,7 +51,8 @@ def _specter(path: Path, messages: list[dict], n: int, n_threads: int, budget: s
     from pyspecter.session import Session, SessionConfig
 
     t0 = time.perf_counter()
-    with Session(SessionConfig(model=path, budget=budget, tier="disk", n_ctx=N_CTX, n_threads=n_threads)) as s:
+    with Session(SessionConfig(model=path, budget=budget, tier="disk", force=True, n_ctx=N_CTX,
+                               n_threads=n_threads)) as s:
         prompt = s.tokenize(render_prompt(s.target, messages), add_special=False)
         stamps: list[float] = []
         t1 = time.perf_counter()

@@ -49,7 +49,7 @@ def _child(job: dict) -> dict:
         from pyspecter.session import Session, SessionConfig
 
         session = Session(SessionConfig(model=path, budget=job["budget"], tier="disk", n_threads=job["threads"],
-                                        n_ctx=len(job["prompt"]) + n + 8))
+                                        force=True, n_ctx=len(job["prompt"]) + n + 8))
         decode, cache = session.tctx.decode, session.cache
         out.update(slots_per_layer=session.n_slots)
     out.update(load_s=time.perf_counter() - t0, load_read_bytes=_read_bytes() - r0,

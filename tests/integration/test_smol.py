@@ -18,7 +18,7 @@ from pyspecter import native
 from pyspecter.errors import SpecterError
 from pyspecter.layout import read_layout
 from pyspecter.models import draft as drafts
-from pyspecter.models import smol
+from pyspecter.models import smol, smol_router
 
 N_EXPERT, TOP_K = 16, 2
 
@@ -100,7 +100,7 @@ def test_reference_forward_matches_llama_cpp(dense: Path, tmp_path: Path) -> Non
     for t in r.tensors:
         if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layer:
             continue
-        w.add_tensor(t.name, smol._dequant(t))
+        w.add_tensor(t.name, smol_router._dequant(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

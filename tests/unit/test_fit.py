@@ -10,10 +10,11 @@ import psutil
 import pytest
 from conftest import run_cli
 
-from pyspecter import cli
 from pyspecter.budget import check_budget_fits, fit_to_memory, parse_budget, usable_memory
+from pyspecter.cli.bench import bench as bench_cmd
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
+from pyspecter.placement import Placement, place
 
 GB = 10**9
 EXPERT = 3 * 768 * 2048 * 34 // 32  # one Qwen3-30B-A3B expert in Q8_0
@@ -35,7 +36,7 @@ def machine(monkeypatch: pytest.MonkeyPatch):
     lay = _qwen3_30b()
     state = SimpleNamespace(available=20 * GB, layout=lay)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=state.available))
-    monkeypatch.setattr("pyspecter.layout.read_layout", lambda _path: state.layout)
+    monkeypatch.setattr("pyspecter.placement.read_layout", lambda _path: state.layout)
     return state
 
 
@@ -56,39 +57,52 @@ def test_a_budget_above_the_memory_is_refused_with_the_numbers() -> None:
     assert int(fit.budget) + lay.nonexpert_bytes <= usable_memory(20 * GB)
 
 
-def test_no_flags_fit_the_model(machine, capsys: pytest.CaptureFixture) -> None:
-    tier, budget = cli._place(None, None, None, force=False)
-    assert tier == "disk" and int(budget) == int(fit_to_memory(machine.layout, machine.available).budget)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("pyspecter: model 32.8 GB > ") and "stream from disk" in err[0]
-    machine.available = 64 * GB  # now the file fits: every expert resident, from RAM
-    assert cli._place(None, None, None, force=False) == ("ram", None)
-    assert "every expert resident" in capsys.readouterr().err
+def _where(**kw) -> tuple[str, str | None]:
+    p = place("model.gguf", **kw)
+    return p.tier, p.budget
 
 
-def test_bench_fits_too_but_keeps_a_budget_its_policies_can_use(machine, capsys: pytest.CaptureFixture) -> None:
-    assert cli._place(None, None, None, force=False, partial="50%")[0] == "disk"  # too big: fitted as above
-    capsys.readouterr()
+def test_no_flags_fit_the_model(machine) -> None:
+    p = place("model.gguf")
+    assert p.tier == "disk" and int(p.budget) == int(fit_to_memory(machine.layout, machine.available).budget)
+    assert p.why.startswith("model 32.8 GB > ") and "stream from disk" in p.why and not p.stock
+    machine.available = 64 * GB  # now the file fits: every expert resident, from RAM, as stock llama.cpp runs it
+    p = place("model.gguf")
+    assert (p.tier, p.budget, p.stock) == ("ram", None, True)
+    assert "every expert resident" in p.why and "stock" in p.why
+
+
+def test_bench_fits_too_but_keeps_a_budget_its_policies_can_use(machine) -> None:
+    assert _where(partial="50%")[0] == "disk"  # too big: fitted as above
     machine.available = 64 * GB
-    assert cli._place(None, None, None, force=False, partial="50%") == ("ram", "50%")
-    assert "budget of 50%" in capsys.readouterr().err
-    assert cli._place(None, "disk", None, force=False, partial="50%") == ("disk", "50%")  # bench's old default
+    p = place("model.gguf", partial="50%")
+    assert (p.tier, p.budget) == ("ram", "50%") and "budget of 50%" in p.why
+    assert _where(tier="disk", partial="50%") == ("disk", "50%")  # bench's old default
 
 
-def test_a_budget_alone_picks_the_tier(machine, capsys: pytest.CaptureFixture) -> None:
-    assert cli._place(None, None, "10%", force=False) == ("disk", "10%")
+def test_a_budget_alone_picks_the_tier(machine) -> None:
+    assert place("model.gguf", budget="10%") == Placement("disk", "10%")  # the user chose: no line (why None)
     machine.available = 64 * GB
-    assert cli._place(None, None, "10%", force=False) == ("ram", "10%")
-    assert capsys.readouterr().err == ""  # the user chose: no line
+    assert place("model.gguf", budget="10%") == Placement("ram", "10%")
 
 
-def test_force_and_sweeps_and_device_budgets(machine) -> None:
+def test_force_and_device_budgets(machine) -> None:
     with pytest.raises(SpecterError, match="or --force"):
-        cli._place(None, "disk", "60%", force=False)
-    assert cli._place(None, "disk", "60%", force=True) == ("disk", "60%")
-    with pytest.raises(SpecterError, match="budget 27.7 GB"):  # every point of a sweep is checked
-        cli._place(None, "ram,disk", "10%,90%", force=False)
-    assert cli._place(None, "gpu", "90%", force=False) == ("gpu", "90%")  # a device's own memory, not RAM
+        place("model.gguf", tier="disk", budget="60%")
+    assert _where(tier="disk", budget="60%", force=True) == ("disk", "60%")
+    with pytest.raises(SpecterError, match="budget 27.7 GB"):
+        place("model.gguf", tier="ram", budget="90%")
+    assert _where(tier="gpu", budget="90%") == ("gpu", "90%")  # a device's own memory, not RAM
+
+
+def test_sizes_keep_the_unit_family_given(machine) -> None:
+    with pytest.raises(SpecterError) as e:
+        place("model.gguf", tier="ram", budget="25GiB")
+    msg = str(e.value)  # binary in, binary out, and the non-expert weights not rounded to 0.0
+    assert msg.startswith("budget 25.0 GiB + 1.9 GiB of non-expert weights > 16.3 GiB usable"), msg
+    assert "GB" not in msg.replace("GiB", "") and "give --budget 14.4GiB or less" in msg
+    suggested = msg.split("give --budget ")[1].split(" ")[0]
+    assert place("model.gguf", tier="ram", budget=suggested).budget == suggested  # the figure given fits
 
 
 def test_bench_runs_what_was_fitted(machine, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -96,15 +110,25 @@ def test_bench_runs_what_was_fitted(machine, monkeypatch: pytest.MonkeyPatch, ca
 
     calls = []
     monkeypatch.setattr(bench, "run_bench", lambda path, **kw: calls.append(kw) or {"tier": kw["tier"]})
-    cli.bench("tiny-qwen3moe", json_out=True)
+    bench_cmd("tiny-qwen3moe", json_out=True)
     fitted = fit_to_memory(machine.layout, machine.available)
     assert [(c["tier"], c["budget"]) for c in calls] == [("disk", fitted.budget)]
     out = capsys.readouterr()
     assert json.loads(out.out) == {"tier": "disk"} and out.err.startswith("pyspecter: model 32.8 GB > ")
     calls.clear()
     with pytest.raises(SpecterError, match="--force"):
-        cli.bench("tiny-qwen3moe", budget="90%")
-    cli.bench("tiny-qwen3moe", budget="90%", force=True, json_out=True)
+        bench_cmd("tiny-qwen3moe", budget="90%")
+    bench_cmd("tiny-qwen3moe", budget="90%", force=True, json_out=True)
+    assert [(c["tier"], c["budget"]) for c in calls] == [("disk", "90%")]
+    calls.clear()
+    with pytest.raises(SpecterError, match="budget 27.7 GB"):  # every point of a sweep is checked before any runs
+        bench_cmd("tiny-qwen3moe", tier="ram,disk", budget="10%,90%")
+    assert calls == []
+    bench_cmd("tiny-qwen3moe", tier="ram,disk", budget="10%,20%", json_out=True)
+    assert [(c["tier"], c["budget"]) for c in calls] == [("ram", "10%"), ("ram", "20%"), ("disk", "10%"),
+                                                          ("disk", "20%")]
+    calls.clear()
+    bench_cmd("tiny-qwen3moe", budget="90%", force=True, json_out=True)
     assert [(c["tier"], c["budget"]) for c in calls] == [("disk", "90%")]
 
 
@@ -114,5 +138,5 @@ def test_refusal_is_one_line_exit_2(cmd: list[str]) -> None:
     r = run_cli(cmd[0], "tiny-qwen3moe", *cmd[1:], "--budget", "100TB", "--tier", "ram")
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pyspecter: error: budget 100000.0 GB + ") and "--force" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("pyspecter: error: budget 100.0 TB + ") and "--force" in lines[0]
     assert "--force" in run_cli(cmd[0], "--help").stdout

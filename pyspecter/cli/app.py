@@ -1,0 +1,89 @@
+"""pyspecter: run Mixture-of-Experts LLMs bigger than fast memory on a patched llama.cpp.
+
+Bad input (missing or corrupt file, a budget that can't fit, a model without experts) ends with a one-line
+error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from pyspecter.errors import SpecterError
+
+_display_type = typer.core.TyperOption.display_type_rich
+
+
+def _no_type_for_flags(self, ctx):
+    # a flag takes no value; typer's rich help would still show it as "--force <bool>"
+    return None if self.is_flag else _display_type(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _no_type_for_flags
+
+
+class _ByUse(typer.core.TyperGroup):
+    """--help lists commands in the order people reach for them, not the order they were written."""
+
+    ORDER = ("chat", "generate", "serve", "rpc-server", "inspect", "bench", "scale", "verify", "models", "draft",
+             "trace", "analyze", "fit-predictor", "surrogate", "demo")
+
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: self.ORDER.index(n) if n in self.ORDER else len(self.ORDER))
+
+
+app = typer.Typer(cls=_ByUse, add_completion=False, no_args_is_help=True, help=__doc__,
+                  pretty_exceptions_enable=False)
+models_app = typer.Typer(no_args_is_help=True, help="Build the project's own models (fixtures, smol-moe, drafts).")
+app.add_typer(models_app, name="models")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from pyspecter.versions import describe
+
+        print(describe())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print the package, patch-series and llama.cpp versions")]
+          = False) -> None:
+    """pyspecter: run Mixture-of-Experts LLMs bigger than fast memory on a patched llama.cpp."""
+
+
+# commands whose first argument is a MODEL
+MODEL_COMMANDS = ("chat", "generate", "serve", "inspect", "bench", "verify", "draft", "trace", "surrogate", "demo",
+                  "scale", "fit-predictor")
+
+
+def model_flag_to_positional(argv: list[str]) -> list[str]:
+    """llama.cpp users type ``-m MODEL``; our commands take MODEL positionally (the first argument after the
+    command), so ``-m X`` / ``--model X`` / ``--model=X`` become exactly that."""
+    if not argv or argv[0] not in MODEL_COMMANDS:
+        return argv
+    rest, model, i = [], None, 1
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-m", "--model") and i + 1 < len(argv):
+            model, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--model="):
+            model = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return [argv[0], *([model] if model is not None else []), *rest]
+
+
+def main() -> None:
+    # Standalone mode lets click turn usage errors into exit code 2; our own bad-input errors come out here.
+    try:
+        app(args=model_flag_to_positional(sys.argv[1:]))
+    except SpecterError as e:
+        print(f"pyspecter: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,159 @@
+"""bench: residency policies timed side by side."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pyspecter.cli.app import app
+from pyspecter.cli.options import (
+    BENCH_DEFAULTS,
+    BENCH_POLICIES,
+    DEFAULT_MODEL,
+    DEFAULT_THREADS,
+    THREADS_HELP,
+    DeviceOpt,
+    DraftOpt,
+    ForceOpt,
+    ModelArg,
+    PromptsOpt,
+    SurrogateOpt,
+    native_errors_exit,
+)
+from pyspecter.errors import SpecterError
+from pyspecter.models.catalog import resolve_model
+
+
+@app.command()
+def bench(
+    model: ModelArg = DEFAULT_MODEL,
+    tier: Annotated[str | None, typer.Option(help="slow tier: ram, disk, emulated:GBPS; comma-separated to sweep. "
+                                                  "Default: with --budget, chosen from the model's size and the "
+                                                  "memory available (one line says what and why)")] = None,
+    budget: Annotated[str | None, typer.Option(help="fast-tier bytes for expert slots: 64MiB, 1.5GB or 40%; "
+                                                    "comma-separated to sweep (30%,50%). Default: what the memory "
+                                                    "available holds beside the non-expert weights when the model "
+                                                    "does not fit, else 50%")] = None,
+    policies: Annotated[str | None, typer.Option(help="comma-separated, from: " + ", ".join(BENCH_POLICIES) +
+                                                      " (surrogate is approximate; all-resident holds every "
+                                                      "expert and gives the oracle bound; static-hot pins the "
+                                                      "experts most used on the packaged calibration prompts, "
+                                                      "misses on the CPU; prev-token keeps what the previous token "
+                                                      "used, first-in first-out otherwise, misses waited for; "
+                                                      "learned-evict evicts by the learned reuse maps, learned "
+                                                      "adds the prefetch plan, always on; engine is what "
+                                                      "generate runs). "
+                                                      "Default: " +
+                                                      ", ".join(BENCH_DEFAULTS) + " (+ specter, specter-equal-slots "
+                                                      "with --draft)", show_default=False)] = None,
+    prompts: PromptsOpt = None,
+    prompt_tokens: Annotated[int | None, typer.Option(help="prompt length for prefill (default 64 tokens of the "
+                                                           "packaged prompts); with --prompts, each prompt is used "
+                                                           "whole unless this cuts it to its first N tokens",
+                                                      show_default=False)] = None,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="decode tokens after each prompt")] = 32,
+    repeat: Annotated[int, typer.Option(help="interleaved repeats of every policy")] = 3,
+    threads: Annotated[str, typer.Option("--threads", "-t", help=THREADS_HELP + "; comma-separated to sweep")]
+    = str(DEFAULT_THREADS),
+    draft: DraftOpt = None,
+    k: Annotated[int, typer.Option("-k", help="specter: draft tokens per step (start value)")] = 4,
+    fixed_k: Annotated[bool, typer.Option("--fixed-k", help="specter: do not adapt K (e.g. -k 0 --fixed-k: "
+                                                            "the draft only predicts experts)")] = False,
+    no_cutoff: Annotated[bool, typer.Option("--no-cutoff", help="specter: prefetch every prediction, even ones "
+                                                                "the link cannot deliver in time")] = False,
+    surrogate_width: SurrogateOpt = 0.25,
+    json_out: Annotated[bool, typer.Option("--json", help="machine-readable output (a list when sweeping)")] = False,
+    csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy and sweep point, with a header; "
+                                                        "each row carries its whole setting")] = False,
+    force: ForceOpt = False,
+    device: DeviceOpt = None,
+) -> None:
+    """Time residency policies side by side on one model: same prompts, interleaved repeats, ratios.
+
+    On the disk tier every capped policy runs in a child process whose memory, page cache included, a cgroup
+    (v1 or v2) holds to budget + non-expert weights + runtime, starting cold; rows say whether the cap held.
+    "ttft s" is load plus the first prompt's prefill: stock's load reads the experts that its prefill then finds
+    in the page cache, while the disk tier's load reads none, so prefill alone compares unlike work."""
+    import itertools
+
+    from pyspecter.placement import is_host, place
+    from pyspecter.study.bench import CSV_FIELDS, run_bench, to_csv_rows
+
+    def split(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    try:
+        thread_counts = [int(x) for x in split(threads)]
+    except ValueError:
+        raise SpecterError(f"--threads takes integers, got {threads!r}") from None
+    if prompts is not None:  # a bad prompt file is the one line printed, before any fitting or loading
+        from pyspecter.prompts import load_prompts
+
+        load_prompts(prompts)
+    unknown = [p for p in split(policies or "") if p not in BENCH_POLICIES]
+    if unknown:
+        raise SpecterError(f"unknown policy {unknown[0]!r}: use {', '.join(BENCH_POLICIES)}")
+    for name, value in (("-n", n), ("--repeat", repeat), ("--prompt-tokens", prompt_tokens or 1),
+                        *(("--threads", t) for t in thread_counts)):
+        if value < 1:
+            raise SpecterError(f"{name} must be at least 1, got {value}")
+    path, dpath = resolve_model(model), resolve_model(draft) if draft else None
+    if not is_host(device):
+        native_errors_exit()
+    # every point of a sweep placed (and checked) before the first one runs
+    points = [place(path, tier=t, budget=b, device=device, force=force, partial="50%")
+              for t in (split(tier) if tier else [None]) for b in (split(budget) if budget else [None])]
+    for p in points:
+        if p.why:
+            print(f"pyspecter: {p.why}", file=sys.stderr)
+    results = []
+    for p, th in itertools.product(points, thread_counts):
+        results.append(run_bench(path, tier=p.tier, budget=p.budget, policies=split(policies or "") or None,
+                                 prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=th, draft=dpath, k=k,
+                                 adaptive=not fixed_k, cutoff=not no_cutoff, surrogate_width=surrogate_width,
+                                 prompts=prompts, device=p.device))
+        if not (json_out or csv_out):
+            _print_bench(results[-1])
+    if json_out:
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=1))
+    elif csv_out:
+        import csv
+
+        w = csv.DictWriter(sys.stdout, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in results:
+            w.writerows(to_csv_rows(r))
+
+
+def _prompt_desc(r: dict) -> str:
+    if not r.get("prompts"):
+        return f"{r['prompt_tokens']}-token prompt"
+    return f"{r['n_prompts']} prompts of {Path(r['prompts']).name} ({r['prompt_tokens']} tokens)"
+
+
+def _print_bench(r: dict) -> None:
+    on = f" on {r['device']}" if r.get("device", "CPU") != "CPU" else ""
+    print(f"{Path(r['model']).name}: {r['arch']}{on}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
+          f"budget {r['budget']} = {r['slots_per_layer']}/{r['n_expert']} slots per layer, link "
+          f"{r['link_gbps']:.2f} GB/s, {r['n_threads']} threads, {_prompt_desc(r)}, "
+          f"{r['decode_tokens']} decode tokens x {r['repeat']}; memory: {r['memory_cap']}")
+    print(f"{'policy':<22}{'TPOT ms':>9}{'mean ms':>9}{'tok/s':>9}{'prefill/s':>10}{'ttft s':>8}{'hit%':>7}"
+          f"{'KiB/tok':>9}{'stall ms':>9}{'hook us':>8}{'vs lru':>8}{'vs all':>8}{'slots':>7}")
+    for name, p in r["policies"].items():
+        if "skipped" in p:
+            print(f"{name:<22} skipped: {p['skipped']}")
+            continue
+        print(f"{name:<22}{p['tpot_ms']:>9.2f}{p.get('tpot_mean_ms', float('nan')):>9.2f}{p['decode_tok_s']:>9.1f}"
+              f"{p.get('prefill_tok_s', float('nan')):>10.1f}"
+              f"{p.get('cold_ttft_s', float('nan')):>8.2f}"
+              f"{100 * p.get('hit_rate', 1):>7.1f}{p['bytes_per_token'] / 1024:>9.1f}"
+              f"{p.get('stall_ms_per_token', 0):>9.2f}{p.get('hook_us_per_call', 0):>8.1f}"
+              f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}"
+              f"{p['slots_mean'] if p.get('slots_mean') is not None else float('nan'):>7.2f}")
+    if "round_trip_us_per_layer" in r:
+        print(f"routing round trip (all-resident vs stock-device, per MoE layer): "
+              f"{r['round_trip_us_per_layer']:.1f} us")

@@ -1,0 +1,200 @@
+"""generate and chat: a session over the library's placement, printed as text."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pyspecter.cli.app import app
+from pyspecter.cli.options import (
+    DEFAULT_MODEL,
+    DEFAULT_THREADS,
+    AutoTierOpt,
+    BudgetOpt,
+    CtxOpt,
+    DeviceOpt,
+    DraftOpt,
+    ForceOpt,
+    MinPOpt,
+    MissOpt,
+    ModelArg,
+    ProfileOpt,
+    RepeatOpt,
+    SurrogateOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    native_errors_exit,
+)
+from pyspecter.errors import SpecterError
+from pyspecter.models.catalog import resolve_model
+
+NPredictHelp = "max tokens to generate; -1: until the context is full (llama.cpp's -1)"
+
+
+def check_n_predict(n: int) -> None:
+    if n < -1:
+        raise SpecterError(f"-n must be >= 0, or -1 for \"until the context is full\"; got {n}")
+
+
+def open_session(model: str, *, draft: str | None = None, budget: str | None = None, tier: str | None = None,
+                 miss: str | None = None, k: int = 4, temp: float = 0.0, seed: int = 0,
+                 threads: int = DEFAULT_THREADS, adaptive: bool = True, profile: Path | None = None,
+                 surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None,
+                 force: bool = False, device: str | None = None):
+    """Bad input refused first (one line, nothing else printed), then the library's placement and its one line,
+    then the session. The surrogates' neuron groups are a model builder's work, which the runtime never imports:
+    they are made here and handed over."""
+    from pyspecter.placement import is_host, place
+    from pyspecter.sampling import SamplingParams
+    from pyspecter.session import Session, SessionConfig
+
+    given = {k: v for k, v in (sampling or {}).items() if v is not None}
+    SamplingParams(temperature=temp, **given).check()
+    if not 0 < surrogate_width <= 1:
+        raise SpecterError(f"--surrogate-width must be in (0, 1], got {surrogate_width}")
+    if profile is not None and not profile.exists():
+        raise SpecterError(f"{profile}: no such file")
+    if n_ctx < 1:
+        raise SpecterError(f"--ctx-size must be at least 1, got {n_ctx}")
+    path = resolve_model(model)
+    dpath = resolve_model(draft) if draft else None
+    if not is_host(device):
+        native_errors_exit()
+    where = place(path, tier=tier, budget=budget, device=device, force=force)
+    if where.why:
+        print(f"pyspecter: {where.why}", file=sys.stderr)
+    groups = None
+    if miss == "surrogate":
+        from pyspecter.models.calibration import select_neurons
+
+        groups = select_neurons(path, surrogate_width)
+    s = Session(SessionConfig(model=path, draft=dpath, budget=where.budget, tier=where.tier, miss=miss, k=k,
+                              adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
+                              profile=profile, surrogate_groups=groups, n_ctx=n_ctx, device=where.device,
+                              **(sampling or {})), placement=where)
+    if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
+        from pyspecter.study.quality import describe, perplexity_delta
+
+        print(describe(perplexity_delta(path, surrogate_width, s.n_slots, where.tier)), file=sys.stderr)
+    return s
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="what to ask: sent as one user message through "
+                                                               "the model's chat template (see --raw)")],
+    model: ModelArg = DEFAULT_MODEL,
+    raw: Annotated[bool, typer.Option("--raw", help="continue the prompt as plain text instead (also what a model "
+                                                    "without a chat template does)")] = False,
+    draft: DraftOpt = None,
+    budget: BudgetOpt = None,
+    tier: AutoTierOpt = None,
+    device: DeviceOpt = None,
+    miss: MissOpt = None,
+    k: Annotated[int, typer.Option("-k", help="draft tokens per step (the start value when adaptive)")] = 4,
+    fixed_k: Annotated[bool, typer.Option("--fixed-k", help="do not adapt K")] = False,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help=NPredictHelp)] = 128,
+    temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    repeat_penalty: RepeatOpt = None,
+    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    threads: ThreadsOpt = DEFAULT_THREADS,
+    ctx_size: CtxOpt = 2048,
+    profile: ProfileOpt = None,
+    surrogate_width: SurrogateOpt = 0.25,
+    force: ForceOpt = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the text and stats as JSON")] = False,
+) -> None:
+    """Answer a prompt (through expert slots when the model does not fit, speculatively with a draft)."""
+    from pyspecter.chat import Streamer
+    from pyspecter.prompts import has_chat_template, render_prompt
+
+    check_n_predict(n)
+    s = open_session(model, draft=draft, budget=budget, tier=tier, miss=miss, k=k, temp=temp, seed=seed,
+                     threads=threads, adaptive=not fixed_k, profile=profile, surrogate_width=surrogate_width,
+                     n_ctx=ctx_size, device=device, force=force,
+                     sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
+    try:
+        if raw or not has_chat_template(s.target):
+            toks = s.tokenize(prompt)
+        else:
+            toks = s.tokenize(render_prompt(s.target, [{"role": "user", "content": prompt}]), add_special=False)
+        limit = max(ctx_size - len(toks), 0) if n == -1 else n
+        stream = None if json_out else Streamer(s.target)
+        out = s.generate(toks, limit, on_token=stream)
+        st = s.stats()
+        if json_out:
+            print(json.dumps({"text": s.target.detokenize(out), "tokens": out, "stats": st}, indent=1))
+        else:
+            print()
+            print(stats_line(st), file=sys.stderr)
+    finally:
+        s.close()
+
+
+def stats_line(st: dict) -> str:
+    if st.get("stock"):
+        line = (f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | stock llama.cpp: all {st['n_expert']} experts "
+                f"resident, tier {st['tier']}, no slots")
+    else:
+        line = (f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | {slots_phrase(st)}, tier {st['tier']}, "
+                f"miss {st['miss']} | hit {100 * st['hit_rate']:.1f}%, from slots {100 * st['coverage']:.1f}%, "
+                f"uploads {st['uploads']} ({st['upload_mib']:.1f} MiB), stall {st['stall_ms']:.1f} ms")
+    if st.get("surrogate_uses"):
+        line += f", {st['surrogate_uses']} misses served by surrogates (approximate)"
+    if "acceptance" in st:
+        line += (f" | acceptance {100 * st['acceptance']:.0f}%, mean K {st['mean_k']:.2f}, "
+                 f"draft off {100 * st['draft_off']:.0f}% of steps")
+        if st.get("draft_dropped_at") is not None:
+            line += f"; draft dropped at step {st['draft_dropped_at']} (it did not pay), its memory is slots now"
+    return line + "]"
+
+
+def slots_phrase(st: dict) -> str:
+    """The slot count as every command says it (see ``placement.SlotCount``)."""
+    return st.get("slots_text") or f"slots {st['slots_per_layer']}/{st['n_expert']}"
+
+
+@app.command()
+def chat(
+    model: ModelArg = DEFAULT_MODEL,
+    draft: DraftOpt = None,
+    budget: BudgetOpt = None,
+    tier: AutoTierOpt = None,
+    device: DeviceOpt = None,
+    miss: MissOpt = None,
+    k: Annotated[int, typer.Option("-k", help="draft tokens per step (start value)")] = 4,
+    n: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens per answer; -1: until the context is "
+                                                             "full (llama.cpp's -1)")] = 256,
+    temp: Annotated[float, typer.Option(help="sampling temperature; 0 = greedy")] = 0.0,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    repeat_penalty: RepeatOpt = None,
+    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    system: Annotated[str | None, typer.Option("--system", "-s", help="system prompt")] = None,
+    threads: ThreadsOpt = DEFAULT_THREADS,
+    ctx_size: CtxOpt = 2048,
+    profile: ProfileOpt = None,
+    surrogate_width: SurrogateOpt = 0.25,
+    force: ForceOpt = False,
+) -> None:
+    """Chat with a model. /help lists the commands (/stats, /reset, /quit); Ctrl-C stops the current answer."""
+    from pyspecter.chat import repl
+
+    check_n_predict(n)
+    s = open_session(model, draft=draft, budget=budget, tier=tier, miss=miss, k=k, temp=temp, seed=seed,
+                     threads=threads, profile=profile, surrogate_width=surrogate_width, n_ctx=ctx_size,
+                     device=device, force=force,
+                     sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
+    try:
+        repl(s, n=ctx_size if n == -1 else n, system=system, stats_line=stats_line)
+    finally:
+        s.close()

@@ -1,0 +1,172 @@
+"""Where a model's experts live: the tier, the budget and the device fit, chosen in one place.
+
+``Session`` (and so ``pyspecter.load``), generate, chat, serve and bench all call ``place``, so a model behaves
+the same from Python and from the command line. What the user gave is kept; what they left out is fitted to this
+machine (``budget.fit_to_memory``) or to the device's free memory; a budget the memory available cannot hold is
+refused with the numbers unless ``force``. A model that fits runs as stock llama.cpp: no slots, no routing hook,
+no second copy of the experts (``Placement.stock``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from pyspecter.budget import check_budget_fits, fit_to_memory, parse_budget, slots_for_budget, usable_memory
+from pyspecter.errors import SpecterError
+from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``tier`` (ram, disk, emulated:GBPS), ``budget`` (text as a user gives it; None: every expert resident),
+    ``device`` (None: the CPU) and ``why``: the one line that says what was chosen, or None when the user chose
+    it all."""
+
+    tier: str
+    budget: str | None
+    device: str | None = None
+    why: str | None = None
+
+    @property
+    def stock(self) -> bool:
+        """Every expert resident in host RAM: the model runs as stock llama.cpp, without slots."""
+        return self.budget is None and self.tier == "ram" and self.device is None
+
+    @property
+    def summary(self) -> str:
+        """What was chosen, in a few words (the start of the one line)."""
+        if self.stock:
+            return "stock llama.cpp, every expert resident (no slots)"
+        where = f" on {self.device}" if self.device else ""
+        return f"tier {self.tier}, budget {self.budget or 'all experts'}{where}"
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """What a device holds of a model: non-expert weights first, then ``slot_bytes`` of expert slots."""
+
+    name: str
+    description: str
+    free_bytes: int
+    total_bytes: int
+    slot_bytes: int
+    slots_per_layer: int
+    whole: bool  # every expert fits beside the non-expert weights
+    why: str
+
+
+def is_host(device: str | None) -> bool:
+    return device is None or device.strip().lower() == "cpu"
+
+
+def device_fit(layout: ModelLayout, device: str) -> DeviceFit:
+    """Open ``device`` and say how many expert slots its free memory buys after the non-expert weights."""
+    from pyspecter.native.devices import open_device
+
+    dev = open_device(device)
+    if dev is None:
+        raise SpecterError(f"--device {device!r}: not a device")
+    free, total = dev.memory()
+    room = max(usable_memory(free) - layout.nonexpert_bytes, 0)
+    slots = slots_for_budget(layout, room)
+    nonexp = fmt_bytes(layout.nonexpert_bytes)
+    if room >= layout.expert_total_bytes:
+        why = "the whole model fits on the device"
+    elif slots < layout.n_expert_used:
+        why = (f"after {nonexp} of non-expert weights, {fmt_bytes(room)} buys {slots} slots per layer, below "
+               f"top-{layout.n_expert_used}: too small")
+    else:
+        why = (f"after {nonexp} of non-expert weights, {fmt_bytes(room)} of expert slots: {slots} of "
+               f"{layout.n_expert} per layer ({100 * room / layout.expert_total_bytes:.0f}%)")
+    return DeviceFit(dev.name, dev.description, free, total, room, slots, room >= layout.expert_total_bytes, why)
+
+
+def place(model: ModelLayout | str | os.PathLike, *, tier: str | None = None, budget: str | None = None,
+          device: str | None = None, force: bool = False, partial: str | None = None,
+          available: int | None = None) -> Placement:
+    """Where the experts live, for one run. ``tier``/``budget``/``device``: what the user gave (None: choose).
+    ``partial``: the budget to use where every expert would be resident (bench: its caching policies would
+    otherwise have nothing to do). ``available``: the memory available (default: psutil's figure now)."""
+    layout = model if isinstance(model, ModelLayout) else read_layout(model)
+    layout.require_moe()
+    if not is_host(device):
+        assert device is not None
+        budget = budget if budget is not None else partial
+        if budget is not None:
+            return Placement(tier or "ram", budget, device)
+        fit = device_fit(layout, device)
+        return Placement(tier or "ram", None if fit.whole else str(fit.slot_bytes), device,
+                         f"{fit.name}: {fit.why}")
+    available = psutil.virtual_memory().available if available is None else available
+    if tier is None and budget is None:  # the user said nothing about where experts live
+        fit = fit_to_memory(layout, available)
+        if fit.budget is None and partial is not None:
+            return Placement("ram", partial, None,
+                             f"{fit.why}; for bench that would leave the caching policies nothing to do, so they "
+                             f"run at a budget of {partial} (--budget to choose)")
+        p = Placement(fit.tier, fit.budget)
+        why = fit.why + (": runs as stock llama.cpp, no slots" if p.stock else "")
+        return Placement(fit.tier, fit.budget, None, why)
+    if tier is None:  # a budget alone: the rest of the experts stay in RAM if the file fits there, else on disk
+        tier = "ram" if layout.file_bytes <= usable_memory(available) else "disk"
+    budget = budget if budget is not None else partial
+    # slots of the host tiers are RAM (a device's budget is its own memory, checked by the session)
+    host_tier = tier in ("ram", "disk") or tier.startswith("emulated:")
+    if budget is not None and host_tier and not force:
+        check_budget_fits(layout, parse_budget(budget, layout.expert_total_bytes), available, given=budget)
+    return Placement(tier, budget)
+
+
+@dataclass(frozen=True)
+class SlotCount:
+    """The slots a budget buys, said the same way by inspect, demo, generate and chat's /stats: ``slots`` in
+    every MoE layer, one more in ``extra_layers`` of ``n_layers`` (what whole rows leave of the budget), and
+    ``others``: what takes the rest of the budget, (what, bytes) (a learned predictor, a draft, surrogates)."""
+
+    slots: int
+    n_expert: int
+    extra_layers: int
+    n_layers: int
+    others: tuple[tuple[str, int], ...] = ()
+    budget_bytes: int | None = None
+
+    def __str__(self) -> str:
+        text = f"{self.slots}/{self.n_expert} slots per layer"
+        if self.extra_layers:
+            text += f" ({self.slots + 1} in {self.extra_layers} of {self.n_layers} layers)"
+        if self.others:
+            text += "; the rest of the budget: " + ", ".join(f"{what} {fmt_bytes(n)}" for what, n in self.others)
+        return text
+
+
+def slot_count(layout: ModelLayout, plan, others: tuple[tuple[str, int], ...] = (),
+               budget_bytes: int | None = None) -> SlotCount:
+    """``plan``: a ``budget.MemoryPlan``; its usable slots (held and reserved ones are not usable)."""
+    return SlotCount(plan.usable, layout.n_expert, sum(1 for n in plan.extra.values() if n > 0), len(layout.layers),
+                     others, budget_bytes)
+
+
+def budget_slot_count(layout: ModelLayout, budget: str, model_path: str | os.PathLike | None = None) -> SlotCount:
+    """What ``budget`` buys a session on this model with no draft: the learned predictor fitted for the file
+    (when there is one) takes its bytes first, as the session spends it."""
+    from pyspecter.budget import MemoryPlan
+    from pyspecter.learned import LearnedPredictor
+
+    pred = LearnedPredictor.for_model(model_path) if model_path is not None else None
+    plan = MemoryPlan.for_budget(layout, budget, predictor_bytes=pred.nbytes if pred else 0, spread=True,
+                                 curves=pred.miss_curves if pred else None)
+    return slot_count(layout, plan, (("the learned predictor", pred.nbytes),) if pred else (),
+                      parse_budget(budget, layout.expert_total_bytes))
+
+
+def uniform_slots(layout: ModelLayout, budget: str) -> int:
+    """Slots per layer, the same in every layer, that ``budget`` buys (verify's --budget); none is refused."""
+    slots = slots_for_budget(layout, parse_budget(budget, layout.expert_total_bytes))
+    if slots == 0:
+        raise SpecterError(f"budget {budget} fits no expert slot (one slot in every layer is "
+                           f"{fmt_bytes(sum(L.expert_bytes for L in layout.layers))})")
+    return slots
