@@ -204,3 +204,26 @@ def test_a_stale_readme_is_caught(old: str, new: str, says: str) -> None:
 def test_a_long_readme_is_caught() -> None:
     text = README.read_text() + "\n" * MAX_LINES
     assert any("lines" in p for p in problems(text))
+
+
+def documented_commands(text: str) -> set[str]:
+    """The commands the code blocks run: the word after ``pyspecter`` at the start of a line (the demo's output,
+    whose lines also start with "pyspecter", is not a command)."""
+    blocks = [b for b in re.findall(r"```[a-z]*\n(.*?)```", text, re.DOTALL) if not b.startswith("$ make demo")]
+    return {m for b in blocks for m in re.findall(r"^(?:\$ )?pyspecter ([a-z][a-z-]*)", b, re.MULTILINE)}
+
+
+def unknown_commands(text: str) -> set[str]:
+    import typer.main
+
+    from pyspecter.cli import app
+
+    return documented_commands(text) - set(typer.main.get_command(app).commands)
+
+
+def test_the_documented_commands_exist() -> None:
+    docs = [README, *DOCS]
+    assert documented_commands(README.read_text()) >= {"chat", "generate", "serve", "inspect"}
+    bad = {str(p.relative_to(ROOT)): unknown_commands(p.read_text()) for p in docs}
+    assert not any(bad.values()), bad
+    assert unknown_commands("```\npyspecter summon smol-moe\n```") == {"summon"}

@@ -45,8 +45,8 @@ def test_uniform_rows_then_remainder_one_slot_per_layer_in_forward_order() -> No
     assert slot_bytes(lay, counts) == 2200  # 50 bytes left: less than a slot
 
 
-def test_a_predictor_no_longer_costs_a_whole_row() -> None:
-    # the case that started this: 8 rows of 49.8 MB less a 5 MiB predictor bought 7 rows, ~45 MB unspent
+def test_a_predictor_costs_its_bytes_not_a_whole_row() -> None:
+    # 8 rows of 49.8 MB less a 5 MiB predictor buy 7 whole rows; the ~45 MB left must become slots, not go unspent
     lay = _layout([498 * 10**4] * 10, n_expert=64, k=4)  # 49.8 MB per row
     budget = 398 * MB - 5 * 2**20
     assert slots_for_budget(lay, budget) == 7
