@@ -1,6 +1,7 @@
 """The README's facts that the code decides: its length, the demo sample's C API version and slot counts, the patch
 count and the pinned llama.cpp / llama-cpp-python versions. Each is checked against the source of truth (the C
-header, patches/, the pin, pyspecter's own budget code), and each check is shown to fail on a stale copy."""
+header, patches/, the pin, pyspecter's own budget and placement code), and each check is shown to fail on a stale
+copy."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pyspecter.budget import MemoryPlan, parse_budget, slots_for_budget
+from pyspecter.budget import MemoryPlan, parse_budget
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +125,9 @@ def problems(readme: str, docs: dict[str, str] | None = None) -> list[str]:
 
 
 def _slot_problems(readme: str, sample: str) -> list[str]:
-    """The demo sample's budget and slot lines, and the README's note on the predictor, against budget.py."""
+    """The demo sample's budget, slot and memory lines, and the README's note on the predictor, against budget.py
+    and placement.py (the one wording of a slot count that inspect, demo, generate and /stats share)."""
+    from pyspecter.placement import slot_count
     from pyspecter.study import demo
     from pyspecter.study.bench import RUNTIME_HEADROOM
 
@@ -136,38 +139,33 @@ def _slot_problems(readme: str, sample: str) -> list[str]:
         out.append(f"the sample's experts ({sizes.group(1)} MiB) are not its layers x experts x one expert's bytes")
     budget_text = inspect.signature(demo.demo).parameters["budget"].default  # what `make demo` runs with
     budget = parse_budget(budget_text, lay.expert_total_bytes)
-    line = re.search(r"^budget ([\d.]+) MiB: (\d+) of (\d+) expert slots per layer", sample, re.MULTILINE)
-    if not line:
-        return [*out, "the demo sample lacks inspect's 'budget ...: N of E expert slots per layer' line"]
-    if not _close(_mib(line.group(1)), budget / MiB):
-        out.append(f"the sample's budget {line.group(1)} MiB is not {budget_text} of its experts "
-                   f"({budget / MiB:.2f} MiB)")
-    if int(line.group(2)) != slots_for_budget(lay, budget) or int(line.group(3)) != lay.n_expert:
-        out.append(f"inspect's line says {line.group(2)} of {line.group(3)} slots; budget.slots_for_budget gives "
-                   f"{slots_for_budget(lay, budget)} of {lay.n_expert}")
-    # the session's count without a learned predictor (a fresh checkout has none fitted): what the demo prints
+    # a fresh checkout has no learned predictor fitted: the whole budget goes to slots
     plan = MemoryPlan.for_budget(lay, budget_text, spread=True)
+    want = f"budget {budget_text}: {slot_count(lay, plan)}"
+    if not re.search(rf"^{re.escape(want)}$", sample, re.MULTILINE):
+        out.append(f"the sample's inspect line must read {want!r} (placement.slot_count)")
     ours = re.search(r"^pyspecter \((\d+)/(\d+) expert slots, disk\)", sample, re.MULTILINE)
-    if not ours or (int(ours.group(1)), int(ours.group(2))) != (plan.slots, lay.n_expert):
-        out.append(f"the sample's pyspecter row must say {plan.slots}/{lay.n_expert} expert slots (MemoryPlan for "
+    if not ours or (int(ours.group(1)), int(ours.group(2))) != (plan.usable, lay.n_expert):
+        out.append(f"the sample's pyspecter row must say {plan.usable}/{lay.n_expert} expert slots (MemoryPlan for "
                    f"{budget_text}, no predictor)")
-    cap = re.search(r"^memory: ([\d.]+) MiB each", sample, re.MULTILINE)
+    mem = re.search(r"^memory: ([\d.]+) MiB each.*\n\s+= budget ([\d.]+) MiB \+", sample, re.MULTILINE)
     want_cap = (budget + lay.nonexpert_bytes + RUNTIME_HEADROOM) / MiB
-    if not cap or not _close(_mib(cap.group(1)), want_cap, tol=0.015):  # from the sample's rounded sizes
+    if not mem or not _close(_mib(mem.group(1)), want_cap, tol=0.015):  # from the sample's rounded sizes
         out.append(f"the sample's memory cap must be budget + non-expert + runtime = {want_cap:.2f} MiB")
-    # with a fitted predictor: its bytes come out of the budget first, and whole rows plus a remainder are spent
-    words = (r"its ([\d.]+) MiB come out of the same budget, and the demo runs (\d+) slots per layer plus one more "
-             r"in (\d+) of the (\d+) layers \(shown as (\d+)/(\d+)\)")
-    note = re.search(words.replace(" ", r"\s+"), readme)  # wherever the paragraph wraps
+    if not mem or not _close(_mib(mem.group(2)), budget / MiB):
+        out.append(f"the sample's budget must be {budget_text} of its experts ({budget / MiB:.2f} MiB)")
+    # with a fitted predictor its bytes come out of the budget first; the README says what that leaves
+    flat = re.sub(r"\s+", " ", readme)
+    note = re.search(r"its ([\d.]+) MiB come out of the same budget: inspect then says (.*?) and names the "
+                     r"predictor as the rest of the budget, and the demo's row says (\d+)/(\d+)\.", flat)
     if not note:
         return [*out, "README.md lacks the note on what a fitted predictor does to the demo's slots"]
-    pred = round(float(note.group(1)) * MiB)
-    with_pred = MemoryPlan.for_budget(lay, budget_text, spread=True, predictor_bytes=pred)
-    got = tuple(int(g) for g in note.groups()[1:])
-    want = (with_pred.slots, len(with_pred.extra), len(lay.layers), with_pred.slots, lay.n_expert)
-    if got != want:
-        out.append(f"the predictor note says {got} (slots, layers with one more, layers, shown as n/E); "
-                   f"MemoryPlan gives {want}")
+    with_pred = MemoryPlan.for_budget(lay, budget_text, spread=True, predictor_bytes=round(float(note.group(1)) * MiB))
+    if note.group(2) != str(slot_count(lay, with_pred)):
+        out.append(f"the predictor note says {note.group(2)!r}; placement.slot_count gives "
+                   f"{str(slot_count(lay, with_pred))!r}")
+    if (int(note.group(3)), int(note.group(4))) != (with_pred.usable, lay.n_expert):
+        out.append(f"the predictor note's demo row must say {with_pred.usable}/{lay.n_expert}")
     return out
 
 
@@ -191,8 +189,9 @@ def _stale(old: str, new: str, count: int = 1) -> str:
     (f"C API v{c_api_version()}", f"C API v{c_api_version() - 2}", "C API"),
     ("five small patches", "3 small patches", "patches"),
     ("(8/16 expert slots, disk)", "(7/16 expert slots, disk)", "pyspecter row"),
-    (": 8 of 16 expert slots per layer", ": 7 of 16 expert slots per layer", "slots_for_budget"),
-    ("one more in 26 of the 30 layers", "one more in 30 of the 30 layers", "predictor note"),
+    ("budget 50%: 8/16 slots per layer", "budget 50%: 7/16 slots per layer", "inspect line"),
+    ("(8 in 26 of 30 layers)", "(8 in 30 of 30 layers)", "predictor note"),
+    ("= budget 379.69 MiB", "= budget 389.69 MiB", "budget must be"),
     ("memory: 681.38 MiB", "memory: 937.38 MiB", "memory cap"),
     ("llama-cpp-python 0.3.36", "llama-cpp-python 0.3.35", "llama-cpp-python"),
 ])
