@@ -556,10 +556,31 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
             fail(f"patch {p.name} does not apply:\n{r.stdout}{r.stderr}")
 
 
+def sync_sources(dest: Path) -> int:
+    """Copy our CMakeLists.txt and csrc/ into dest, which the base tree's build is configured on (a CMake build
+    tree belongs to one source folder, and every checkout has its own path). Only files whose bytes differ are
+    written, and they get a new mtime: make then recompiles exactly those (a copy keeping an older mtime than the
+    object built from another checkout's version would be skipped). Returns the files written."""
+    wanted = {p.relative_to(ROOT): p for p in source_files()}
+    written = 0
+    for rel, src in wanted.items():
+        d = dest / rel
+        if not d.exists() or d.read_bytes() != src.read_bytes():
+            d.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, d)
+            written += 1
+    for d in sorted(dest.rglob("*"), reverse=True):  # files another checkout had and this one lacks
+        if d.is_file() and d.relative_to(dest) not in wanted:
+            d.unlink()
+            written += 1
+    return written
+
+
 def run_cmake_build(cmake: str, llama_dir: Path, bdir: Path, opts: list[str], log: Path,
-                    hints: list[str] = ()) -> None:
+                    hints: list[str] = (), src_root: Path = ROOT) -> None:
     with open(log, "w") as lf:
-        configure = [cmake, "-S", str(ROOT), "-B", str(bdir), f"-DPYSPECTER_LLAMA_DIR={llama_dir}", *opts, *hints]
+        configure = [cmake, "-S", str(src_root), "-B", str(bdir), f"-DPYSPECTER_LLAMA_DIR={llama_dir}", *opts,
+                     *hints]
         r = subprocess.run(configure, stdout=lf, stderr=subprocess.STDOUT)
         if r.returncode != 0:
             fail(f"cmake configure failed, see {log}")
@@ -645,21 +666,40 @@ def main() -> None:
     cmake, cmake_version = find_cmake()
     sdist = local_sdist(pin) or fetch_sdist(pin)
     t0 = time.time()
-    work = out / "work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    with tarfile.open(sdist) as tf:
-        tf.extractall(work, filter="data")
+    # The base tree: the patched sdist and its CMake build, kept per key of everything but our own sources, so a
+    # change to csrc/ alone recompiles those files and relinks (seconds) instead of building llama.cpp again.
+    work = cache_dir() / "build-base" / build_key(pin, patches, opts, sources=[])
+    base_lock = hold_key_lock(work)  # noqa: F841  # one build in a base tree at a time
     tree = work / pin["file"].removesuffix(".tar.gz")
-    apply_patches(tree, patches)
-    print(f"AMX {'allowed' if amx else 'off'}: {amx_why}", flush=True)
-    print(f"building llama.cpp + csrc/ ({'CUDA' if cuda else 'CPU'}) into {out} ...", flush=True)
     bdir = work / "cmake-build"
+    print(f"AMX {'allowed' if amx else 'off'}: {amx_why}", flush=True)
     hints, cuda_info = cuda_hints(work / "cuda-shim") if cuda else ([], None)
     if cuda_info:
         print(f"CUDA {cuda_info['release']} for architecture {cuda_info['arch']}; cuBLAS: {cuda_info['cublas']}; "
               f"libcuda: {cuda_info['libcuda']}", flush=True)
-    run_cmake_build(cmake, tree / "vendor" / "llama.cpp", bdir, opts, out / "build.log", hints)
+    out.mkdir(parents=True, exist_ok=True)
+    for attempt in range(2):
+        fresh = not (work / ".unpacked").exists()
+        if fresh:
+            for d in (tree, bdir, work / "src"):
+                shutil.rmtree(d, ignore_errors=True)
+            with tarfile.open(sdist) as tf:
+                tf.extractall(work, filter="data")
+            apply_patches(tree, patches)
+            (work / ".unpacked").touch()
+        changed = sync_sources(work / "src")
+        how = "from scratch" if fresh else f"incrementally ({changed} source file(s) changed)"
+        print(f"building llama.cpp + csrc/ ({'CUDA' if cuda else 'CPU'}) into {out}, {how} ...", flush=True)
+        try:
+            run_cmake_build(cmake, tree / "vendor" / "llama.cpp", bdir, opts, out / "build.log", hints,
+                            src_root=work / "src")
+            break
+        except SystemExit:
+            if fresh or attempt:
+                raise
+            # an incremental build that fails may be the base tree's fault (an interrupted build): once afresh
+            print("incremental build failed; building the base tree again from scratch", flush=True)
+            (work / ".unpacked").unlink()
 
     staging = out / "pkg.tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -679,7 +719,6 @@ def main() -> None:
     }, indent=1))
     shutil.rmtree(pkg_root, ignore_errors=True)
     staging.rename(pkg_root)
-    shutil.rmtree(bdir, ignore_errors=True)  # object files; the libraries are copied out and the log is kept
     linked = not asan and may_link(cuda)
     if linked:
         link_into_venv(pkg_root)

@@ -214,3 +214,26 @@ def test_gpu_check_script_parses() -> None:
     assert script.is_file() and os.access(script, os.R_OK)
     r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_sources_sync_into_the_base_tree_by_content(b, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The incremental base tree gets our sources by content: a changed file is written with a fresh mtime (so
+    make recompiles it even when this checkout's copy is older than the last object), an unchanged one is left
+    alone, one this checkout lacks is removed."""
+    root, dest = tmp_path / "root", tmp_path / "base-src"
+    (root / "csrc").mkdir(parents=True)
+    a, c = root / "csrc" / "a.cpp", root / "CMakeLists.txt"
+    a.write_text("int a;")
+    c.write_text("project(x)")
+    monkeypatch.setattr(b, "ROOT", root)
+    monkeypatch.setattr(b, "source_files", lambda: [c, a])
+    assert b.sync_sources(dest) == 2
+    (dest / "csrc" / "stale.cpp").write_text("int old;")
+    os.utime(dest / "CMakeLists.txt", (1, 1))
+    a.write_text("int b;")
+    os.utime(a, (1, 1))  # older than anything already built
+    assert b.sync_sources(dest) == 2  # a.cpp rewritten, stale.cpp removed
+    assert (dest / "csrc" / "a.cpp").read_text() == "int b;"
+    assert (dest / "csrc" / "a.cpp").stat().st_mtime > 1
+    assert (dest / "CMakeLists.txt").stat().st_mtime == 1  # unchanged: untouched
+    assert not (dest / "csrc" / "stale.cpp").exists()
