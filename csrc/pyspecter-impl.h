@@ -25,6 +25,8 @@
 
 struct llama_model;
 struct llama_pyspecter_slots;
+struct pyspecter_read;
+struct pyspecter_residency;
 
 struct llama_pyspecter_layer {
     int32_t il = -1;
@@ -35,12 +37,26 @@ struct llama_pyspecter_layer {
     std::vector<int32_t> owner; // slot -> expert, -1 when free
     int32_t miss_slot = -1;     // where non-resident rows point in the slot matmul: -1 (CPU skips) or the zero slot
     llama_pyspecter_slots * parent = nullptr;
+
+    // Native residency (residency.cpp), guarded by its mutex; empty until residency_init.
+    std::vector<uint64_t> last_use, loaded;                // slot -> clock of its last hit / of its mapping
+    std::vector<std::shared_ptr<pyspecter_read>> pending;  // slot -> the read filling it (null: none)
+    std::vector<uint64_t> freq;                            // expert -> times selected
+    std::vector<float> score;                              // expert -> eviction score (SCORE policy; higher: keep)
+    std::vector<uint8_t> prot;                             // expert -> predicted for the window in flight
+    std::vector<uint8_t> mark;                             // expert -> scratch of one routing call
+    int32_t n_usable = 0;                                  // slots [0, n_usable) are handed out
+    uint64_t prev_call = 0, last_call = 0;                 // clock of the layer's previous and latest calls
+    int64_t file_off[LLAMA_PYSPECTER_N_KINDS] = { -1, -1, -1, -1 }; // where expert 0 of each kind is in the file
+    llama_pyspecter_layer * next = nullptr;                // the next MoE layer in forward order
 };
 
 // Bumped from the compute thread (route op), the upload thread and callers' threads at once, hence atomics.
 struct llama_pyspecter_counters {
     std::atomic<int64_t> route_calls{0}, hit_rows{0}, miss_rows{0}, route_ns{0}, hook_ns{0};
     std::atomic<int64_t> upload_bytes{0}, upload_ns{0}, upload_failures{0};
+    std::atomic<int64_t> needed{0}, resident_at_need{0}, uploads{0}, prefetches{0}, waited{0}, overflow{0};
+    std::atomic<int64_t> wait_ns{0}, stall_reads_ns{0}, read_bytes{0}, read_busy_ns{0}, lookahead{0};
 };
 
 // An emulated link (uploads.cpp charges every copy to it): a virtual clock of when the link is next free.
@@ -109,6 +125,10 @@ struct llama_pyspecter_slots {
 
     llama_pyspecter_counters counters;
     llama_pyspecter_link link;
+    struct residency_deleter {
+        void operator()(pyspecter_residency * r) const noexcept; // residency.cpp: the type is private to it
+    };
+    std::unique_ptr<pyspecter_residency, residency_deleter> res; // native residency, once enabled (its readers write into bufs)
     // Last member: its thread copies into bufs and reads the model's host copy, so it must be stopped first
     // (the destructor does that explicitly before freeing anything).
     llama_pyspecter_uploads uploads;
@@ -150,6 +170,23 @@ int32_t pyspecter_run_copy(llama_pyspecter_counters & counters, F && copy) noexc
     }
     return rc;
 }
+
+// Copies one expert (all kinds) from the model's host copy into a slot; one kind of one expert from a file (fd at
+// offset, through the page-aligned buf of buf_size bytes) into a slot. Both run on any thread; the caller counts
+// failures (pyspecter_run_copy).
+int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
+int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
+                           void * buf, size_t buf_size, bool drop_cache);
+
+// madvise(DONTNEED) of the host copy's expert pages that live in a file mapping; the bytes released
+size_t pyspecter_release_experts(llama_pyspecter_slots * s);
+
+// Native residency (residency.cpp): the routing op's decision for layer L, given the ubatch's selected experts
+// ids [n_tokens][n_used]; changes L's remap, which the op then applies. Stops the readers (slots destructor).
+bool pyspecter_native_enabled(const llama_pyspecter_slots * s);
+std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s); // not owning: not enabled
+void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used);
+void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept;
 
 // the model layer's expert tensors by kind (null where the layer has none)
 void pyspecter_host_experts(const llama_model * model, int32_t il, ggml_tensor * out[LLAMA_PYSPECTER_N_KINDS]);

@@ -14,12 +14,13 @@
 #endif
 
 size_t llama_pyspecter_release_host_experts(llama_model * model) {
+    auto * s = pyspecter_slots_of(model);
+    return s ? pyspecter_release_experts(s) : 0;
+}
+
+size_t pyspecter_release_experts(llama_pyspecter_slots * s) {
     size_t released = 0;
 #ifdef PYSPECTER_HAVE_MADVISE
-    auto * s = pyspecter_slots_of(model);
-    if (!s) {
-        return 0;
-    }
     const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
     for (auto & L : s->layers) {
         if (!L) {
@@ -39,7 +40,7 @@ size_t llama_pyspecter_release_host_experts(llama_model * model) {
         }
     }
 #else
-    (void) model;
+    (void) s;
 #endif
     return released;
 }

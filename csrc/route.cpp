@@ -72,7 +72,14 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         s->input_cb(s->input_ud, L->il, n_tokens, (int32_t) x->ne[0], (const float *) x->data);
         s->counters.hook_ns += pyspecter_now_ns() - c0;
     }
+    // native residency decides here, under its lock, which also covers the remap below: the tables the matmuls
+    // read are one snapshot
+    std::unique_lock<std::mutex> native = pyspecter_native_lock(s);
+    if (native.owns_lock()) {
+        pyspecter_native_route(L, host_ids, n_tokens, n_used);
+    }
     if (s->route_cb) {
+        // with native residency the hook only observes (traces, predictors): the decision is made
         // router weights, packed the same way (slot_ids is scratch until the remap below)
         static_assert(sizeof(float) == sizeof(int32_t), "");
         float * wts = (float *) slot_ids;

@@ -12,7 +12,8 @@
 #include <new>
 
 llama_pyspecter_slots::~llama_pyspecter_slots() {
-    uploads.stop(); // before any buffer goes: a queued or running copy writes into them
+    pyspecter_native_stop(this); // before any buffer goes: queued or running copies write into them
+    uploads.stop();
     for (auto * b : bufs) {
         ggml_backend_buffer_free(b);
     }

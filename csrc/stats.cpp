@@ -15,6 +15,17 @@ void llama_pyspecter_get_stats(const llama_model * model, llama_pyspecter_stats 
         out->upload_bytes    = c.upload_bytes.load();
         out->upload_ns       = c.upload_ns.load();
         out->upload_failures = c.upload_failures.load();
+        out->needed           = c.needed.load();
+        out->resident_at_need = c.resident_at_need.load();
+        out->uploads          = c.uploads.load();
+        out->prefetches       = c.prefetches.load();
+        out->waited           = c.waited.load();
+        out->overflow         = c.overflow.load();
+        out->wait_ns          = c.wait_ns.load();
+        out->stall_reads_ns   = c.stall_reads_ns.load();
+        out->read_bytes       = c.read_bytes.load();
+        out->read_busy_ns     = c.read_busy_ns.load();
+        out->lookahead        = c.lookahead.load();
     }
 }
 
@@ -22,7 +33,9 @@ void llama_pyspecter_stats_reset(llama_model * model) {
     if (auto * s = pyspecter_slots_of(model)) {
         auto & c = s->counters;
         for (auto * v : { &c.route_calls, &c.hit_rows, &c.miss_rows, &c.route_ns, &c.hook_ns, &c.upload_bytes,
-                          &c.upload_ns, &c.upload_failures }) {
+                          &c.upload_ns, &c.upload_failures, &c.needed, &c.resident_at_need, &c.uploads,
+                          &c.prefetches, &c.waited, &c.overflow, &c.wait_ns, &c.stall_reads_ns, &c.read_bytes,
+                          &c.read_busy_ns, &c.lookahead }) {
             *v = 0;
         }
     }

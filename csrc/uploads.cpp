@@ -155,7 +155,7 @@ static int32_t write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, 
     return LLAMA_PYSPECTER_OK;
 }
 
-static int32_t load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
+int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
     for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
         ggml_tensor * h = L->host[k];
         if (!h) {
@@ -233,21 +233,12 @@ int32_t llama_pyspecter_load_expert(llama_model * model, int32_t il, int32_t exp
     if (rc != LLAMA_PYSPECTER_OK) {
         return rc;
     }
-    return pyspecter_run_copy(L->parent->counters, [=] { return load_one(L, expert, slot); });
+    return pyspecter_run_copy(L->parent->counters, [=] { return pyspecter_load_one(L, expert, slot); });
 }
 
-int32_t llama_pyspecter_read_slot(llama_model * model, int32_t il, int32_t kind, int32_t slot, int32_t fd,
-                                  int64_t offset, void * buf, size_t buf_size, bool drop_cache) {
+int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
+                           void * buf, size_t buf_size, bool drop_cache) {
 #if defined(__unix__) || defined(__APPLE__)
-    llama_pyspecter_layer * L = nullptr;
-    const int32_t rc = layer_for_upload(model, il, &L);
-    if (rc != LLAMA_PYSPECTER_OK) {
-        return rc;
-    }
-    if (kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->slot[kind] || slot < 0 || slot >= L->parent->n_slots ||
-            !buf) {
-        return LLAMA_PYSPECTER_ERR_ARG;
-    }
     const int64_t align = 4096;
     const size_t  n     = L->slot[kind]->nb[2];
     const int64_t start = offset / align * align;
@@ -272,16 +263,29 @@ int32_t llama_pyspecter_read_slot(llama_model * model, int32_t il, int32_t kind,
     }
 #endif
     if (got < (size_t) (offset - start) + n) {
-        L->parent->counters.upload_failures++;
         return LLAMA_PYSPECTER_ERR_IO;
     }
-    const char * src = (const char *) buf + (offset - start);
-    return pyspecter_run_copy(L->parent->counters, [=] { return write_one(L, kind, slot, src, n); });
+    return write_one(L, kind, slot, (const char *) buf + (offset - start), n);
 #else
-    GGML_UNUSED(model); GGML_UNUSED(il); GGML_UNUSED(kind); GGML_UNUSED(slot); GGML_UNUSED(fd);
+    GGML_UNUSED(L); GGML_UNUSED(kind); GGML_UNUSED(slot); GGML_UNUSED(fd);
     GGML_UNUSED(offset); GGML_UNUSED(buf); GGML_UNUSED(buf_size); GGML_UNUSED(drop_cache);
     return LLAMA_PYSPECTER_ERR_IO; // no pread here: every disk read fails, its expert stays on the host path
 #endif
+}
+
+int32_t llama_pyspecter_read_slot(llama_model * model, int32_t il, int32_t kind, int32_t slot, int32_t fd,
+                                  int64_t offset, void * buf, size_t buf_size, bool drop_cache) {
+    llama_pyspecter_layer * L = nullptr;
+    const int32_t rc = layer_for_upload(model, il, &L);
+    if (rc != LLAMA_PYSPECTER_OK) {
+        return rc;
+    }
+    if (kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->slot[kind] || slot < 0 || slot >= L->parent->n_slots ||
+            !buf) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    return pyspecter_run_copy(L->parent->counters,
+                              [=] { return pyspecter_read_one(L, kind, slot, fd, offset, buf, buf_size, drop_cache); });
 }
 
 // The queued copy holds the layer, not the model: the model's lookup of its slots is gone while they are freed.
@@ -306,7 +310,7 @@ int64_t llama_pyspecter_load_expert_async(llama_model * model, int32_t il, int32
         return rc;
     }
     try {
-        return L->parent->uploads.enqueue([=] { return load_one(L, expert, slot); });
+        return L->parent->uploads.enqueue([=] { return pyspecter_load_one(L, expert, slot); });
     } catch (...) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
     }

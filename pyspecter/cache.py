@@ -8,11 +8,13 @@ exactly on the host, so no decision made here can change the model's output, onl
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pyspecter import native
+from pyspecter import native as _native_api  # for __init__, whose `native` argument shadows the module
 from pyspecter.budget import check_slots
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
@@ -20,9 +22,9 @@ from pyspecter.misses import MISS_MODES, make_miss_handler
 from pyspecter.native.hooks import Hooks
 from pyspecter.policies import POLICIES, make_policy
 from pyspecter.residency import Residency
-from pyspecter.tiers import DiskTier, RamTier, Tier
+from pyspecter.tiers import DiskTier, EmulatedTier, RamTier, Tier
 
-__all__ = ["MISS_MODES", "POLICIES", "CacheStats", "ExpertCache", "Totals"]
+__all__ = ["MISS_MODES", "POLICIES", "CacheStats", "ExpertCache", "Totals", "native_reason"]
 
 
 @dataclass
@@ -49,13 +51,51 @@ class CacheStats:
     resident_at_need: int = 0  # ... of which already resident when the layer asked: the cache's hit rate
 
 
+class _NativeLayer:
+    """One layer's residency as C holds it, read on each access (never on the hot path)."""
+
+    def __init__(self, api, model, il: int, n_expert: int, n_slots: int, n_usable: int) -> None:
+        self.api, self.model, self.il, self.n_expert, self.n_slots = api, model, il, n_expert, n_slots
+        self.n_usable = n_usable
+
+    @property
+    def where(self) -> list[int]:
+        return [self.api.slot_of(self.model.ptr, self.il, e) for e in range(self.n_expert)]
+
+    @property
+    def owner(self) -> list[int]:
+        return [self.api.expert_in(self.model.ptr, self.il, s) for s in range(self.n_slots)]
+
+
+def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, held: int = 0, ordered: bool = False,
+                  surrogates: bool = False) -> str:
+    """Why the routing op cannot own residency in C for this configuration ('' when it can). What stays in Python:
+    the learned eviction scores read inside a layer ('predicted'), ordered waits, surrogates, a draft's held slots
+    (their ghost LRU) and tiers C does not know (tests' fault-injecting ones)."""
+    if not hook:
+        return "no routing hook (static residency)"
+    if policy not in native.NATIVE_POLICIES:
+        return f"policy {policy!r} is decided in Python"
+    if miss not in native.NATIVE_MISS:
+        return f"miss mode {miss!r} is Python's"
+    if ordered:
+        return "ordered waits use the Python wait hook"
+    if surrogates:
+        return "surrogates are expanded from Python"
+    if held:
+        return "held slots (a draft's memory) keep a Python ghost LRU"
+    if type(tier) not in (RamTier, EmulatedTier, DiskTier):
+        return f"tier {type(tier).__name__} has no native reader"
+    return ""
+
+
 class ExpertCache:
     """Budgeted expert slots for one model. Create it after loading the model and before its context."""
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
                  surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0,
-                 on_input=None, extra: Mapping[int, int] | None = None) -> None:
+                 on_input=None, extra: Mapping[int, int] | None = None, native: bool | None = None) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
         lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
@@ -63,7 +103,9 @@ class ExpertCache:
         now and the slots get once the draft is dropped (CPU slots never written take no memory); on_input(il, x):
         each MoE layer's router input before its routing call (learned predictors); ``route_observer``, when
         set, hears ``on_route(il, needed, n_tokens)`` after each routing call; extra: layer -> regular slots that
-        layer uses beyond ``n_slots`` (a budget spread by layer: ``budget.allocate_slots``/``split_counts``)."""
+        layer uses beyond ``n_slots`` (a budget spread by layer: ``budget.allocate_slots``/``split_counts``);
+        native=None: the routing op decides in C wherever this configuration allows it (``native_reason``),
+        False: always the Python hook (tests of that path), True: refuse a configuration C cannot run."""
         layout.require_moe()
         pol = make_policy(policy)
         if miss not in MISS_MODES:
@@ -76,38 +118,114 @@ class ExpertCache:
         check_slots(layout, n_slots, reserved=self.n_reserved, held=held)
         self.n_regular = n_slots - self.n_reserved
         self.extra = self._check_extra(model, layout, n_slots, extra)
-        self.totals = Totals()
+        self._totals = Totals()
         self.surrogates = surrogates
         self.model, self.layout, self.n_slots = model, layout, n_slots
         self.policy, self.miss = policy, miss
-        self.api = native.slots()
+        self.api = _native_api.slots()
         # the C side allocates one count in every layer: the largest. On the CPU a slot never written takes no
         # memory, and a layer never writes past its own count, so the spread costs only what it uses
         self.n_alloc = n_slots + max(self.extra.values(), default=0)
         rc = self.api.slots_init(model.ptr, self.n_alloc)
         if rc != 0:
             raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
+        self.tier = tier or RamTier()
+        why_not = native_reason(policy, miss, self.tier, hook=hook, held=held, ordered=ordered,
+                                surrogates=surrogates is not None)
+        if native and why_not:
+            raise SpecterError(f"native residency cannot run this configuration: {why_not}")
+        self.native = native is not False and not why_not
         # slots eviction may use now: the regular ones less those held back for later
         self.residency = Residency(model, layout, self.n_alloc, self.n_regular - held, pol,
                                    ghost_capacity=self.n_regular if held else None, held=held, extra=self.extra)
-        self.tier = tier or RamTier()
         self.tier.bind(model, layout)
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
         self.layer_pos = {L.index: j for j, L in enumerate(layout.layers)}  # order in the forward pass
         self.stats = CacheStats()
-        self.trace: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
+        self._trace: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
         self.ordered = ordered
         self.misses = make_miss_handler(self, miss, ordered)
         self.lookahead = lookahead and miss != "cpu"
         self._next_layer = {a.index: b.index for a, b in zip(layout.layers, layout.layers[1:], strict=False)}
         self.hooks = None
-        self.route_observer = None
-        if hook:
+        self._observer = None
+        self._native_trace: list[tuple[int, tuple[int, ...]]] | None = None
+        self._native_base = _native_api.Stats()  # native counters from before the last reset_counters
+        if self.native:
+            self._init_native(record)
+            if on_input is not None:
+                self.hooks = Hooks(model, None, on_input=on_input)
+        elif hook:
             wait = self._on_wait if self.misses.wants_wait_hook else None
             self.hooks = Hooks(model, self._on_route, wait, on_input=on_input)
         self._reported_failures = 0
         self._closed = False
         self._prev_tokens = 0  # ubatch size of the latest routing call
+
+    def _init_native(self, record: bool) -> None:
+        """Hand the slot table to the routing op (C). The Python table stays empty: nothing mirrors it."""
+        p = native.ResidencyParams(policy=native.NATIVE_POLICIES[self.policy], miss=native.NATIVE_MISS[self.miss],
+                                   n_readers=1, fd=-1, drop_cache=False, lookahead=self.lookahead, record=record)
+        if isinstance(self.tier, DiskTier):
+            # as many readers as the Python path's demand and prefetch pools together: misses of one layer and
+            # the kinds of one expert are read side by side, so the disk's queue stays several deep
+            p.fd, p.drop_cache, p.n_readers = self.tier.fd, not self.tier.direct, 2 * self.tier.queue_depth
+        rc = self.api.residency_init(self.model.ptr, ctypes.byref(p))
+        if rc != 0:
+            raise SpecterError(f"could not enable native residency ({native.status_name(rc)})")
+        for L in self.layout.layers:
+            self.api.set_usable(self.model.ptr, L.index, self.residency.usable(L.index))
+            if isinstance(self.tier, DiskTier):
+                for kind, t in L.tensors.items():
+                    if self.api.set_file_offset(self.model.ptr, L.index, native.KIND_NAMES[kind], t.offset) != 0:
+                        raise SpecterError(f"layer {L.index}: could not set where {t.name} is in the file")
+        if record:
+            self._native_trace = []
+
+    @property
+    def trace(self) -> list[tuple[int, tuple[int, ...]]] | None:
+        """The routing trace [(layer, needed experts)] when recording (None otherwise)."""
+        if self._native_trace is not None:
+            n = self.api.trace_take(self.model.ptr, None, 0)
+            if n:
+                buf = (ctypes.c_int32 * n)()
+                got = self.api.trace_take(self.model.ptr, buf, n)
+                flat, i = list(buf[:got]), 0
+                while i < got:
+                    k = flat[i + 1]
+                    self._native_trace.append((flat[i], tuple(flat[i + 2: i + 2 + k])))
+                    i += 2 + k
+            return self._native_trace
+        return self._trace
+
+    @trace.setter
+    def trace(self, value) -> None:
+        self._trace = value
+
+    @property
+    def totals(self) -> Totals:
+        """Since the cache was made: misses, ghost misses, time deciding (C's counters under native residency)."""
+        if not self.native:
+            return self._totals
+        c, b = self.api.stats(self.model.ptr), self._native_base
+        return Totals(misses=(c.needed + b.needed) - (c.resident_at_need + b.resident_at_need),
+                      hook_ns=c.route_ns + b.route_ns)
+
+    @property
+    def route_observer(self):
+        """Hears ``on_route(il, needed, n_tokens)`` after each routing call (set it before the context exists)."""
+        return self._observer
+
+    @route_observer.setter
+    def route_observer(self, obs) -> None:
+        self._observer = obs
+        if self.native and obs is not None and self.hooks is None:
+            # the decision stays in C; the hook only observes
+            self.hooks = Hooks(self.model, self._observe_route)
+
+    def _observe_route(self, il: int, n_tokens: int, n_used: int, ids_p, _weights_p) -> None:
+        if self._observer is not None:
+            self._observer.on_route(il, set(ids_p[: n_tokens * n_used]), n_tokens)
 
     @staticmethod
     def _check_extra(model: native.Model, layout: ModelLayout, n_slots: int,
@@ -130,6 +248,10 @@ class ExpertCache:
 
     @property
     def layers(self):
+        """Layer -> its slot table (under native residency a read-only view of C's: for tests and stats)."""
+        if self.native:
+            return {il: _NativeLayer(self.api, self.model, il, self.layout.n_expert, self.n_alloc, st.n_usable)
+                    for il, st in self.residency.layers.items()}
         return self.residency.layers
 
     @property
@@ -177,7 +299,7 @@ class ExpertCache:
             if st.pending:
                 res.reap(il)
             missing = []
-            for e in needed:
+            for e in sorted(needed):  # in expert order, as C serves them: one answer for one routing
                 s = st.where[e]
                 if s >= 0:
                     st.last_use[s] = res.clock
@@ -185,9 +307,9 @@ class ExpertCache:
                     missing.append(e)
             self.stats.needed += len(needed)
             self.stats.resident_at_need += len(needed) - len(missing)
-            self.totals.misses += len(missing)
+            self._totals.misses += len(missing)
             if st.ghost is not None:
-                self.totals.ghost_misses += st.ghost.observe(needed)
+                self._totals.ghost_misses += st.ghost.observe(needed)
             if n_tokens > 1 and self.lookahead:
                 self._prefill_lookahead(il, len(needed))
             if missing:
@@ -195,14 +317,14 @@ class ExpertCache:
             if self.route_observer is not None:
                 self.route_observer.on_route(il, needed, n_tokens)
         finally:
-            self.totals.hook_ns += time.perf_counter_ns() - t0
+            self._totals.hook_ns += time.perf_counter_ns() - t0
 
     def _on_wait(self, il: int) -> None:
         t0 = time.perf_counter_ns()
         try:
             self.misses.on_wait(il)
         finally:
-            self.totals.hook_ns += time.perf_counter_ns() - t0
+            self._totals.hook_ns += time.perf_counter_ns() - t0
 
     def _prefill_lookahead(self, il: int, n_needed: int) -> None:
         """A prompt's ubatch routes its many tokens to most experts of every layer, so the next layer will want
@@ -223,17 +345,26 @@ class ExpertCache:
 
     def protect(self, il: int, experts) -> None:
         """Experts predicted for the window in flight: eviction skips them until unprotect_all()."""
+        if self.native:
+            ids = list(experts)
+            self.api.set_protected(self.model.ptr, il, (ctypes.c_int32 * len(ids))(*ids), len(ids))
+            return
         st = self.layers.get(il)
         if st is not None:
             st.protected.update(experts)
 
     def unprotect_all(self) -> None:
+        if self.native:
+            self.api.set_protected(self.model.ptr, -1, None, 0)
+            return
         for st in self.layers.values():
             st.protected.clear()
 
     def prefetch(self, il: int, experts) -> int:
         """Start async uploads of predicted experts that are neither resident nor on their way. Victims are never
         protected or pending. Returns how many uploads were issued."""
+        if self.native:
+            return sum(self.api.schedule(self.model.ptr, il, e, 1.0, 0) == 1 for e in experts)
         issued = self._upload_ahead(il, experts)
         self.stats.prefetches += issued
         return issued
@@ -265,7 +396,7 @@ class ExpertCache:
         """Re-raise an error a hook parked (call after each decode); report failed uploads once, in one line."""
         if self.hooks is not None:
             self.hooks.check()
-        failed = self.residency.failed_uploads
+        failed = self.failed_uploads()
         if failed > self._reported_failures:
             import sys
 
@@ -275,7 +406,16 @@ class ExpertCache:
 
     def drain(self) -> None:
         """Finish uploads in flight and make those that landed resident."""
-        self.residency.drain()
+        if self.native:
+            self.api.drain(self.model.ptr)
+        else:
+            self.residency.drain()
+
+    def failed_uploads(self) -> int:
+        """Uploads that did not land since the cache was made (their experts were computed on the host)."""
+        if self.native:
+            return self._native_base.upload_failures + self.api.stats(self.model.ptr).upload_failures
+        return self.residency.failed_uploads
 
     def warm(self, experts_by_layer: dict[int, list[int]]) -> None:
         """Fill slots before the first token (e.g. from a routing profile), hottest first."""
@@ -283,9 +423,14 @@ class ExpertCache:
             for slot, e in enumerate(experts[: self.usable(il)]):
                 self.tier.upload(il, e, slot)
                 self.count_upload(il)
-                self.residency.assign(il, e, slot)
+                if self.native:  # the C table is the only one
+                    self.api.set_slot(self.model.ptr, il, e, slot)
+                else:
+                    self.residency.assign(il, e, slot)
 
     def counters(self) -> dict:
+        if self.native:
+            return self._native_counters()
         c = self.api.stats(self.model.ptr)
         rows = c.hit_rows + c.miss_rows
         st = self.stats
@@ -306,8 +451,40 @@ class ExpertCache:
             "hook_us_per_call": c.hook_ns / 1e3 / c.route_calls if c.route_calls else 0.0,
         }
 
+    def _native_counters(self) -> dict:
+        """counters() of native residency: the C counters, in the same names."""
+        c = self.api.stats(self.model.ptr)
+        rows = c.hit_rows + c.miss_rows
+        calls = c.route_calls
+        return {
+            "hit_rate": c.resident_at_need / c.needed if c.needed else 0.0,
+            "slot_row_rate": c.hit_rows / rows if rows else 0.0,
+            "hit_rows": c.hit_rows, "miss_rows": c.miss_rows, "route_calls": calls,
+            "needed": c.needed, "resident_at_need": c.resident_at_need,
+            # the stall a token sees from residency: the routing op's time, its waits for reads included (the
+            # Python hook's time is the same measure there)
+            "hook_ms": c.route_ns / 1e6, "upload_ns": c.upload_ns,
+            "uploads": c.uploads, "upload_bytes": c.upload_bytes, "native": 1,
+            "overflow_rows": c.overflow, "prefetches": c.prefetches,
+            "waited": c.waited, "surrogate_uses": 0, "late": 0, "lookahead": c.lookahead,
+            "failed_uploads": c.upload_failures,
+            "route_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
+            "hook_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
+            # the routing op's own time, its waits for reads left out: what deciding costs per MoE layer
+            "route_us_per_layer": (c.route_ns - c.wait_ns) / 1e3 / calls if calls else 0.0,
+            "wait_ms": c.wait_ns / 1e6,
+            # mean reads outstanding while the routing op waited (a deep queue keeps the disk busy)
+            "reads_in_flight": c.stall_reads_ns / c.wait_ns if c.wait_ns else 0.0,
+            "read_bytes": c.read_bytes,
+        }
+
     def link_gbps(self) -> float | None:
         """The slow tier's speed as measured on this session's uploads so far (None before any)."""
+        if self.native:
+            c = self.api.stats(self.model.ptr)
+            if c.read_busy_ns and c.read_bytes:
+                return c.read_bytes / c.read_busy_ns
+            return c.upload_bytes / c.upload_ns if c.upload_ns else None
         if isinstance(self.tier, DiskTier):
             return self.tier.read_bytes / self.tier.busy_ns if self.tier.busy_ns else None
         c = self.api.stats(self.model.ptr)
@@ -315,6 +492,10 @@ class ExpertCache:
 
     def reset_counters(self) -> None:
         self.stats = CacheStats()
+        if self.native:  # totals and failures count from the cache's start: keep what the reset takes away
+            c = self.api.stats(self.model.ptr)
+            for name, _ in native.Stats._fields_:
+                setattr(self._native_base, name, getattr(self._native_base, name) + getattr(c, name))
         self.api.stats_reset(self.model.ptr)
 
     def close(self) -> None:

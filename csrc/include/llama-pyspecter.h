@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 8
+#define LLAMA_PYSPECTER_VERSION 9
 
 #ifdef __cplusplus
 extern "C" {
@@ -147,16 +147,76 @@ LLAMA_API void    llama_pyspecter_set_batch_invariant(bool enabled);
 // a backtrace and dumping core. A library user who wants the default behaviour never calls this.
 LLAMA_API void    llama_pyspecter_exit_on_abort(int32_t code);
 
+// Native residency: the routing op itself decides, reads and evicts, with no call into the control plane inside a
+// layer. Once enabled (after slots_init, before creating a context) this library owns the slot table: which expert
+// each slot holds, the reads in flight, eviction, and what a miss does. The control plane configures it, schedules
+// prefetches and writes eviction scores between decodes, and reads counters; a route hook, if set, is then only an
+// observer called after the decision (traces, predictors), and set_slot must not be used.
+enum llama_pyspecter_policy {
+    LLAMA_PYSPECTER_POLICY_LRU        = 0, // least recently used
+    LLAMA_PYSPECTER_POLICY_LFU        = 1, // least often selected, recency breaking ties
+    LLAMA_PYSPECTER_POLICY_PREV_TOKEN = 2, // keep what the layer's previous call used, the rest first in first out
+    LLAMA_PYSPECTER_POLICY_SCORE      = 3, // lowest score (set_scores) first, recency breaking ties
+};
+enum llama_pyspecter_miss {
+    LLAMA_PYSPECTER_MISS_CPU  = 0, // compute misses on the host now, read them into slots in the background
+    LLAMA_PYSPECTER_MISS_WAIT = 1, // read misses into slots now (side by side), wait, compute them from the slots
+};
+struct llama_pyspecter_residency_params {
+    int32_t policy;     // llama_pyspecter_policy
+    int32_t miss;       // llama_pyspecter_miss
+    int32_t n_readers;  // reader threads (reads in flight at most); <= 0: 1
+    int32_t fd;         // >= 0: read experts from this file (the GGUF; O_DIRECT or not), offsets by set_file_offset;
+                        // < 0: copy them from the model's host copy (RAM, through the emulated link if set)
+    bool    drop_cache; // fd is buffered: give each read's pages back to the kernel afterwards
+    bool    lookahead;  // multi-token ubatch: read the next layer's most used experts while this layer computes
+    bool    record;     // keep the routing trace for trace_take
+};
+LLAMA_API int32_t llama_pyspecter_residency_init(struct llama_model * model,
+                                                 const struct llama_pyspecter_residency_params * params);
+LLAMA_API bool    llama_pyspecter_residency_enabled(const struct llama_model * model);
+// where expert 0 of layer il's `kind` tensor starts in the file (expert e at offset + e * expert_nbytes)
+LLAMA_API int32_t llama_pyspecter_set_file_offset(struct llama_model * model, int32_t il, int32_t kind, int64_t offset);
+// slots [0, n) of layer il are handed out (the rest are held back, e.g. a draft's memory); n <= n_slots
+LLAMA_API int32_t llama_pyspecter_set_usable(struct llama_model * model, int32_t il, int32_t n);
+// SCORE policy: layer il's eviction scores, one per expert (higher: keep); copied
+LLAMA_API int32_t llama_pyspecter_set_scores(struct llama_model * model, int32_t il, const float * scores, int32_t n);
+// experts of layer il predicted for the window in flight: eviction spares them unless a needed expert wants the
+// slot. n = 0 clears layer il; il = -1 clears every layer.
+LLAMA_API int32_t llama_pyspecter_set_protected(struct llama_model * model, int32_t il, const int32_t * experts,
+                                                int32_t n);
+// A prefetch: read expert into a slot of layer il ahead of need, behind every demand read; lower deadline first,
+// then higher priority. 1 queued, 0 nothing to do (resident, in flight, or no slot to give), negative: error.
+LLAMA_API int32_t llama_pyspecter_schedule(struct llama_model * model, int32_t il, int32_t expert, float priority,
+                                           int32_t deadline);
+// wait for every read in flight and map what landed (between decodes)
+LLAMA_API int32_t llama_pyspecter_drain(struct llama_model * model);
+// The routing trace (record): flat int32 [il, n, e_1 .. e_n] per routing call, the distinct experts ascending.
+// Copies and removes up to cap ints of whole calls; returns how many (0 with cap 0: the ints waiting).
+LLAMA_API size_t  llama_pyspecter_trace_take(struct llama_model * model, int32_t * out, size_t cap);
+
 // Counters since the last reset (all zero when slots are not enabled).
 struct llama_pyspecter_stats {
     int64_t route_calls;     // routing op runs (one per MoE layer per ubatch)
     int64_t hit_rows;        // (token, expert) rows computed from slots
     int64_t miss_rows;       // rows computed from the host copy
-    int64_t route_ns;        // time in the routing op, hook included
+    int64_t route_ns;        // time in the routing op, hook and waits included
     int64_t hook_ns;         // time in the routing and wait hooks
     int64_t upload_bytes;    // bytes copied into slots
     int64_t upload_ns;       // time spent copying (throttle included)
     int64_t upload_failures; // accepted uploads whose copy failed
+    // native residency
+    int64_t needed;           // distinct experts asked for, summed over routing calls
+    int64_t resident_at_need; // ... of which resident when asked (before this call's reads)
+    int64_t uploads;          // experts read into slots (demand, background and prefetch)
+    int64_t prefetches;       // ... of which scheduled ahead of need (schedule, prefill lookahead)
+    int64_t waited;           // misses that waited for a read already in flight
+    int64_t overflow;         // misses left to the host because every slot was needed at once
+    int64_t wait_ns;          // time the routing op waited for reads (the stall)
+    int64_t stall_reads_ns;   // integral of reads in flight over the stall (/ wait_ns: mean reads outstanding)
+    int64_t read_bytes;       // bytes read by the reader threads
+    int64_t read_busy_ns;     // wall time with at least one read in flight (read_bytes / this: the link's speed)
+    int64_t lookahead;        // reads the prefill lookahead started (in prefetches too)
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);

@@ -9,9 +9,12 @@ from pyspecter.native.lib import (
     KIND_GATE_UP,
     KIND_NAMES,
     KIND_UP,
+    NATIVE_MISS,
+    NATIVE_POLICIES,
     PATCH_SERIES_VERSION,
     ROUTE_CB,
     WAIT_CB,
+    ResidencyParams,
     SlotAPI,
     Stats,
     batch_invariant,
@@ -25,7 +28,8 @@ from pyspecter.native.lib import (
 from pyspecter.native.model import Context, Model
 
 __all__ = [
-    "ERR_IO", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB", "PATCH_SERIES_VERSION",
+    "ERR_IO", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
+    "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ResidencyParams",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",

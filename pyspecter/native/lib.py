@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 8
+PATCH_SERIES_VERSION = 9
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -168,9 +168,32 @@ class Stats(ctypes.Structure):
         ("upload_bytes", ctypes.c_int64),  # bytes copied into slots
         ("upload_ns", ctypes.c_int64),  # time spent copying (throttle included)
         ("upload_failures", ctypes.c_int64),  # accepted uploads whose copy failed
+        # native residency
+        ("needed", ctypes.c_int64),  # distinct experts asked for, summed over routing calls
+        ("resident_at_need", ctypes.c_int64),  # ... of which resident when asked
+        ("uploads", ctypes.c_int64),  # experts read into slots
+        ("prefetches", ctypes.c_int64),  # ... of which ahead of need
+        ("waited", ctypes.c_int64),  # misses that waited for a read already in flight
+        ("overflow", ctypes.c_int64),  # misses left to the host: every slot was needed at once
+        ("wait_ns", ctypes.c_int64),  # time the routing op waited for reads
+        ("stall_reads_ns", ctypes.c_int64),  # reads in flight integrated over that wait
+        ("read_bytes", ctypes.c_int64),  # bytes the reader threads read
+        ("read_busy_ns", ctypes.c_int64),  # wall time with at least one read in flight
+        ("lookahead", ctypes.c_int64),  # reads the prefill lookahead started (in prefetches too)
     ]
 
     route_calls: int
+    needed: int
+    resident_at_need: int
+    uploads: int
+    prefetches: int
+    waited: int
+    overflow: int
+    wait_ns: int
+    stall_reads_ns: int
+    read_bytes: int
+    read_busy_ns: int
+    lookahead: int
     hit_rows: int
     miss_rows: int
     route_ns: int
@@ -181,6 +204,25 @@ class Stats(ctypes.Structure):
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+# enum llama_pyspecter_policy / llama_pyspecter_miss
+NATIVE_POLICIES = {"lru": 0, "lfu": 1, "prev-token": 2, "score": 3}
+NATIVE_MISS = {"cpu": 0, "wait": 1}
+
+
+class ResidencyParams(ctypes.Structure):
+    """struct llama_pyspecter_residency_params."""
+
+    _fields_ = [
+        ("policy", ctypes.c_int32),
+        ("miss", ctypes.c_int32),
+        ("n_readers", ctypes.c_int32),
+        ("fd", ctypes.c_int32),
+        ("drop_cache", ctypes.c_bool),
+        ("lookahead", ctypes.c_bool),
+        ("record", ctypes.c_bool),
+    ]
 
 
 # --- the C API -----------------------------------------------------------------------------------------------------
@@ -365,6 +407,59 @@ def llama_pyspecter_get_stats(model: ModelPtr, out: Any, /) -> None:
 
 @ctypes_function("llama_pyspecter_stats_reset", [_model], None)
 def llama_pyspecter_stats_reset(model: ModelPtr, /) -> None:
+    ...
+
+
+@ctypes_function("llama_pyspecter_residency_init", [_model, ctypes.POINTER(ResidencyParams)], _i32)
+def llama_pyspecter_residency_init(model: ModelPtr, params: Any, /) -> int:
+    """The routing op owns residency from here on (after slots_init, before the context). 0 or a negative status."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_residency_enabled", [_model], ctypes.c_bool)
+def llama_pyspecter_residency_enabled(model: ModelPtr, /) -> bool:
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_file_offset", [_model, _i32, _i32, _i64], _i32)
+def llama_pyspecter_set_file_offset(model: ModelPtr, il: int, kind: int, offset: int, /) -> int:
+    """Where expert 0 of layer il's kind tensor starts in the residency's file."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_usable", [_model, _i32, _i32], _i32)
+def llama_pyspecter_set_usable(model: ModelPtr, il: int, n: int, /) -> int:
+    """Slots [0, n) of layer il are handed out."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_scores", [_model, _i32, ctypes.POINTER(ctypes.c_float), _i32], _i32)
+def llama_pyspecter_set_scores(model: ModelPtr, il: int, scores: Any, n: int, /) -> int:
+    """SCORE policy: n_expert eviction scores of layer il (higher: keep)."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_protected", [_model, _i32, ctypes.POINTER(_i32), _i32], _i32)
+def llama_pyspecter_set_protected(model: ModelPtr, il: int, experts: Any, n: int, /) -> int:
+    """Experts eviction spares (predicted for the window in flight); n = 0 clears layer il, il = -1 every layer."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_schedule", [_model, _i32, _i32, ctypes.c_float, _i32], _i32)
+def llama_pyspecter_schedule(model: ModelPtr, il: int, expert: int, priority: float, deadline: int, /) -> int:
+    """A prefetch behind every demand read: 1 queued, 0 nothing to do, negative: error."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_drain", [_model], _i32)
+def llama_pyspecter_drain(model: ModelPtr, /) -> int:
+    """Wait for every read in flight and map what landed."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_trace_take", [_model, ctypes.POINTER(_i32), _size], _size)
+def llama_pyspecter_trace_take(model: ModelPtr, out: Any, cap: int, /) -> int:
+    """Take whole routing calls [il, n, e...] of the trace into out (cap 0: how many ints wait)."""
     ...
 
 

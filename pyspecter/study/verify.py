@@ -18,10 +18,11 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the s
 
 def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram", policy: str = "lru",
            prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512,
-           ordered: bool = False, device: str | None = None) -> dict:
+           ordered: bool = False, device: str | None = None, native: bool | None = None) -> dict:
     """Greedy tokens and logits of stock vs slot path. Attention and batching settings are identical in both
     (docs/DESIGN.md, exactness: routing near-ties make any difference there look like a slot bug). With a device,
-    stock gets the same placement (layers on the device, experts in host memory, no op offload)."""
+    stock gets the same placement (layers on the device, experts in host memory, no op offload). native: as
+    ``ExpertCache``'s (None: C decides wherever it can)."""
     layout = read_layout(path).require_moe()
     the_tier = make_tier(tier)  # validate before the expensive part
     dev = open_device(device)
@@ -31,7 +32,8 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         ref_tokens, ref_logits = greedy(ctx, toks, n_tokens)
 
     with Model(path, device=dev) as model:
-        cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered)
+        cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered,
+                            native=native)
         try:
             with Context(model, n_threads=n_threads, n_batch=n_batch) as ctx:
                 got_tokens, got_logits = greedy(ctx, toks, n_tokens)
@@ -49,7 +51,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         "model": str(path), "arch": layout.arch, "device": dev.name if dev else "CPU", "tier": the_tier.name,
         "emulated": the_tier.emulated,
         "slots": cache.n_slots, "n_expert": layout.n_expert, "n_expert_used": layout.n_expert_used,
-        "miss": miss, "policy": policy,
+        "miss": miss, "policy": policy, "native": cache.native,
         "identical_tokens": ref_tokens == got_tokens, "max_abs_logit_diff": diff, "n_tokens": len(got_tokens),
         "n_prompt_tokens": len(toks), "hit_rate": counters["hit_rate"],
         "slot_row_rate": counters["slot_row_rate"], "uploads": counters["uploads"],

@@ -1,0 +1,814 @@
+// Native residency: inside a MoE layer the routing op looks up residency, picks victims, starts reads and hands
+// misses to the host path without leaving C. The control plane configures it, schedules prefetches and writes
+// eviction scores between decodes, and reads counters.
+//
+// Exactness does not depend on anything here: a slot is mapped only once its read has landed whole, so every
+// (token, expert) row is computed either from a complete slot or from the host copy, exactly.
+//
+// Threads: the routing op (llama.cpp's compute thread) and the API calls hold `mu` while they touch the slot
+// tables; reader threads never touch the tables, only the queue (`qmu`) and their read's atomics. Lock order:
+// mu, then qmu.
+
+#include "pyspecter-impl.h"
+
+#include "llama-impl.h"
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <fcntl.h>
+#include <unistd.h>
+#endif
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+// One expert being read into one slot: a task per kind (file) or one task for all kinds (host copy).
+struct pyspecter_read {
+    llama_pyspecter_layer * L = nullptr;
+    int32_t expert = -1, slot = -1;
+    int32_t cls = 0;          // 0: a miss the routing op waits for; 1: a miss read in the background; 2: prefetch
+    int32_t deadline = 0;     // prefetches: lower first
+    float priority = 0.0f;    // prefetches of one deadline: higher first
+    uint64_t seq = 0;         // FIFO among equals
+    int32_t tasks_left = 0;   // under qmu
+    bool started = false;     // under qmu: some task of it has been taken by a reader
+    std::atomic<bool> failed{false};
+    std::atomic<bool> done{false};
+};
+
+struct pyspecter_task {
+    std::shared_ptr<pyspecter_read> r;
+    int32_t kind; // a kind to read from the file; -1: every kind from the host copy; -2: advise (readahead)
+};
+
+enum { CLS_DEMAND = 0, CLS_BACKGROUND = 1, CLS_PREFETCH = 2, CLS_ADVISE = 3 };
+
+struct pyspecter_residency {
+    llama_pyspecter_slots * s = nullptr;
+    llama_pyspecter_residency_params p = {};
+    std::vector<llama_pyspecter_layer *> order; // MoE layers in forward order
+
+    std::mutex mu; // the slot tables, the clock, the trace
+    uint64_t clock = 0;
+    int32_t prev_tokens = 0;
+    std::vector<int32_t> trace;
+
+    std::mutex qmu;
+    std::condition_variable cv_work, cv_done;
+    std::vector<pyspecter_task> queue;
+    std::vector<std::thread> readers;
+    bool stopping = false;
+    uint64_t seq = 0;
+    int32_t running = 0;  // reads on the wire
+    int32_t stalled = 0;  // the routing op is waiting
+    int64_t t_mark = 0;
+    size_t buf_size = 0;
+
+    ~pyspecter_residency() { stop(); }
+
+    // qmu held: account the time since the last change of `running` or `stalled`
+    void mark_locked() {
+        const int64_t now = pyspecter_now_ns();
+        const int64_t dt = now - t_mark;
+        if (running > 0) {
+            s->counters.read_busy_ns += dt;
+        }
+        if (stalled > 0) {
+            s->counters.stall_reads_ns += (int64_t) running * dt;
+        }
+        t_mark = now;
+    }
+
+    void start(int32_t n) {
+        t_mark = pyspecter_now_ns();
+        for (int32_t i = 0; i < n; ++i) {
+            readers.emplace_back([this] { run(); });
+        }
+    }
+
+    void stop() noexcept {
+        {
+            std::lock_guard<std::mutex> lk(qmu);
+            if (stopping) {
+                return;
+            }
+            stopping = true;
+            for (auto & t : queue) { // cancelled, never copied: whoever waits sees a failed read
+                t.r->failed = true;
+                if (--t.r->tasks_left == 0) {
+                    t.r->done = true;
+                }
+            }
+            queue.clear();
+        }
+        cv_work.notify_all();
+        cv_done.notify_all();
+        for (auto & t : readers) {
+            if (t.joinable()) {
+                try {
+                    t.join();
+                } catch (...) {
+                }
+            }
+        }
+    }
+
+    static bool before(const pyspecter_read & a, const pyspecter_read & b) {
+        if (a.cls != b.cls) {
+            return a.cls < b.cls;
+        }
+        if (a.deadline != b.deadline) {
+            return a.deadline < b.deadline;
+        }
+        if (a.priority != b.priority) {
+            return a.priority > b.priority;
+        }
+        return a.seq < b.seq;
+    }
+
+    void run() {
+        void * buf = nullptr;
+        if (p.fd >= 0 && posix_memalign(&buf, 4096, buf_size) != 0) {
+            buf = nullptr; // every file read of this thread then fails: its experts stay on the host path
+        }
+        for (;;) {
+            pyspecter_task t;
+            {
+                std::unique_lock<std::mutex> lk(qmu);
+                cv_work.wait(lk, [&] { return stopping || !queue.empty(); });
+                if (stopping) {
+                    break;
+                }
+                size_t best = 0;
+                for (size_t i = 1; i < queue.size(); ++i) {
+                    if (before(*queue[i].r, *queue[best].r)) {
+                        best = i;
+                    }
+                }
+                t = std::move(queue[best]);
+                queue.erase(queue.begin() + (ptrdiff_t) best);
+                t.r->started = true;
+                mark_locked();
+                ++running;
+            }
+            int32_t rc = LLAMA_PYSPECTER_OK;
+            size_t nbytes = 0;
+            llama_pyspecter_layer * L = t.r->L;
+            if (t.kind == -2) {
+#ifdef POSIX_FADV_WILLNEED
+                for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
+                    if (L->host[k] && L->file_off[k] >= 0) {
+                        const size_t n = L->host[k]->nb[2];
+                        posix_fadvise(p.fd, L->file_off[k] + (int64_t) (n * t.r->expert), (off_t) n, POSIX_FADV_WILLNEED);
+                    }
+                }
+#endif
+            } else if (t.kind == -1) {
+                rc = pyspecter_run_copy(s->counters, [&] { return pyspecter_load_one(L, t.r->expert, t.r->slot); });
+                for (auto * h : L->host) {
+                    nbytes += h ? h->nb[2] : 0;
+                }
+            } else {
+                const int64_t off = L->file_off[t.kind] + (int64_t) (L->host[t.kind]->nb[2] * t.r->expert);
+                rc = !buf ? (int32_t) LLAMA_PYSPECTER_ERR_NO_MEMORY : pyspecter_run_copy(s->counters, [&] {
+                    return pyspecter_read_one(L, t.kind, t.r->slot, p.fd, off, buf, buf_size, p.drop_cache);
+                });
+                nbytes = L->host[t.kind]->nb[2];
+            }
+            {
+                std::lock_guard<std::mutex> lk(qmu);
+                mark_locked();
+                --running;
+                if (t.kind != -2) {
+                    s->counters.read_bytes += (int64_t) nbytes;
+                }
+                if (rc != LLAMA_PYSPECTER_OK) {
+                    t.r->failed = true;
+                }
+                if (--t.r->tasks_left == 0) {
+                    t.r->done = true;
+                }
+            }
+            cv_done.notify_all();
+        }
+        free(buf);
+    }
+
+    // mu held (the caller's pending table); queues the tasks of r
+    void push(const std::shared_ptr<pyspecter_read> & r, bool advise = false) {
+        {
+            std::lock_guard<std::mutex> lk(qmu);
+            r->seq = seq++;
+            if (stopping) {
+                r->failed = true;
+                r->done = true;
+                return;
+            }
+            llama_pyspecter_layer * L = r->L;
+            if (advise) {
+                queue.push_back({ r, -2 });
+                r->tasks_left = 1;
+            } else if (p.fd >= 0) {
+                for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
+                    if (L->host[k]) {
+                        queue.push_back({ r, k });
+                        r->tasks_left++;
+                    }
+                }
+            } else {
+                queue.push_back({ r, -1 });
+                r->tasks_left = 1;
+            }
+        }
+        cv_work.notify_all();
+    }
+
+    // A queued read taken back whole (true: none of it started, the slot was never touched), or moved ahead of
+    // everything else as a demand read (false).
+    bool take_back(pyspecter_read * r) {
+        std::lock_guard<std::mutex> lk(qmu);
+        if (!r->started && !r->done) {
+            queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const pyspecter_task & t) {
+                return t.r.get() == r;
+            }), queue.end());
+            r->failed = true;
+            r->done = true;
+            return true;
+        }
+        r->cls = CLS_DEMAND;
+        return false;
+    }
+
+    // Blocks until every read of rs has finished (landed or failed), counting the stall.
+    void wait_all(const std::vector<pyspecter_read *> & rs) {
+        const int64_t t0 = pyspecter_now_ns();
+        std::unique_lock<std::mutex> lk(qmu);
+        mark_locked();
+        ++stalled;
+        cv_done.wait(lk, [&] {
+            return std::all_of(rs.begin(), rs.end(), [](const pyspecter_read * r) { return r->done.load(); });
+        });
+        mark_locked();
+        --stalled;
+        s->counters.wait_ns += pyspecter_now_ns() - t0;
+    }
+};
+
+//
+// the slot table (mu held)
+//
+
+static void map_slot(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
+    const int32_t prev = L->owner[slot];
+    if (prev >= 0) {
+        L->remap[prev] = -1;
+    }
+    L->owner[slot]  = expert;
+    L->remap[expert] = slot;
+    L->last_use[slot] = L->loaded[slot] = R->clock;
+}
+
+static void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
+    const int32_t prev = L->owner[slot];
+    if (prev >= 0) {
+        L->remap[prev] = -1;
+        L->owner[slot] = -1;
+    }
+}
+
+// Maps every read of L that has landed; a failed one leaves its slot free and its expert a miss.
+static void reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
+    for (int32_t slot = 0; slot < (int32_t) L->pending.size(); ++slot) {
+        auto & r = L->pending[slot];
+        if (r && r->done) {
+            if (!r->failed) {
+                map_slot(R, L, r->expert, slot);
+            } else {
+                L->parent->counters.upload_failures++;
+            }
+            r.reset();
+        }
+    }
+}
+
+static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert) {
+    for (const auto & r : L->pending) {
+        if (r && r->expert == expert) {
+            return r.get();
+        }
+    }
+    return nullptr;
+}
+
+// Eviction order of a resident slot: lower goes first.
+static std::pair<double, uint64_t> rank(const pyspecter_residency * R, const llama_pyspecter_layer * L, int32_t slot) {
+    const int32_t e = L->owner[slot];
+    switch (R->p.policy) {
+        case LLAMA_PYSPECTER_POLICY_LFU:        return { (double) L->freq[e], L->last_use[slot] };
+        case LLAMA_PYSPECTER_POLICY_PREV_TOKEN: return { L->last_use[slot] >= L->prev_call ? 1.0 : 0.0, L->loaded[slot] };
+        case LLAMA_PYSPECTER_POLICY_SCORE:      return { (double) L->score[e], L->last_use[slot] };
+        default:                                return { (double) L->last_use[slot], 0 };
+    }
+}
+
+// A slot to reuse: a free one, else by policy among slots neither being filled, nor taken, nor holding an expert
+// marked in `keep` (needed now). Experts predicted for the window in flight are spared unless `need`: an expert
+// needed now outranks a prediction. -1: none.
+static int32_t victim(const pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<uint8_t> & keep,
+                      const std::vector<uint8_t> * taken, bool need) {
+    int32_t best = -1, spared = -1;
+    std::pair<double, uint64_t> best_key;
+    for (int32_t s = 0; s < L->n_usable; ++s) {
+        if (L->pending[s] || (taken && (*taken)[s])) {
+            continue;
+        }
+        const int32_t e = L->owner[s];
+        if (e < 0) {
+            return s;
+        }
+        if (keep[e]) {
+            continue;
+        }
+        if (L->prot[e]) {
+            spared = s;
+            continue;
+        }
+        const auto key = rank(R, L, s);
+        if (best < 0 || key < best_key) {
+            best = s;
+            best_key = key;
+        }
+    }
+    if (best < 0 && need && spared >= 0) {
+        L->prot[L->owner[spared]] = 0;
+        return spared;
+    }
+    return best;
+}
+
+static std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
+                                                  int32_t slot, int32_t cls, float priority = 0.0f,
+                                                  int32_t deadline = 0) {
+    auto r = std::make_shared<pyspecter_read>();
+    r->L = L;
+    r->expert = expert;
+    r->slot = slot;
+    r->cls = cls;
+    r->priority = priority;
+    r->deadline = deadline;
+    L->pending[slot] = r;
+    L->parent->counters.uploads++;
+    R->push(r);
+    return r;
+}
+
+// Reads `want` of L ahead of need into slots not holding any of them; returns how many reads it started.
+static int32_t upload_ahead(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & want,
+                            int32_t cls, float priority = 0.0f, int32_t deadline = 0) {
+    std::vector<uint8_t> keep(L->remap.size(), 0);
+    for (int32_t e : want) {
+        keep[e] = 1;
+    }
+    int32_t issued = 0;
+    for (int32_t e : want) {
+        if (L->remap[e] >= 0 || inflight(L, e)) {
+            continue;
+        }
+        const int32_t slot = victim(R, L, keep, nullptr, false);
+        if (slot < 0) {
+            break;
+        }
+        evict_slot(L, slot);
+        start_read(R, L, e, slot, cls, priority, deadline);
+        ++issued;
+    }
+    L->parent->counters.prefetches += issued;
+    return issued;
+}
+
+// After a prompt (file tier): its host-path pages leave the process and the page cache.
+static void release_after_batch(pyspecter_residency * R) {
+    pyspecter_release_experts(R->s);
+#ifdef POSIX_FADV_DONTNEED
+    for (auto * L : R->order) {
+        for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
+            if (L->host[k] && L->file_off[k] >= 0) {
+                posix_fadvise(R->p.fd, L->file_off[k], (off_t) (L->host[k]->nb[2] * L->remap.size()),
+                              POSIX_FADV_DONTNEED);
+            }
+        }
+    }
+#endif
+}
+
+// A prompt's ubatch routes its many tokens to most experts of every layer, so the next layer will want about as
+// many as this one: start reading its most used ones now, while this layer computes, and have the kernel read
+// ahead what does not fit for the host path's page faults.
+static void prefill_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t n_needed) {
+    llama_pyspecter_layer * N = L->next;
+    if (!N) {
+        return;
+    }
+    std::vector<int32_t> want(N->remap.size());
+    for (int32_t e = 0; e < (int32_t) want.size(); ++e) {
+        want[e] = e;
+    }
+    std::stable_sort(want.begin(), want.end(), [&](int32_t a, int32_t b) { return N->freq[a] > N->freq[b]; });
+    want.resize(std::min<size_t>(want.size(), (size_t) n_needed));
+    N->parent->counters.lookahead += upload_ahead(R, N, want, CLS_BACKGROUND);
+    if (R->p.fd >= 0) {
+        for (int32_t e : want) {
+            if (N->remap[e] < 0 && !inflight(N, e)) {
+                auto r = std::make_shared<pyspecter_read>();
+                r->L = N;
+                r->expert = e;
+                r->cls = CLS_ADVISE;
+                R->push(r, /*advise=*/true);
+            }
+        }
+    }
+}
+
+// A slot for a miss the routing op is about to wait for; when every candidate is still being filled, let the
+// reads of experts not needed now land first (waiting for a needed one gains no slot). -1: none.
+static int32_t slot_for_miss(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<uint8_t> & needed,
+                             const std::vector<uint8_t> & taken) {
+    int32_t slot = victim(R, L, needed, &taken, true);
+    if (slot >= 0) {
+        return slot;
+    }
+    std::vector<pyspecter_read *> landing;
+    for (const auto & r : L->pending) {
+        if (r && !needed[r->expert]) {
+            landing.push_back(r.get());
+        }
+    }
+    if (landing.empty()) {
+        return -1;
+    }
+    R->wait_all(landing);
+    reap(R, L);
+    return victim(R, L, needed, &taken, true);
+}
+
+static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+    auto & c = L->parent->counters;
+    // queued prefetches of these experts are taken back and read now; started ones become demand reads
+    std::vector<pyspecter_read *> landing;
+    for (int32_t e : missing) {
+        pyspecter_read * r = inflight(L, e);
+        if (!r) {
+            continue;
+        }
+        if (R->take_back(r)) {
+            L->pending[r->slot].reset(); // its slot was evicted when the read was scheduled: free again
+            c.uploads--;
+        } else {
+            landing.push_back(r);
+        }
+    }
+    if (!landing.empty()) {
+        R->wait_all(landing);
+        c.waited += (int64_t) landing.size();
+        reap(R, L);
+    }
+    std::vector<uint8_t> taken(L->owner.size(), 0);
+    std::vector<std::pair<int32_t, int32_t>> loads; // (expert, slot)
+    for (int32_t e : missing) {
+        if (L->remap[e] >= 0) {
+            continue;
+        }
+        const int32_t slot = slot_for_miss(R, L, L->mark, taken);
+        if (slot < 0) { // more distinct experts in this ubatch than slots: the host computes the rest
+            c.overflow++;
+            continue;
+        }
+        evict_slot(L, slot);
+        taken[slot] = 1;
+        loads.emplace_back(e, slot);
+    }
+    if (loads.empty()) {
+        return;
+    }
+    if (R->p.fd < 0) {
+        // from RAM: a copy on this thread costs less than the hand-off to a reader it would wait for anyway
+        const int64_t t0 = pyspecter_now_ns();
+        for (auto [e, slot] : loads) {
+            c.uploads++;
+            const int32_t rc = pyspecter_run_copy(c, [&] { return pyspecter_load_one(L, e, slot); });
+            if (rc == LLAMA_PYSPECTER_OK) {
+                map_slot(R, L, e, slot);
+            }
+        }
+        c.wait_ns += pyspecter_now_ns() - t0;
+        return;
+    }
+    std::vector<pyspecter_read *> reads;
+    for (auto [e, slot] : loads) {
+        reads.push_back(start_read(R, L, e, slot, CLS_DEMAND).get());
+    }
+    R->wait_all(reads);
+    reap(R, L);
+}
+
+static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+    auto & c = L->parent->counters;
+    // a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
+    std::vector<pyspecter_read *> due;
+    {
+        std::lock_guard<std::mutex> lk(R->qmu);
+        for (int32_t e : missing) {
+            pyspecter_read * r = inflight(L, e);
+            if (r && r->started) {
+                due.push_back(r);
+            }
+        }
+    }
+    if (!due.empty()) {
+        R->wait_all(due);
+        c.waited += (int64_t) due.size();
+        reap(R, L);
+    }
+    for (int32_t e : missing) {
+        if (L->remap[e] >= 0 || inflight(L, e)) {
+            continue;
+        }
+        const int32_t slot = victim(R, L, L->mark, nullptr, true);
+        if (slot < 0) {
+            break;
+        }
+        evict_slot(L, slot);
+        start_read(R, L, e, slot, CLS_BACKGROUND);
+    }
+}
+
+bool pyspecter_native_enabled(const llama_pyspecter_slots * s) {
+    return s && s->res;
+}
+
+std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s) {
+    return s && s->res ? std::unique_lock<std::mutex>(s->res->mu) : std::unique_lock<std::mutex>();
+}
+
+void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used) {
+    pyspecter_residency * R = L->parent->res.get(); // R->mu held by the caller (pyspecter_native_lock)
+    auto & c = L->parent->counters;
+    R->clock++;
+    L->prev_call = L->last_call;
+    L->last_call = R->clock;
+    if (n_tokens != R->prev_tokens) {
+        if (n_tokens == 1 && R->prev_tokens > 1 && R->p.fd >= 0) {
+            release_after_batch(R);
+        }
+        R->prev_tokens = n_tokens;
+    }
+    if (n_tokens > 1 && R->p.fd >= 0) {
+        // the earlier layers' host matmuls of this prompt are done: their faulted-in expert pages go again
+        pyspecter_release_experts(L->parent);
+    }
+    const int32_t E = (int32_t) L->remap.size();
+    std::fill(L->mark.begin(), L->mark.end(), 0);
+    std::vector<int32_t> needed;
+    needed.reserve((size_t) std::min(E, n_tokens * n_used));
+    for (int32_t i = 0; i < n_tokens * n_used; ++i) {
+        const int32_t e = ids[i];
+        if (e >= 0 && e < E && !L->mark[e]) {
+            L->mark[e] = 1;
+            needed.push_back(e);
+        }
+    }
+    std::sort(needed.begin(), needed.end()); // misses are served in expert order: one answer for one routing
+    if (R->p.record) {
+        R->trace.push_back(L->il);
+        R->trace.push_back((int32_t) needed.size());
+        R->trace.insert(R->trace.end(), needed.begin(), needed.end());
+    }
+    for (int32_t e : needed) {
+        L->freq[e]++;
+    }
+    reap(R, L);
+    std::vector<int32_t> missing;
+    for (int32_t e : needed) {
+        const int32_t slot = L->remap[e];
+        if (slot >= 0) {
+            L->last_use[slot] = R->clock;
+        } else {
+            missing.push_back(e);
+        }
+    }
+    c.needed += (int64_t) needed.size();
+    c.resident_at_need += (int64_t) (needed.size() - missing.size());
+    if (n_tokens > 1 && R->p.lookahead && R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
+        prefill_lookahead(R, L, (int32_t) needed.size());
+    }
+    if (missing.empty()) {
+        return;
+    }
+    if (R->p.miss == LLAMA_PYSPECTER_MISS_WAIT) {
+        miss_wait(R, L, missing);
+    } else {
+        miss_cpu(R, L, missing);
+    }
+}
+
+void llama_pyspecter_slots::residency_deleter::operator()(pyspecter_residency * r) const noexcept {
+    delete r;
+}
+
+void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept {
+    if (s && s->res) {
+        s->res->stop();
+    }
+}
+
+//
+// API
+//
+
+static pyspecter_residency * residency_of(llama_model * model) {
+    auto * s = pyspecter_slots_of(model);
+    return s ? s->res.get() : nullptr;
+}
+
+int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecter_residency_params * params) {
+    auto * s = pyspecter_slots_of(model);
+    if (!s || !params) {
+        return s ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    if (s->res) {
+        return LLAMA_PYSPECTER_ERR_ENABLED;
+    }
+    if (params->policy < LLAMA_PYSPECTER_POLICY_LRU || params->policy > LLAMA_PYSPECTER_POLICY_SCORE ||
+            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_WAIT) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    try {
+        std::unique_ptr<pyspecter_residency, llama_pyspecter_slots::residency_deleter> R(new pyspecter_residency());
+        R->s = s;
+        R->p = *params;
+        size_t biggest = 0;
+        for (auto & L : s->layers) {
+            if (!L) {
+                continue;
+            }
+            const size_t n_slots = L->owner.size(), E = L->remap.size();
+            L->last_use.assign(n_slots, 0);
+            L->loaded.assign(n_slots, 0);
+            L->pending.assign(n_slots, nullptr);
+            L->freq.assign(E, 0);
+            L->score.assign(E, 0.0f);
+            L->prot.assign(E, 0);
+            L->mark.assign(E, 0);
+            L->n_usable = (int32_t) n_slots;
+            for (int32_t slot = 0; slot < (int32_t) n_slots; ++slot) {
+                if (L->owner[slot] >= 0) { // set_slot before: keep it (a warm start)
+                    L->loaded[slot] = 0;
+                }
+            }
+            if (!R->order.empty()) {
+                R->order.back()->next = L.get();
+            }
+            R->order.push_back(L.get());
+            for (auto * h : L->host) {
+                biggest = std::max(biggest, h ? (size_t) h->nb[2] : (size_t) 0);
+            }
+        }
+        R->buf_size = (biggest + 2 * 4096 + 4095) / 4096 * 4096;
+        R->start(std::max(1, params->n_readers));
+        s->res = std::move(R);
+        return LLAMA_PYSPECTER_OK;
+    } catch (const std::bad_alloc &) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    } catch (const std::exception & e) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
+        return LLAMA_PYSPECTER_ERR_INTERNAL;
+    }
+}
+
+bool llama_pyspecter_residency_enabled(const llama_model * model) {
+    return pyspecter_native_enabled(pyspecter_slots_of(model));
+}
+
+int32_t llama_pyspecter_set_file_offset(llama_model * model, int32_t il, int32_t kind, int64_t offset) {
+    auto * R = residency_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!R || !L || kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->host[kind] || offset < 0) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    L->file_off[kind] = offset;
+    return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_set_usable(llama_model * model, int32_t il, int32_t n) {
+    auto * R = residency_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!R || !L || n < 0 || n > (int32_t) L->owner.size()) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    for (int32_t slot = n; slot < (int32_t) L->owner.size(); ++slot) {
+        if (!L->pending[slot]) { // one being filled stays until it lands; it is then simply not handed out again
+            evict_slot(L, slot);
+        }
+    }
+    L->n_usable = n;
+    return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_set_scores(llama_model * model, int32_t il, const float * scores, int32_t n) {
+    auto * R = residency_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!R || !L || !scores || n != (int32_t) L->score.size()) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    std::copy(scores, scores + n, L->score.begin());
+    return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_set_protected(llama_model * model, int32_t il, const int32_t * experts, int32_t n) {
+    auto * R = residency_of(model);
+    if (!R || n < 0 || (n > 0 && !experts)) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    if (il == -1) {
+        for (auto * L : R->order) {
+            std::fill(L->prot.begin(), L->prot.end(), 0);
+        }
+        return LLAMA_PYSPECTER_OK;
+    }
+    auto * L = pyspecter_layer_of(model, il);
+    if (!L) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    if (n == 0) {
+        std::fill(L->prot.begin(), L->prot.end(), 0);
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        if (experts[i] < 0 || experts[i] >= (int32_t) L->prot.size()) {
+            return LLAMA_PYSPECTER_ERR_ARG;
+        }
+        L->prot[experts[i]] = 1;
+    }
+    return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_schedule(llama_model * model, int32_t il, int32_t expert, float priority, int32_t deadline) {
+    auto * R = residency_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!R || !L || expert < 0 || expert >= (int32_t) L->remap.size()) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    try {
+        std::lock_guard<std::mutex> lk(R->mu);
+        reap(R, L);
+        return upload_ahead(R, L, { expert }, CLS_PREFETCH, priority, deadline);
+    } catch (const std::bad_alloc &) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+}
+
+int32_t llama_pyspecter_drain(llama_model * model) {
+    auto * R = residency_of(model);
+    if (!R) {
+        return LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    try {
+        std::lock_guard<std::mutex> lk(R->mu);
+        std::vector<pyspecter_read *> all;
+        for (auto * L : R->order) {
+            for (auto & r : L->pending) {
+                if (r) {
+                    all.push_back(r.get());
+                }
+            }
+        }
+        R->wait_all(all);
+        for (auto * L : R->order) {
+            reap(R, L);
+        }
+        return LLAMA_PYSPECTER_OK;
+    } catch (const std::bad_alloc &) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+}
+
+size_t llama_pyspecter_trace_take(llama_model * model, int32_t * out, size_t cap) {
+    auto * R = residency_of(model);
+    if (!R) {
+        return 0;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    if (!out || cap == 0) {
+        return R->trace.size();
+    }
+    size_t n = 0; // whole calls only
+    while (n + 1 < R->trace.size() && n + 2 + (size_t) R->trace[n + 1] <= cap) {
+        n += 2 + (size_t) R->trace[n + 1];
+    }
+    std::copy(R->trace.begin(), R->trace.begin() + (ptrdiff_t) n, out);
+    R->trace.erase(R->trace.begin(), R->trace.begin() + (ptrdiff_t) n);
+    return n;
+}

@@ -1,0 +1,119 @@
+"""Native residency (csrc/residency.cpp): the routing op looks up residency, evicts and reads in C, with no Python
+call inside a layer. Exact against stock for every policy C runs, on every tier; the same decisions as the
+Python path where both are deterministic; failed reads leave experts to the host path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pyspecter import native
+from pyspecter.cache import ExpertCache, native_reason
+from pyspecter.layout import read_layout
+from pyspecter.models.tiny import TINY_MODELS, build_tiny
+from pyspecter.study.verify import verify
+from pyspecter.tiers import RamTier, make_tier
+
+TOL = 1e-4
+PROMPT = "Once upon a time there was a tiny mixture of experts, and it routed every token somewhere."
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk", "emulated:20"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "prev-token"])
+@pytest.mark.parametrize("miss", ["wait", "cpu"])
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-mixtral"])
+def test_native_is_exact(name: str, miss: str, policy: str, tier: str) -> None:
+    spec = TINY_MODELS[name]
+    for slots in (spec.n_expert_used, spec.n_expert // 2):
+        r = verify(build_tiny(name), slots=slots, miss=miss, tier=tier, policy=policy, n_tokens=10, native=True)
+        assert r["native"]
+        assert r["identical_tokens"], (slots, r["stock_tokens"], r["slot_tokens"])
+        assert r["max_abs_logit_diff"] <= TOL, (slots, r["max_abs_logit_diff"])
+        assert r["uploads"] > 0
+
+
+def _decode(path, slots: int, policy: str, use_native: bool, n: int = 8):
+    lay = read_layout(path)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, slots, policy=policy, miss="wait", lookahead=False, record=True,
+                            native=use_native)
+        assert cache.native == use_native and (cache.hooks is None) == use_native  # no Python on the path
+        with native.Context(m, n_threads=2) as ctx:
+            logits = ctx.decode(m.tokenize(PROMPT))
+            for _ in range(n):
+                logits = ctx.decode([int(logits.argmax())])
+                cache.check()
+        c = cache.counters()
+        trace = list(cache.trace)
+        resident = {il: st.where for il, st in cache.layers.items()}
+        cache.close()
+    return c, trace, resident
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "prev-token"])
+def test_native_decides_as_python_does(policy: str) -> None:
+    """With misses waited for on the RAM tier (no reads in the background, no lookahead) both paths are
+    deterministic: the same routing trace, the same misses and uploads, the same slot tables at the end."""
+    path = build_tiny("tiny-qwen3moe")
+    k = TINY_MODELS["tiny-qwen3moe"].n_expert_used
+    c_nat, t_nat, w_nat = _decode(path, k + 2, policy, True)
+    c_py, t_py, w_py = _decode(path, k + 2, policy, False)
+    assert t_nat == t_py and len(t_nat) > 0
+    for key in ("needed", "resident_at_need", "uploads", "hit_rows", "miss_rows"):
+        assert c_nat[key] == c_py[key], key
+    assert w_nat == w_py
+
+
+def test_native_prefetch_protect_and_link_counters() -> None:
+    path = build_tiny("tiny-mixtral")
+    lay = read_layout(path)
+    with native.Model(path) as stock, native.Context(stock, n_threads=2) as ctx:
+        ref = ctx.decode(stock.tokenize(PROMPT), logits_all=True)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=make_tier("disk"), native=True)
+        for L in lay.layers:
+            assert cache.prefetch(L.index, [0, 1]) == 2
+            cache.protect(L.index, [0, 1])
+        cache.drain()
+        assert all(st.where[0] >= 0 and st.where[1] >= 0 for st in cache.layers.values())
+        with native.Context(m, n_threads=2) as ctx:
+            got = ctx.decode(m.tokenize(PROMPT), logits_all=True)
+        cache.check()
+        c = cache.counters()
+        cache.unprotect_all()
+        cache.close()
+    assert abs(ref - got).max() <= TOL
+    assert c["prefetches"] >= 2 * len(lay.layers) and c["route_us_per_layer"] > 0
+    assert c["read_bytes"] > 0 and c["wait_ms"] > 0 and c["reads_in_flight"] >= 1.0
+
+
+def test_failed_native_reads_leave_experts_to_the_host() -> None:
+    """Every read comes back short (the file swapped for /dev/null under the readers): nothing is mapped, the
+    failures are counted, and the output is still stock's."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path) as stock, native.Context(stock, n_threads=2) as ctx:
+        ref = ctx.decode(stock.tokenize(PROMPT), logits_all=True)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=make_tier("disk"), native=True)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, cache.tier.fd)
+        os.close(null)
+        with native.Context(m, n_threads=2) as ctx:
+            got = ctx.decode(m.tokenize(PROMPT), logits_all=True)
+        c = cache.counters()
+        cache.close()
+    assert abs(ref - got).max() <= TOL
+    assert c["failed_uploads"] > 0 and c["slot_row_rate"] == 0.0
+
+
+def test_what_stays_in_python_is_named() -> None:
+    assert native_reason("lru", "cpu", RamTier()) == ""
+    assert "predicted" in native_reason("predicted", "wait", RamTier())
+    assert "ordered" in native_reason("lru", "wait", RamTier(), ordered=True)
+    assert "held" in native_reason("lru", "wait", RamTier(), held=2)
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path) as m, pytest.raises(Exception, match="native residency cannot run"):
+        ExpertCache(m, lay, lay.n_expert, policy="predicted", native=True)
