@@ -56,7 +56,8 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> route_calls{0}, hit_rows{0}, miss_rows{0}, route_ns{0}, hook_ns{0};
     std::atomic<int64_t> upload_bytes{0}, upload_ns{0}, upload_failures{0};
     std::atomic<int64_t> needed{0}, resident_at_need{0}, uploads{0}, prefetches{0}, waited{0}, overflow{0};
-    std::atomic<int64_t> wait_ns{0}, stall_reads_ns{0}, read_bytes{0}, read_busy_ns{0}, lookahead{0};
+    std::atomic<int64_t> wait_ns{0}, stall_reads_ns{0}, read_bytes{0}, read_busy_ns{0}, lookahead{0}, late{0};
+    std::atomic<int64_t> late_lost{0};
 };
 
 // An emulated link (uploads.cpp charges every copy to it): a virtual clock of when the link is next free.
@@ -185,8 +186,12 @@ size_t pyspecter_release_experts(llama_pyspecter_slots * s);
 // ids [n_tokens][n_used]; changes L's remap, which the op then applies. Stops the readers (slots destructor).
 bool pyspecter_native_enabled(const llama_pyspecter_slots * s);
 std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s); // not owning: not enabled
-void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used);
+// with_late: this graph has the late path (ordered misses may be marked late in L->late)
+void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
+                            bool with_late);
 void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept;
+bool pyspecter_native_late(const llama_pyspecter_slots * s); // ordered misses: graphs get the late path
+void pyspecter_native_wait(llama_pyspecter_layer * L);       // the wait op: L's late reads have landed on return
 
 // the model layer's expert tensors by kind (null where the layer has none)
 void pyspecter_host_experts(const llama_model * model, int32_t il, ggml_tensor * out[LLAMA_PYSPECTER_N_KINDS]);

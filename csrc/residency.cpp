@@ -239,18 +239,21 @@ struct pyspecter_residency {
         return false;
     }
 
-    // Blocks until every read of rs has finished (landed or failed), counting the stall.
-    void wait_all(const std::vector<pyspecter_read *> & rs) {
+    // Blocks until every read of rs has finished (landed or failed); stall: the compute thread waits (counted),
+    // not the control plane between decodes.
+    void wait_all(const std::vector<pyspecter_read *> & rs, bool stall = true) {
         const int64_t t0 = pyspecter_now_ns();
         std::unique_lock<std::mutex> lk(qmu);
         mark_locked();
-        ++stalled;
+        stalled += stall;
         cv_done.wait(lk, [&] {
             return std::all_of(rs.begin(), rs.end(), [](const pyspecter_read * r) { return r->done.load(); });
         });
         mark_locked();
-        --stalled;
-        s->counters.wait_ns += pyspecter_now_ns() - t0;
+        stalled -= stall;
+        if (stall) {
+            s->counters.wait_ns += pyspecter_now_ns() - t0;
+        }
     }
 };
 
@@ -511,6 +514,35 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
     reap(R, L);
 }
 
+// Ordered: every miss becomes a late expert (its read started or promoted here), computed from its slot after
+// the layer's resident experts and host path; the wait op blocks for the reads (pyspecter_native_wait).
+static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+    auto & c = L->parent->counters;
+    std::vector<uint8_t> taken(L->owner.size(), 0);
+    for (int32_t e : missing) {
+        int32_t slot;
+        if (pyspecter_read * r = inflight(L, e)) {
+            {
+                std::lock_guard<std::mutex> lk(R->qmu);
+                r->cls = CLS_DEMAND; // first in line from here on
+            }
+            slot = r->slot;
+            c.waited++;
+        } else {
+            slot = slot_for_miss(R, L, L->mark, taken);
+            if (slot < 0) { // more distinct experts in this ubatch than slots: the host computes the rest
+                c.overflow++;
+                continue;
+            }
+            evict_slot(L, slot);
+            start_read(R, L, e, slot, CLS_DEMAND);
+        }
+        taken[slot] = 1;
+        L->late[e] = slot;
+        c.late++;
+    }
+}
+
 static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
     auto & c = L->parent->counters;
     // a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
@@ -550,7 +582,8 @@ std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s) {
     return s && s->res ? std::unique_lock<std::mutex>(s->res->mu) : std::unique_lock<std::mutex>();
 }
 
-void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used) {
+void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
+                            bool with_late) {
     pyspecter_residency * R = L->parent->res.get(); // R->mu held by the caller (pyspecter_native_lock)
     auto & c = L->parent->counters;
     R->clock++;
@@ -604,7 +637,9 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     if (missing.empty()) {
         return;
     }
-    if (R->p.miss == LLAMA_PYSPECTER_MISS_WAIT) {
+    if (R->p.miss == LLAMA_PYSPECTER_MISS_ORDERED && with_late) {
+        miss_ordered(R, L, missing);
+    } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
         miss_wait(R, L, missing);
     } else {
         miss_cpu(R, L, missing);
@@ -613,6 +648,68 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
 
 void llama_pyspecter_slots::residency_deleter::operator()(pyspecter_residency * r) const noexcept {
     delete r;
+}
+
+bool pyspecter_native_late(const llama_pyspecter_slots * s) {
+    if (!s || !s->res || s->res->p.miss != LLAMA_PYSPECTER_MISS_ORDERED) {
+        return false;
+    }
+    return true;
+}
+
+void pyspecter_native_wait(llama_pyspecter_layer * L) {
+    pyspecter_residency * R = L->parent->res.get();
+    auto & c = L->parent->counters;
+    const int64_t t0 = pyspecter_now_ns();
+    std::lock_guard<std::mutex> lk(R->mu);
+    struct count_time { // the wait op is routing work too: its time joins the routing op's
+        llama_pyspecter_counters & c;
+        int64_t t0;
+        ~count_time() { c.route_ns += pyspecter_now_ns() - t0; }
+    } timer{ c, t0 };
+    std::vector<std::pair<int32_t, int32_t>> late; // (expert, slot)
+    std::vector<pyspecter_read *> reads;
+    for (int32_t e = 0; e < (int32_t) L->late.size(); ++e) {
+        const int32_t slot = L->late[e];
+        if (slot >= 0) {
+            late.emplace_back(e, slot);
+            if (L->pending[slot]) {
+                reads.push_back(L->pending[slot].get());
+            }
+        }
+    }
+    R->wait_all(reads);
+    reap(R, L);
+    // A late expert whose read failed is not resident, yet the graph computes its rows from its slot: read it
+    // again, here; if that fails too, this ubatch's output is wrong, which the control plane reports as an error.
+    for (auto [e, slot] : late) {
+        if (L->remap[e] == slot) {
+            continue;
+        }
+        int32_t rc = LLAMA_PYSPECTER_OK;
+        if (R->p.fd < 0) {
+            rc = pyspecter_run_copy(c, [&] { return pyspecter_load_one(L, e, slot); });
+        } else {
+            void * buf = nullptr;
+            if (posix_memalign(&buf, 4096, R->buf_size) != 0) {
+                rc = LLAMA_PYSPECTER_ERR_NO_MEMORY;
+            }
+            for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS && rc == LLAMA_PYSPECTER_OK; ++k) {
+                if (L->host[k]) {
+                    const int64_t off = L->file_off[k] + (int64_t) (L->host[k]->nb[2] * e);
+                    rc = pyspecter_run_copy(c, [&] {
+                        return pyspecter_read_one(L, k, slot, R->p.fd, off, buf, R->buf_size, R->p.drop_cache);
+                    });
+                }
+            }
+            free(buf);
+        }
+        if (rc == LLAMA_PYSPECTER_OK) {
+            map_slot(R, L, e, slot);
+        } else {
+            c.late_lost++;
+        }
+    }
 }
 
 void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept {
@@ -639,7 +736,7 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         return LLAMA_PYSPECTER_ERR_ENABLED;
     }
     if (params->policy < LLAMA_PYSPECTER_POLICY_LRU || params->policy > LLAMA_PYSPECTER_POLICY_SCORE ||
-            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_WAIT) {
+            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_ORDERED) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
     try {
@@ -785,7 +882,7 @@ int32_t llama_pyspecter_drain(llama_model * model) {
                 }
             }
         }
-        R->wait_all(all);
+        R->wait_all(all, /*stall=*/false);
         for (auto * L : R->order) {
             reap(R, L);
         }

@@ -76,7 +76,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     // read are one snapshot
     std::unique_lock<std::mutex> native = pyspecter_native_lock(s);
     if (native.owns_lock()) {
-        pyspecter_native_route(L, host_ids, n_tokens, n_used);
+        pyspecter_native_route(L, host_ids, n_tokens, n_used, with_late);
     }
     if (s->route_cb) {
         // with native residency the hook only observes (traces, predictors): the decision is made
@@ -134,7 +134,9 @@ static void wait_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     for (size_t i = 0; i < n && !any; ++i) {
         any = late_ids[i] >= 0;
     }
-    if (any && s->wait_cb) {
+    if (any && pyspecter_native_enabled(s)) {
+        pyspecter_native_wait(L);
+    } else if (any && s->wait_cb) {
         const int64_t c0 = pyspecter_now_ns();
         s->wait_cb(s->wait_ud, L->il);
         s->counters.hook_ns += pyspecter_now_ns() - c0;
@@ -157,7 +159,8 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
     const int n_args = slots->cpu_anchor ? 4 : with_input ? 3 : 2;
     // one task: the op is tiny (route_op itself makes sure only thread 0 works)
     return ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1],
-                          slots->wait_cb ? 3 : 2, 1, args, n_args, route_op, 1, (void *) L);
+                          slots->wait_cb || pyspecter_native_late(slots) ? 3 : 2, 1, args, n_args, route_op, 1,
+                          (void *) L);
 }
 
 ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspecter_slots * slots,

@@ -26,6 +26,8 @@ void llama_pyspecter_get_stats(const llama_model * model, llama_pyspecter_stats 
         out->read_bytes       = c.read_bytes.load();
         out->read_busy_ns     = c.read_busy_ns.load();
         out->lookahead        = c.lookahead.load();
+        out->late             = c.late.load();
+        out->late_lost        = c.late_lost.load();
     }
 }
 
@@ -35,7 +37,7 @@ void llama_pyspecter_stats_reset(llama_model * model) {
         for (auto * v : { &c.route_calls, &c.hit_rows, &c.miss_rows, &c.route_ns, &c.hook_ns, &c.upload_bytes,
                           &c.upload_ns, &c.upload_failures, &c.needed, &c.resident_at_need, &c.uploads,
                           &c.prefetches, &c.waited, &c.overflow, &c.wait_ns, &c.stall_reads_ns, &c.read_bytes,
-                          &c.read_busy_ns, &c.lookahead }) {
+                          &c.read_busy_ns, &c.lookahead, &c.late, &c.late_lost }) {
             *v = 0;
         }
     }

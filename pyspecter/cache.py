@@ -67,19 +67,17 @@ class _NativeLayer:
         return [self.api.expert_in(self.model.ptr, self.il, s) for s in range(self.n_slots)]
 
 
-def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, held: int = 0, ordered: bool = False,
+def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, held: int = 0,
                   surrogates: bool = False) -> str:
     """Why the routing op cannot own residency in C for this configuration ('' when it can). What stays in Python:
-    the learned eviction scores read inside a layer ('predicted'), ordered waits, surrogates, a draft's held slots
-    (their ghost LRU) and tiers C does not know (tests' fault-injecting ones)."""
+    the learned eviction scores read inside a layer ('predicted'), surrogates (approximate, opt-in), a draft's held
+    slots (their ghost LRU) and tiers C does not know (tests' fault-injecting ones)."""
     if not hook:
         return "no routing hook (static residency)"
     if policy not in native.NATIVE_POLICIES:
         return f"policy {policy!r} is decided in Python"
-    if miss not in native.NATIVE_MISS:
+    if miss not in ("cpu", "wait"):
         return f"miss mode {miss!r} is Python's"
-    if ordered:
-        return "ordered waits use the Python wait hook"
     if surrogates:
         return "surrogates are expanded from Python"
     if held:
@@ -130,8 +128,7 @@ class ExpertCache:
         if rc != 0:
             raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
         self.tier = tier or RamTier()
-        why_not = native_reason(policy, miss, self.tier, hook=hook, held=held, ordered=ordered,
-                                surrogates=surrogates is not None)
+        why_not = native_reason(policy, miss, self.tier, hook=hook, held=held, surrogates=surrogates is not None)
         if native and why_not:
             raise SpecterError(f"native residency cannot run this configuration: {why_not}")
         self.native = native is not False and not why_not
@@ -159,12 +156,14 @@ class ExpertCache:
             wait = self._on_wait if self.misses.wants_wait_hook else None
             self.hooks = Hooks(model, self._on_route, wait, on_input=on_input)
         self._reported_failures = 0
+        self._late_lost = 0
         self._closed = False
         self._prev_tokens = 0  # ubatch size of the latest routing call
 
     def _init_native(self, record: bool) -> None:
         """Hand the slot table to the routing op (C). The Python table stays empty: nothing mirrors it."""
-        p = native.ResidencyParams(policy=native.NATIVE_POLICIES[self.policy], miss=native.NATIVE_MISS[self.miss],
+        miss = native.NATIVE_MISS["ordered" if self.ordered else self.miss]
+        p = native.ResidencyParams(policy=native.NATIVE_POLICIES[self.policy], miss=miss,
                                    n_readers=1, fd=-1, drop_cache=False, lookahead=self.lookahead, record=record)
         if isinstance(self.tier, DiskTier):
             # as many readers as the Python path's demand and prefetch pools together: misses of one layer and
@@ -396,6 +395,12 @@ class ExpertCache:
         """Re-raise an error a hook parked (call after each decode); report failed uploads once, in one line."""
         if self.hooks is not None:
             self.hooks.check()
+        if self.native:
+            lost = self._native_base.late_lost + self.api.stats(self.model.ptr).late_lost
+            if lost > self._late_lost:
+                self._late_lost = lost
+                raise SpecterError(f"{lost} late expert read(s) failed twice ({self.tier.name} tier); the output of "
+                                   "that decode is wrong")
         failed = self.failed_uploads()
         if failed > self._reported_failures:
             import sys
@@ -466,7 +471,7 @@ class ExpertCache:
             "hook_ms": c.route_ns / 1e6, "upload_ns": c.upload_ns,
             "uploads": c.uploads, "upload_bytes": c.upload_bytes, "native": 1,
             "overflow_rows": c.overflow, "prefetches": c.prefetches,
-            "waited": c.waited, "surrogate_uses": 0, "late": 0, "lookahead": c.lookahead,
+            "waited": c.waited, "surrogate_uses": 0, "late": c.late, "lookahead": c.lookahead,
             "failed_uploads": c.upload_failures,
             "route_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
             "hook_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,

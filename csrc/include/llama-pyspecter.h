@@ -161,6 +161,8 @@ enum llama_pyspecter_policy {
 enum llama_pyspecter_miss {
     LLAMA_PYSPECTER_MISS_CPU  = 0, // compute misses on the host now, read them into slots in the background
     LLAMA_PYSPECTER_MISS_WAIT = 1, // read misses into slots now (side by side), wait, compute them from the slots
+    LLAMA_PYSPECTER_MISS_ORDERED = 2, // wait, refined: misses are late experts, computed from their slots after the
+                                      // layer's resident experts, while their reads land (the late path below)
 };
 struct llama_pyspecter_residency_params {
     int32_t policy;     // llama_pyspecter_policy
@@ -200,7 +202,7 @@ struct llama_pyspecter_stats {
     int64_t route_calls;     // routing op runs (one per MoE layer per ubatch)
     int64_t hit_rows;        // (token, expert) rows computed from slots
     int64_t miss_rows;       // rows computed from the host copy
-    int64_t route_ns;        // time in the routing op, hook and waits included
+    int64_t route_ns;        // time in the routing op (and the wait op of late experts), hooks and waits included
     int64_t hook_ns;         // time in the routing and wait hooks
     int64_t upload_bytes;    // bytes copied into slots
     int64_t upload_ns;       // time spent copying (throttle included)
@@ -212,11 +214,13 @@ struct llama_pyspecter_stats {
     int64_t prefetches;       // ... of which scheduled ahead of need (schedule, prefill lookahead)
     int64_t waited;           // misses that waited for a read already in flight
     int64_t overflow;         // misses left to the host because every slot was needed at once
-    int64_t wait_ns;          // time the routing op waited for reads (the stall)
+    int64_t wait_ns;          // time the routing and wait ops waited for reads (the stall)
     int64_t stall_reads_ns;   // integral of reads in flight over the stall (/ wait_ns: mean reads outstanding)
     int64_t read_bytes;       // bytes read by the reader threads
     int64_t read_busy_ns;     // wall time with at least one read in flight (read_bytes / this: the link's speed)
     int64_t lookahead;        // reads the prefill lookahead started (in prefetches too)
+    int64_t late;             // misses computed late (ordered)
+    int64_t late_lost;        // late experts whose read failed twice: that ubatch's output is wrong (an error)
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);

@@ -180,6 +180,8 @@ class Stats(ctypes.Structure):
         ("read_bytes", ctypes.c_int64),  # bytes the reader threads read
         ("read_busy_ns", ctypes.c_int64),  # wall time with at least one read in flight
         ("lookahead", ctypes.c_int64),  # reads the prefill lookahead started (in prefetches too)
+        ("late", ctypes.c_int64),  # misses computed late (ordered)
+        ("late_lost", ctypes.c_int64),  # late experts whose read failed twice: that ubatch's output is wrong
     ]
 
     route_calls: int
@@ -194,6 +196,8 @@ class Stats(ctypes.Structure):
     read_bytes: int
     read_busy_ns: int
     lookahead: int
+    late: int
+    late_lost: int
     hit_rows: int
     miss_rows: int
     route_ns: int
@@ -208,7 +212,7 @@ class Stats(ctypes.Structure):
 
 # enum llama_pyspecter_policy / llama_pyspecter_miss
 NATIVE_POLICIES = {"lru": 0, "lfu": 1, "prev-token": 2, "score": 3}
-NATIVE_MISS = {"cpu": 0, "wait": 1}
+NATIVE_MISS = {"cpu": 0, "wait": 1, "ordered": 2}
 
 
 class ResidencyParams(ctypes.Structure):

@@ -239,7 +239,7 @@ def test_a_miss_does_not_wait_for_uploads_it_cannot_evict() -> None:
     path = build_tiny("tiny-mixtral")
     lay = read_layout(path)
     with native.Model(path) as model:
-        cache = ExpertCache(model, lay, lay.n_expert_used, miss="wait", ordered=True)
+        cache = ExpertCache(model, lay, lay.n_expert_used, miss="wait", ordered=True, native=False)
         il = lay.layers[0].index
         st = cache.layers[il]
         for slot in range(cache.n_slots):
