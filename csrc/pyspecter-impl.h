@@ -48,6 +48,15 @@ struct llama_pyspecter_layer {
     int32_t n_usable = 0;                                  // slots [0, n_usable) are handed out
     uint64_t prev_call = 0, last_call = 0;                 // clock of the layer's previous and latest calls
     int64_t file_off[LLAMA_PYSPECTER_N_KINDS] = { -1, -1, -1, -1 }; // where expert 0 of each kind is in the file
+    // reuse map (SCORE policy from the router input) and what it blends with: the layer's own past calls
+    std::vector<float> reuse_R, reuse_b, blend;  // [n_embd][n_expert], [n_expert], [6] or empty
+    int32_t reuse_embd = 0;
+    const float * x_cur = nullptr;                 // this call's router input row (valid during the call)
+    bool scores_fresh = false;                     // score holds this call's reuse scores
+    std::vector<uint8_t> ring;                     // [16][n_expert]: experts each of the last 16 calls used
+    std::vector<int64_t> last_call_used;           // expert -> call index of its last use (-1: never)
+    int64_t calls = 0;
+    std::vector<int64_t> ghost_lru, ghost_score;   // duel: expert -> last use in each simulated cache (-1: out)
     llama_pyspecter_layer * next = nullptr;                // the next MoE layer in forward order
 };
 
@@ -188,7 +197,8 @@ bool pyspecter_native_enabled(const llama_pyspecter_slots * s);
 std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s); // not owning: not enabled
 // with_late: this graph has the late path (ordered misses may be marked late in L->late)
 void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
-                            bool with_late);
+                            bool with_late, const float * x, int32_t n_embd);
+bool pyspecter_native_wants_input(const llama_pyspecter_slots * s); // some layer scores by a reuse map
 void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept;
 bool pyspecter_native_late(const llama_pyspecter_slots * s); // ordered misses: graphs get the late path
 void pyspecter_native_wait(llama_pyspecter_layer * L);       // the wait op: L's late reads have landed on return

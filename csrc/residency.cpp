@@ -53,6 +53,13 @@ struct pyspecter_residency {
     int32_t prev_tokens = 0;
     std::vector<int32_t> trace;
 
+    // the duel between LRU and the reuse scores (set_duel)
+    bool duel = false, use_scores = true, trust_scores = true;
+    float decay = 0.998f, margin = 0.03f;
+    double recent[2] = { 0.0, 0.0 }; // decayed misses: LRU, scores
+    uint64_t duel_clock = 0;
+    int64_t switches = 0;
+
     std::mutex qmu;
     std::condition_variable cv_work, cv_done;
     std::vector<pyspecter_task> queue;
@@ -304,8 +311,15 @@ static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert
 }
 
 // Eviction order of a resident slot: lower goes first.
+static bool scores_rule(const pyspecter_residency * R, const llama_pyspecter_layer * L) {
+    return R->p.policy == LLAMA_PYSPECTER_POLICY_SCORE && (L->reuse_R.empty() || !R->duel || R->use_scores);
+}
+
 static std::pair<double, uint64_t> rank(const pyspecter_residency * R, const llama_pyspecter_layer * L, int32_t slot) {
     const int32_t e = L->owner[slot];
+    if (R->p.policy == LLAMA_PYSPECTER_POLICY_SCORE && !scores_rule(R, L)) {
+        return { (double) L->last_use[slot], 0 }; // the duel has LRU ahead
+    }
     switch (R->p.policy) {
         case LLAMA_PYSPECTER_POLICY_LFU:        return { (double) L->freq[e], L->last_use[slot] };
         case LLAMA_PYSPECTER_POLICY_PREV_TOKEN: return { L->last_use[slot] >= L->prev_call ? 1.0 : 0.0, L->loaded[slot] };
@@ -314,13 +328,140 @@ static std::pair<double, uint64_t> rank(const pyspecter_residency * R, const lla
     }
 }
 
+// The layer's recency features before this call, as learned.Recency makes them offline (fit and use agree):
+// used by the previous call; share of the last 4 calls; of the last 16; 1 / (1 + calls since last use).
+static void recency_features(const llama_pyspecter_layer * L, int32_t e, float f[4]) {
+    const int64_t t = L->calls, W = 16;
+    const int32_t E = (int32_t) L->remap.size();
+    auto used = [&](int64_t call) { return call >= 0 && L->ring[(size_t) (call % W) * E + e] ? 1.0f : 0.0f; };
+    f[0] = used(t - 1);
+    f[1] = (used(t - 1) + used(t - 2) + used(t - 3) + used(t - 4)) / 4.0f;
+    float all = 0.0f;
+    for (int64_t c = t - W; c < t; ++c) {
+        all += used(c);
+    }
+    f[2] = all / (float) W;
+    f[3] = L->last_call_used[e] >= 0 ? 1.0f / (1.0f + (float) (t - L->last_call_used[e])) : 0.0f;
+}
+
+// This call's reuse scores, computed on first need: most calls evict nothing and need none.
+static void ensure_scores(llama_pyspecter_layer * L) {
+    if (L->scores_fresh || L->reuse_R.empty() || !L->x_cur) {
+        return;
+    }
+    const int32_t E = (int32_t) L->remap.size(), D = L->reuse_embd;
+    float * sc = L->score.data();
+    std::copy(L->reuse_b.begin(), L->reuse_b.end(), sc);
+    const float * x = L->x_cur;
+    for (int32_t i = 0; i < D; ++i) {
+        const float xi = x[i];
+        const float * row = L->reuse_R.data() + (size_t) i * E;
+        for (int32_t e = 0; e < E; ++e) {
+            sc[e] += xi * row[e];
+        }
+    }
+    if (!L->blend.empty()) {
+        const float * w = L->blend.data();
+        for (int32_t e = 0; e < E; ++e) {
+            float f[4];
+            recency_features(L, e, f);
+            sc[e] = w[0] * sc[e] + w[1] * f[0] + w[2] * f[1] + w[3] * f[2] + w[4] * f[3] + w[5];
+        }
+    }
+    L->scores_fresh = true;
+}
+
+static void recency_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed) {
+    const int32_t E = (int32_t) L->remap.size();
+    uint8_t * row = L->ring.data() + (size_t) (L->calls % 16) * E;
+    std::fill(row, row + E, 0);
+    for (int32_t e : needed) {
+        row[e] = 1;
+        L->last_call_used[e] = L->calls;
+    }
+    L->calls++;
+}
+
+// One routing call of a cache simulated in bookkeeping (expert -> last use, -1 out): its misses. Victims: the least
+// recently used, or (scores) the lowest score, LRU among equals; what does not fit stays out.
+static int32_t ghost_step(std::vector<int64_t> & res, const std::vector<int32_t> & needed, const std::vector<uint8_t> & mark,
+                          int32_t capacity, int64_t clock, llama_pyspecter_layer * scored) {
+    int32_t misses = 0, n_res = 0;
+    for (int64_t v : res) {
+        n_res += v >= 0;
+    }
+    for (int32_t e : needed) {
+        if (res[e] >= 0) {
+            continue;
+        }
+        ++misses;
+        if (n_res >= capacity) {
+            if (scored) {
+                ensure_scores(scored);
+            }
+            int32_t victim = -1;
+            for (int32_t v = 0; v < (int32_t) res.size(); ++v) {
+                if (res[v] < 0 || mark[v]) {
+                    continue;
+                }
+                const bool better = victim < 0 || (scored && scored->scores_fresh
+                        ? std::make_pair(scored->score[v], res[v]) < std::make_pair(scored->score[victim], res[victim])
+                        : res[v] < res[victim]);
+                if (better) {
+                    victim = v;
+                }
+            }
+            if (victim < 0) {
+                continue;
+            }
+            res[victim] = -1;
+            --n_res;
+        }
+        res[e] = clock;
+        ++n_res;
+    }
+    for (int32_t e : needed) {
+        if (res[e] >= 0) {
+            res[e] = clock;
+        }
+    }
+    return misses;
+}
+
+static void duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & needed,
+                         bool count) {
+    R->duel_clock++;
+    const int64_t clock = (int64_t) R->duel_clock;
+    const int32_t a = ghost_step(L->ghost_lru, needed, L->mark, L->n_usable, clock, nullptr);
+    const int32_t b = ghost_step(L->ghost_score, needed, L->mark, L->n_usable, clock, L);
+    if (!count) {
+        return;
+    }
+    R->recent[0] = R->recent[0] * R->decay + a;
+    R->recent[1] = R->recent[1] * R->decay + b;
+    const double lru = R->recent[0], learned = R->recent[1], m = R->margin;
+    bool use; // the trusted side keeps a near-tie
+    if (R->trust_scores) {
+        use = R->use_scores ? lru >= (1 - m) * learned : learned <= lru;
+    } else {
+        use = !R->use_scores ? learned < (1 - m) * lru : learned <= lru;
+    }
+    if (use != R->use_scores) {
+        R->use_scores = use;
+        R->switches++;
+    }
+}
+
 // A slot to reuse: a free one, else by policy among slots neither being filled, nor taken, nor holding an expert
 // marked in `keep` (needed now). Experts predicted for the window in flight are spared unless `need`: an expert
 // needed now outranks a prediction. -1: none.
-static int32_t victim(const pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<uint8_t> & keep,
+static int32_t victim(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<uint8_t> & keep,
                       const std::vector<uint8_t> * taken, bool need) {
     int32_t best = -1, spared = -1;
     std::pair<double, uint64_t> best_key;
+    if (scores_rule(R, L)) {
+        ensure_scores(L);
+    }
     for (int32_t s = 0; s < L->n_usable; ++s) {
         if (L->pending[s] || (taken && (*taken)[s])) {
             continue;
@@ -583,9 +724,11 @@ std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s) {
 }
 
 void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
-                            bool with_late) {
+                            bool with_late, const float * x, int32_t n_embd) {
     pyspecter_residency * R = L->parent->res.get(); // R->mu held by the caller (pyspecter_native_lock)
     auto & c = L->parent->counters;
+    L->x_cur = x && n_embd == L->reuse_embd ? x : nullptr;
+    L->scores_fresh = false;
     R->clock++;
     L->prev_call = L->last_call;
     L->last_call = R->clock;
@@ -634,16 +777,34 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     if (n_tokens > 1 && R->p.lookahead && R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
         prefill_lookahead(R, L, (int32_t) needed.size());
     }
-    if (missing.empty()) {
-        return;
+    if (!missing.empty()) {
+        if (R->p.miss == LLAMA_PYSPECTER_MISS_ORDERED && with_late) {
+            miss_ordered(R, L, missing);
+        } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
+            miss_wait(R, L, missing);
+        } else {
+            miss_cpu(R, L, missing);
+        }
     }
-    if (R->p.miss == LLAMA_PYSPECTER_MISS_ORDERED && with_late) {
-        miss_ordered(R, L, missing);
-    } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
-        miss_wait(R, L, missing);
-    } else {
-        miss_cpu(R, L, missing);
+    if (!L->reuse_R.empty()) {
+        if (R->duel) { // with this call's scores, before the call joins the layer's past
+            duel_observe(R, L, needed, n_tokens == 1);
+        }
+        recency_observe(L, needed);
     }
+    L->x_cur = nullptr;
+}
+
+bool pyspecter_native_wants_input(const llama_pyspecter_slots * s) {
+    if (!s || !s->res) {
+        return false;
+    }
+    for (auto * L : s->res->order) {
+        if (!L->reuse_R.empty()) {
+            return true;
+        }
+    }
+    return false;
 }
 
 void llama_pyspecter_slots::residency_deleter::operator()(pyspecter_residency * r) const noexcept {
@@ -822,6 +983,58 @@ int32_t llama_pyspecter_set_scores(llama_model * model, int32_t il, const float 
     std::lock_guard<std::mutex> lk(R->mu);
     std::copy(scores, scores + n, L->score.begin());
     return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_set_reuse_map(llama_model * model, int32_t il, const float * Rm, const float * rb,
+                                      int32_t n_embd, const float * blend) {
+    auto * R = residency_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!R || !L || !Rm || !rb || n_embd <= 0) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    try {
+        std::lock_guard<std::mutex> lk(R->mu);
+        const size_t E = L->remap.size();
+        L->reuse_R.assign(Rm, Rm + (size_t) n_embd * E);
+        L->reuse_b.assign(rb, rb + E);
+        L->blend.assign(blend ? blend : rb, blend ? blend + 6 : rb); // empty without a blend
+        L->reuse_embd = n_embd;
+        L->ring.assign(16 * E, 0);
+        L->last_call_used.assign(E, -1);
+        L->calls = 0;
+        L->ghost_lru.assign(E, -1);
+        L->ghost_score.assign(E, -1);
+        return LLAMA_PYSPECTER_OK;
+    } catch (const std::bad_alloc &) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+}
+
+int32_t llama_pyspecter_set_duel(llama_model * model, bool enabled, bool start_learned, float decay, float margin) {
+    auto * R = residency_of(model);
+    if (!R || decay <= 0.0f || decay > 1.0f || margin < 0.0f || margin >= 1.0f) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    R->duel = enabled;
+    R->use_scores = R->trust_scores = !enabled || start_learned;
+    R->decay = decay;
+    R->margin = margin;
+    R->recent[0] = R->recent[1] = 0.0;
+    R->switches = 0;
+    return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_duel_state(llama_model * model, int64_t * switches) {
+    auto * R = residency_of(model);
+    if (!R) {
+        return LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    if (switches) {
+        *switches = R->switches;
+    }
+    return R->use_scores ? 1 : 0;
 }
 
 int32_t llama_pyspecter_set_protected(llama_model * model, int32_t il, const int32_t * experts, int32_t n) {

@@ -76,7 +76,9 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     // read are one snapshot
     std::unique_lock<std::mutex> native = pyspecter_native_lock(s);
     if (native.owns_lock()) {
-        pyspecter_native_route(L, host_ids, n_tokens, n_used, with_late);
+        const float * x_last = x && x->type == GGML_TYPE_F32 && n_tokens > 0 ?
+                (const float *) x->data + (size_t) (n_tokens - 1) * x->ne[0] : nullptr; // a batch's next token is its last's
+        pyspecter_native_route(L, host_ids, n_tokens, n_used, with_late, x_last, x ? (int32_t) x->ne[0] : 0);
     }
     if (s->route_cb) {
         // with native residency the hook only observes (traces, predictors): the decision is made
@@ -152,8 +154,8 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         return nullptr;
     }
     // the input is read as contiguous f32 rows; any other form is simply not offered to the hook
-    const bool with_input = slots->input_cb && ffn_inp && ffn_inp->type == GGML_TYPE_F32 &&
-            ggml_is_contiguous(ffn_inp);
+    const bool with_input = (slots->input_cb || pyspecter_native_wants_input(slots)) && ffn_inp &&
+            ffn_inp->type == GGML_TYPE_F32 && ggml_is_contiguous(ffn_inp);
     // fixed places: 2 the input (or null), 3 the CPU anchor of device layers (or null)
     ggml_tensor * args[4] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor };
     const int n_args = slots->cpu_anchor ? 4 : with_input ? 3 : 2;

@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from pyspecter import native
 from pyspecter import native as _native_api  # for __init__, whose `native` argument shadows the module
 from pyspecter.budget import check_slots
@@ -68,13 +70,16 @@ class _NativeLayer:
 
 
 def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, held: int = 0,
-                  surrogates: bool = False) -> str:
+                  surrogates: bool = False, reuse: bool = False) -> str:
     """Why the routing op cannot own residency in C for this configuration ('' when it can). What stays in Python:
-    the learned eviction scores read inside a layer ('predicted'), surrogates (approximate, opt-in), a draft's held
-    slots (their ghost LRU) and tiers C does not know (tests' fault-injecting ones)."""
+    eviction by the Python prefetch plan's table ('predicted' without reuse maps: C applies the maps themselves),
+    surrogates (approximate, opt-in), a draft's held slots (their ghost LRU) and tiers C does not know (tests'
+    fault-injecting ones)."""
     if not hook:
         return "no routing hook (static residency)"
-    if policy not in native.NATIVE_POLICIES:
+    if policy == "predicted" and not reuse:
+        return "policy 'predicted' without reuse maps reads the Python prefetch plan"
+    if policy not in native.NATIVE_POLICIES and policy != "predicted":
         return f"policy {policy!r} is decided in Python"
     if miss not in ("cpu", "wait"):
         return f"miss mode {miss!r} is Python's"
@@ -93,7 +98,8 @@ class ExpertCache:
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
                  surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0,
-                 on_input=None, extra: Mapping[int, int] | None = None, native: bool | None = None) -> None:
+                 on_input=None, extra: Mapping[int, int] | None = None, native: bool | None = None,
+                 reuse=None, duel: bool = True) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
         lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
@@ -103,7 +109,9 @@ class ExpertCache:
         set, hears ``on_route(il, needed, n_tokens)`` after each routing call; extra: layer -> regular slots that
         layer uses beyond ``n_slots`` (a budget spread by layer: ``budget.allocate_slots``/``split_counts``);
         native=None: the routing op decides in C wherever this configuration allows it (``native_reason``),
-        False: always the Python hook (tests of that path), True: refuse a configuration C cannot run."""
+        False: always the Python hook (tests of that path), True: refuse a configuration C cannot run; reuse: a
+        ``LearnedPredictor`` whose reuse maps C applies to each layer's router input for policy 'predicted'
+        (``duel``: only while they miss less than LRU, ``policies.EvictionDuel``'s rule)."""
         layout.require_moe()
         pol = make_policy(policy)
         if miss not in MISS_MODES:
@@ -128,7 +136,8 @@ class ExpertCache:
         if rc != 0:
             raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
         self.tier = tier or RamTier()
-        why_not = native_reason(policy, miss, self.tier, hook=hook, held=held, surrogates=surrogates is not None)
+        why_not = native_reason(policy, miss, self.tier, hook=hook, held=held, surrogates=surrogates is not None,
+                                reuse=reuse is not None and reuse.has_reuse)
         if native and why_not:
             raise SpecterError(f"native residency cannot run this configuration: {why_not}")
         self.native = native is not False and not why_not
@@ -149,7 +158,7 @@ class ExpertCache:
         self._native_trace: list[tuple[int, tuple[int, ...]]] | None = None
         self._native_base = _native_api.Stats()  # native counters from before the last reset_counters
         if self.native:
-            self._init_native(record)
+            self._init_native(record, reuse if policy == "predicted" else None, duel)
             if on_input is not None:
                 self.hooks = Hooks(model, None, on_input=on_input)
         elif hook:
@@ -160,10 +169,11 @@ class ExpertCache:
         self._closed = False
         self._prev_tokens = 0  # ubatch size of the latest routing call
 
-    def _init_native(self, record: bool) -> None:
+    def _init_native(self, record: bool, reuse, duel: bool) -> None:
         """Hand the slot table to the routing op (C). The Python table stays empty: nothing mirrors it."""
         miss = native.NATIVE_MISS["ordered" if self.ordered else self.miss]
-        p = native.ResidencyParams(policy=native.NATIVE_POLICIES[self.policy], miss=miss,
+        policy = native.NATIVE_POLICIES["score" if self.policy == "predicted" else self.policy]
+        p = native.ResidencyParams(policy=policy, miss=miss,
                                    n_readers=1, fd=-1, drop_cache=False, lookahead=self.lookahead, record=record)
         if isinstance(self.tier, DiskTier):
             # as many readers as the Python path's demand and prefetch pools together: misses of one layer and
@@ -178,8 +188,37 @@ class ExpertCache:
                 for kind, t in L.tensors.items():
                     if self.api.set_file_offset(self.model.ptr, L.index, native.KIND_NAMES[kind], t.offset) != 0:
                         raise SpecterError(f"layer {L.index}: could not set where {t.name} is in the file")
+        if reuse is not None:
+            self._set_reuse_maps(reuse, duel)
         if record:
             self._native_trace = []
+
+    def _set_reuse_maps(self, predictor, duel: bool) -> None:
+        """The learned reuse maps (and their recency blend), applied by C to each layer's router input."""
+        for L in self.layout.layers:
+            j = predictor.pos.get(L.index)
+            if j is None or predictor.R[j] is None:
+                continue
+            # contiguous float32 copies for C, which copies them in turn
+            arrs = [np.ascontiguousarray(predictor.R[j], np.float32), np.ascontiguousarray(predictor.rb[j], np.float32)]
+            if predictor.blend is not None:
+                arrs.append(np.ascontiguousarray(predictor.blend[j], np.float32))
+            rc = self.api.set_reuse_map(self.model.ptr, L.index, arrs[0].ctypes.data, arrs[1].ctypes.data,
+                                        arrs[0].shape[0], arrs[2].ctypes.data if len(arrs) > 2 else None)
+            if rc != 0:
+                raise SpecterError(f"layer {L.index}: the reuse map does not fit the model ({native.status_name(rc)})")
+        # a blended predictor was weighed against recency when it was fitted: the duel starts on its scores
+        rc = self.api.set_duel(self.model.ptr, duel, predictor.blend is not None, 0.998, 0.03)
+        if rc != 0:
+            raise SpecterError(f"could not set the eviction duel ({native.status_name(rc)})")
+
+    def duel_state(self) -> tuple[bool, int] | None:
+        """(evicting by the reuse scores now, switches so far) under native reuse maps; None otherwise."""
+        if not self.native:
+            return None
+        sw = ctypes.c_int64()
+        st = self.api.duel_state(self.model.ptr, ctypes.byref(sw))
+        return (st == 1, sw.value) if st >= 0 else None
 
     @property
     def trace(self) -> list[tuple[int, tuple[int, ...]]] | None:

@@ -183,6 +183,21 @@ LLAMA_API int32_t llama_pyspecter_set_file_offset(struct llama_model * model, in
 LLAMA_API int32_t llama_pyspecter_set_usable(struct llama_model * model, int32_t il, int32_t n);
 // SCORE policy: layer il's eviction scores, one per expert (higher: keep); copied
 LLAMA_API int32_t llama_pyspecter_set_scores(struct llama_model * model, int32_t il, const float * scores, int32_t n);
+// SCORE policy from a reuse map, computed in the routing op from the layer's router input x (its last row) when an
+// eviction first needs them: s = x R + rb (R: [n_embd][n_expert] row-major f32, rb: [n_expert]); with blend (6
+// floats) the score is blend . (s, used by the previous call, share of the last 4 calls, of the last 16,
+// 1 / (1 + calls since last use), 1), the features counted natively over the layer's calls. Copied. Set before
+// creating a context (the graph then hands the op the router input).
+LLAMA_API int32_t llama_pyspecter_set_reuse_map(struct llama_model * model, int32_t il, const float * R,
+                                                const float * rb, int32_t n_embd, const float * blend);
+// Set dueling between LRU and the reuse scores: every layer with a map is also simulated in bookkeeping under both,
+// and the real cache evicts by whichever missed less lately (one-token calls, counts decayed by `decay` per call,
+// a `margin` before the trusted side gives way). start_learned: trust the scores first.
+LLAMA_API int32_t llama_pyspecter_set_duel(struct llama_model * model, bool enabled, bool start_learned, float decay,
+                                           float margin);
+// 1 while the duel evicts by the scores, 0 by LRU, with the switches so far in *switches (may be null)
+LLAMA_API int32_t llama_pyspecter_duel_state(struct llama_model * model, int64_t * switches);
+
 // experts of layer il predicted for the window in flight: eviction spares them unless a needed expert wants the
 // slot. n = 0 clears layer il; il = -1 clears every layer.
 LLAMA_API int32_t llama_pyspecter_set_protected(struct llama_model * model, int32_t il, const int32_t * experts,

@@ -443,6 +443,28 @@ def llama_pyspecter_set_scores(model: ModelPtr, il: int, scores: Any, n: int, /)
     ...
 
 
+@ctypes_function("llama_pyspecter_set_reuse_map", [_model, _i32, ctypes.c_void_p, ctypes.c_void_p, _i32,
+                                                   ctypes.c_void_p], _i32)
+def llama_pyspecter_set_reuse_map(model: ModelPtr, il: int, R: int, rb: int, n_embd: int, blend: int | None, /) -> int:
+    """SCORE policy from layer il's reuse map (R [n_embd][n_expert], rb [n_expert], blend [6] or None), applied to
+    the router input in the routing op. Addresses of float32 arrays; copied. Before creating a context."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_duel", [_model, ctypes.c_bool, ctypes.c_bool, ctypes.c_float, ctypes.c_float],
+                 _i32)
+def llama_pyspecter_set_duel(model: ModelPtr, enabled: bool, start_learned: bool, decay: float, margin: float,
+                             /) -> int:
+    """Set dueling between LRU and the reuse scores (policies.EvictionDuel's rule, in C)."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_duel_state", [_model, ctypes.POINTER(_i64)], _i32)
+def llama_pyspecter_duel_state(model: ModelPtr, switches: Any, /) -> int:
+    """1 while the duel evicts by the scores, 0 by LRU; switches so far into *switches."""
+    ...
+
+
 @ctypes_function("llama_pyspecter_set_protected", [_model, _i32, ctypes.POINTER(_i32), _i32], _i32)
 def llama_pyspecter_set_protected(model: ModelPtr, il: int, experts: Any, n: int, /) -> int:
     """Experts eviction spares (predicted for the window in flight); n = 0 clears layer il, il = -1 every layer."""
