@@ -17,7 +17,7 @@ import numpy as np
 
 from pyspecter import native
 from pyspecter.budget import MemoryPlan
-from pyspecter.cache import ExpertCache
+from pyspecter.cache import ExpertCache, native_reason
 from pyspecter.engine import SpeculativeDecoder, generate_step
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
@@ -43,6 +43,8 @@ class SessionConfig:
     force: bool = False  # run a budget the memory available cannot hold (refused by default, with the numbers)
     miss: str | None = None  # None: "wait" on the disk tier (the host copy is on disk too), else "cpu"
     policy: str = "lru"
+    # residency decided in C inside each layer (None: wherever the configuration allows it; False: the Python hook)
+    native: bool | None = None
     k: int = 4
     adaptive: bool = True
     temperature: float = 0.0
@@ -166,13 +168,18 @@ class Session:
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
         # the disk tier, level at 50%; exact either way)
         learned = self.predictor is not None and self.n_slots < self.layout.n_expert
+        # In C where it can: the reuse maps and their duel with LRU run inside the routing op. The layer-ahead
+        # prefetch plan exists only on the Python path, which a configuration C cannot run still takes.
+        in_c = learned and cfg.native is not False and self.predictor.has_reuse and not native_reason(
+            "predicted", self.miss, self.tier, held=self.held, surrogates=self.surrogates is not None, reuse=True)
+        python_plan = learned and not in_c
         box: list[LayerAhead] = []
         self.cache = ExpertCache(self.target, self.layout, self.plan.slots,
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
-                                 extra=self.plan.extra,
-                                 on_input=(lambda il, x: box[0].on_input(il, x)) if learned else None)
-        if learned:
+                                 extra=self.plan.extra, native=cfg.native, reuse=self.predictor if in_c else None,
+                                 on_input=(lambda il, x: box[0].on_input(il, x)) if python_plan else None)
+        if python_plan:
             # the learned predictor and recency feed one prefetch plan; its governor keeps it only if it pays
             self.prefetch_plan = PrefetchPlan(self.cache)
             box.append(LayerAhead(self.prefetch_plan, self.predictor))
@@ -292,6 +299,10 @@ class Session:
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
                "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20,
                "surrogate_uses": c["surrogate_uses"], "failed_uploads": c["failed_uploads"]}
+        duel_c = self.cache.duel_state() if self.predictor is not None else None
+        if duel_c is not None:  # the duel runs in C: which eviction it chose now
+            out.update(evict="learned" if duel_c[0] else "lru", evict_switches=duel_c[1],
+                       predictor_mib=self.predictor.nbytes / 2**20, native=True)
         if self.ahead is not None:
             pp, g = self.prefetch_plan, self.plan_governor
             out.update(plan_prefetches=pp.issued, plan_skipped_late=pp.skipped_late,

@@ -95,7 +95,7 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         return cache
     if policy in ("learned", "learned-evict"):
         # on-demand waits as in on-demand-lru-ordered, with eviction by the learned reuse maps; "learned" adds
-        # the prefetch plan fed by the learned layer-ahead predictor and recency, always issuing
+        # the prefetch plan fed by the learned layer-ahead predictor and recency, always issuing (Python)
         from pyspecter.learned import LearnedPredictor
         from pyspecter.plan import LayerAhead, PrefetchPlan
 
@@ -104,6 +104,9 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
             mp = MemoryPlan.for_budget(layout, str(budget_bytes), predictor_bytes=predictor.nbytes, spread=True,
                                        curves=predictor.miss_curves)
             slots, extra = mp.slots, mp.extra
+        if policy == "learned-evict":  # the scores alone, applied in C (no duel: what they alone do)
+            return ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier),
+                               record=True, ordered=True, extra=extra, reuse=predictor, duel=False)
         box: list[LayerAhead] = []
         cache = ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier), record=True,
                             ordered=True, on_input=lambda il, x: box[0].on_input(il, x), extra=extra)

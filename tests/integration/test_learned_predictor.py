@@ -99,3 +99,61 @@ def test_analyze_scores_the_learned_predictor_from_a_trace(fitted, tmp_path: Pat
     assert len(detail["per_layer"]["1"]["exact"]) == 4 and detail["per_layer"]["1"]["exact"][0] is None
     assert "learned predictor" in format_analysis(res)
     assert not analyze(tmp_path / "t.npz", predictor=False)["learned"]["available"]
+
+
+def _decode_with_reuse(fitted, in_c: bool, *, tier: str = "ram", ordered: bool = False, duel: bool = False):
+    from pyspecter.cache import ExpertCache
+    from pyspecter.plan import LayerAhead, PrefetchPlan
+    from pyspecter.tiers import make_tier
+
+    pred, path = fitted["pred"], fitted["model"]
+    lay = read_layout(path)
+    text = "The reuse maps read each layer's router input and say which experts come back soon."
+    with native.Model(path) as m:
+        common = dict(policy="predicted", miss="wait", lookahead=False, tier=make_tier(tier), ordered=ordered)
+        if in_c:
+            cache = ExpertCache(m, lay, lay.n_expert_used + 2, reuse=pred, duel=duel, native=True, **common)
+            assert cache.hooks is None  # nothing of Python inside a layer
+        else:
+            box: list[LayerAhead] = []
+            cache = ExpertCache(m, lay, lay.n_expert_used + 2, native=False,
+                                on_input=lambda il, x: box[0].on_input(il, x), **common)
+            plan = PrefetchPlan(cache)
+            plan.enabled = False  # eviction by the scores only, as C does
+            box.append(LayerAhead(plan, pred, duel=duel))
+            cache.route_observer = box[0]
+        with native.Context(m, n_threads=1) as ctx:
+            logits = [ctx.decode(m.tokenize(text), logits_all=True)[-1]]
+            for _ in range(12):
+                logits.append(ctx.decode([int(logits[-1].argmax())]))
+                cache.check()
+        c = cache.counters()
+        where = {il: st.where for il, st in cache.layers.items()}
+        state = cache.duel_state()
+        cache.close()
+    return c, where, np.array(logits), state
+
+
+def test_reuse_maps_in_c_evict_as_python_does(fitted) -> None:
+    """C applies the reuse maps and their recency blend to each layer's router input: with misses waited for on
+    the RAM tier and no lookahead, the same misses and the same slot tables as the Python hook evicting by the
+    same scores."""
+    assert fitted["pred"].has_reuse
+    c_nat, w_nat, l_nat, _ = _decode_with_reuse(fitted, True)
+    c_py, w_py, l_py, _ = _decode_with_reuse(fitted, False)
+    for key in ("needed", "resident_at_need", "uploads", "hit_rows", "miss_rows"):
+        assert c_nat[key] == c_py[key], key
+    assert w_nat == w_py
+    assert np.array_equal(l_nat, l_py)
+
+
+def test_reuse_maps_in_c_are_exact_with_the_duel_on_disk(fitted) -> None:
+    path = fitted["model"]
+    with native.Model(path) as m, native.Context(m, n_threads=1) as ctx:
+        text = "The reuse maps read each layer's router input and say which experts come back soon."
+        ref = [ctx.decode(m.tokenize(text), logits_all=True)[-1]]
+        for _ in range(12):
+            ref.append(ctx.decode([int(ref[-1].argmax())]))
+    c, _, got, state = _decode_with_reuse(fitted, True, tier="disk", ordered=True, duel=True)
+    assert np.abs(np.array(ref) - got).max() == 0.0
+    assert state is not None and c["late"] > 0 and c["route_us_per_layer"] > 0
