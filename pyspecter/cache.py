@@ -157,6 +157,8 @@ class ExpertCache:
         self._observer = None
         self._native_trace: list[tuple[int, tuple[int, ...]]] | None = None
         self._native_base = _native_api.Stats()  # native counters from before the last reset_counters
+        self._pre_native: dict[str, int] = {}  # counts of the Python hook before a running cache went native
+        self._pre_totals = Totals()
         if self.native:
             self._init_native(record, reuse if policy == "predicted" else None, duel)
             if on_input is not None:
@@ -190,8 +192,8 @@ class ExpertCache:
                         raise SpecterError(f"layer {L.index}: could not set where {t.name} is in the file")
         if reuse is not None:
             self._set_reuse_maps(reuse, duel)
-        if record:
-            self._native_trace = []
+        if record:  # the same list: a cache that went native mid-run keeps what the Python hook recorded
+            self._native_trace = self._trace if self._trace is not None else []
 
     def _set_reuse_maps(self, predictor, duel: bool) -> None:
         """The learned reuse maps (and their recency blend), applied by C to each layer's router input."""
@@ -245,9 +247,9 @@ class ExpertCache:
         """Since the cache was made: misses, ghost misses, time deciding (C's counters under native residency)."""
         if not self.native:
             return self._totals
-        c, b = self.api.stats(self.model.ptr), self._native_base
-        return Totals(misses=(c.needed + b.needed) - (c.resident_at_need + b.resident_at_need),
-                      hook_ns=c.route_ns + b.route_ns)
+        c, b, p = self.api.stats(self.model.ptr), self._native_base, self._pre_totals
+        return Totals(misses=p.misses + (c.needed + b.needed) - (c.resident_at_need + b.resident_at_need),
+                      ghost_misses=p.ghost_misses, hook_ns=p.hook_ns + c.route_ns + b.route_ns)
 
     @property
     def route_observer(self):
@@ -427,8 +429,29 @@ class ExpertCache:
         return issued
 
     def release_held(self) -> None:
-        """The memory held back (a draft's) is free now: every allocated slot may be used from here on."""
+        """The memory held back (a draft's) is free now: every allocated slot may be used from here on. The held
+        slots were what kept residency in Python (their ghost LRU): it moves to C now where it can."""
         self.residency.release_held()
+        self._go_native()
+
+    def _go_native(self) -> bool:
+        """Hand a running cache's residency to C (between decodes). The C remap already holds Python's table (every
+        change was mirrored); uploads in flight land first. The graphs built so far keep their shape: a late path
+        or a router input they were built with serve C the same way."""
+        if self.native or self.hooks is None or native_reason(self.policy, self.miss, self.tier,
+                                                              surrogates=self.surrogates is not None):
+            return False
+        self.residency.drain()
+        c = self.counters()
+        # what the Python hook counted so far, carried into C's counts (C's own row and byte counters ran all along)
+        self._pre_native = {k: c[k] for k in ("needed", "resident_at_need", "uploads", "prefetches", "waited",
+                                              "overflow_rows", "late", "lookahead")}
+        self._pre_totals = self._totals
+        self.hooks.close()
+        self.hooks = None
+        self.native = True
+        self._init_native(self._trace is not None, None, True)
+        return True
 
     def check(self) -> None:
         """Re-raise an error a hook parked (call after each decode); report failed uploads once, in one line."""
@@ -496,7 +519,15 @@ class ExpertCache:
         }
 
     def _native_counters(self) -> dict:
-        """counters() of native residency: the C counters, in the same names."""
+        """counters() of native residency: the C counters, in the same names (plus what the Python hook counted
+        before a cache went native, since the last reset)."""
+        out = self._native_counts()
+        for k, v in self._pre_native.items():
+            out[k] += v
+        out["hit_rate"] = out["resident_at_need"] / out["needed"] if out["needed"] else 0.0
+        return out
+
+    def _native_counts(self) -> dict:
         c = self.api.stats(self.model.ptr)
         rows = c.hit_rows + c.miss_rows
         calls = c.route_calls
@@ -536,6 +567,7 @@ class ExpertCache:
 
     def reset_counters(self) -> None:
         self.stats = CacheStats()
+        self._pre_native = {}
         if self.native:  # totals and failures count from the cache's start: keep what the reset takes away
             c = self.api.stats(self.model.ptr)
             for name, _ in native.Stats._fields_:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from pyspecter import native
@@ -130,3 +131,36 @@ def test_what_stays_in_python_is_named() -> None:
     lay = read_layout(path)
     with native.Model(path) as m, pytest.raises(Exception, match="native residency cannot run"):
         ExpertCache(m, lay, lay.n_expert, policy="predicted", native=True)
+
+
+@pytest.mark.parametrize(("tier", "ordered"), [("ram", False), ("disk", True)])
+def test_a_running_cache_goes_native_when_held_slots_are_released(tier: str, ordered: bool) -> None:
+    """A draft's held slots keep residency in Python (their ghost LRU); once the draft is dropped the cache hands
+    its table to C between decodes, and decoding stays exact and keeps its trace and counts."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    k = lay.n_expert_used
+
+    def run(cache_args: dict | None) -> tuple[np.ndarray, dict, list]:
+        with native.Model(path) as m:
+            cache = ExpertCache(m, lay, k + 2, **cache_args) if cache_args else None
+            with native.Context(m, n_threads=2) as ctx:
+                out = [ctx.decode(m.tokenize(PROMPT), logits_all=True)[-1]]
+                for i in range(12):
+                    if cache is not None and i == 4:
+                        assert not cache.native
+                        cache.release_held()
+                        assert cache.native and cache.hooks is None
+                    out.append(ctx.decode([int(out[-1].argmax())]))
+                    if cache is not None:
+                        cache.check()
+            c, trace = (cache.counters(), list(cache.trace)) if cache else ({}, [])
+            if cache is not None:
+                cache.close()
+        return np.array(out), c, trace
+
+    ref, _, _ = run(None)
+    got, c, trace = run(dict(miss="wait", ordered=ordered, tier=make_tier(tier), held=2, record=True))
+    assert np.abs(ref - got).max() <= TOL
+    assert c["native"] and c["needed"] >= c["resident_at_need"] > 0
+    assert len(trace) == c["route_calls"]  # the Python hook's calls and C's, one list
