@@ -782,9 +782,11 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
             miss_ordered(R, L, missing);
         } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
             miss_wait(R, L, missing);
-        } else {
+        } else if (n_tokens == 1) {
             miss_cpu(R, L, missing);
         }
+        // (cpu, a prompt's ubatch: its misses are most experts, and the host computes them all anyway; reading them
+        // into slots beside that compute would take the cores it runs on, and the first token waits for both)
     }
     if (!L->reuse_R.empty()) {
         if (R->duel) { // with this call's scores, before the call joins the layer's past
