@@ -1,30 +1,34 @@
-"""Expert slots for one model: the routing hook that ties residency, the miss handler and the tier together.
+"""Expert slots for one model: who decides residency inside a layer, and the one face the engine talks to.
 
-The C side owns the slot tensors and calls ``ExpertCache._on_route`` once per MoE layer per ubatch, before that
-layer's expert matmuls. Here we count what the layer needed, let prediction-driven uploads land, and hand the
-misses to the miss handler (``misses.py``). Any expert still not resident when the hook returns is computed
-exactly on the host, so no decision made here can change the model's output, only its speed.
+Wherever the configuration allows it (``native_residency.native_reason``) the routing op decides in C and this
+class only configures it and reads it between decodes (``NativeResidency``). Otherwise the C side calls
+``ExpertCache._on_route`` once per MoE layer per ubatch, before that layer's expert matmuls: it counts what the
+layer needed, lets prediction-driven uploads land, and hands the misses to the miss handler (``misses.py``).
+Either way an expert still not resident when the decision is made is computed exactly on the host, so no decision
+can change the model's output, only its speed.
+
+Why this module is long: one class serves both paths behind the same methods (prefetch, protect, warm, drain,
+counters, a running cache handing itself to C when a draft's slots are released), so that the engine, the
+session and the bench never ask which one runs.
 """
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from pyspecter import native
-from pyspecter import native as _native_api  # for __init__, whose `native` argument shadows the module
+from pyspecter import native as _native  # for __init__, whose `native` argument shadows the module
 from pyspecter.budget import check_slots
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
 from pyspecter.misses import MISS_MODES, make_miss_handler
 from pyspecter.native.hooks import Hooks
+from pyspecter.native_residency import NativeResidency, native_reason
 from pyspecter.policies import POLICIES, make_policy
 from pyspecter.residency import Residency
-from pyspecter.tiers import DiskTier, EmulatedTier, RamTier, Tier
+from pyspecter.tiers import DiskTier, RamTier, Tier
 
 __all__ = ["MISS_MODES", "POLICIES", "CacheStats", "ExpertCache", "Totals", "native_reason"]
 
@@ -51,45 +55,6 @@ class CacheStats:
     waited: int = 0  # misses that waited for an upload already in flight
     needed: int = 0  # distinct experts asked for, summed over (layer, ubatch)
     resident_at_need: int = 0  # ... of which already resident when the layer asked: the cache's hit rate
-
-
-class _NativeLayer:
-    """One layer's residency as C holds it, read on each access (never on the hot path)."""
-
-    def __init__(self, api, model, il: int, n_expert: int, n_slots: int, n_usable: int) -> None:
-        self.api, self.model, self.il, self.n_expert, self.n_slots = api, model, il, n_expert, n_slots
-        self.n_usable = n_usable
-
-    @property
-    def where(self) -> list[int]:
-        return [self.api.slot_of(self.model.ptr, self.il, e) for e in range(self.n_expert)]
-
-    @property
-    def owner(self) -> list[int]:
-        return [self.api.expert_in(self.model.ptr, self.il, s) for s in range(self.n_slots)]
-
-
-def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, held: int = 0,
-                  surrogates: bool = False, reuse: bool = False) -> str:
-    """Why the routing op cannot own residency in C for this configuration ('' when it can). What stays in Python:
-    eviction by the Python prefetch plan's table ('predicted' without reuse maps: C applies the maps themselves),
-    surrogates (approximate, opt-in), a draft's held slots (their ghost LRU) and tiers C does not know (tests'
-    fault-injecting ones)."""
-    if not hook:
-        return "no routing hook (static residency)"
-    if policy == "predicted" and not reuse:
-        return "policy 'predicted' without reuse maps reads the Python prefetch plan"
-    if policy not in native.NATIVE_POLICIES and policy != "predicted":
-        return f"policy {policy!r} is decided in Python"
-    if miss not in ("cpu", "wait"):
-        return f"miss mode {miss!r} is Python's"
-    if surrogates:
-        return "surrogates are expanded from Python"
-    if held:
-        return "held slots (a draft's memory) keep a Python ghost LRU"
-    if type(tier) not in (RamTier, EmulatedTier, DiskTier):
-        return f"tier {type(tier).__name__} has no native reader"
-    return ""
 
 
 class ExpertCache:
@@ -128,7 +93,7 @@ class ExpertCache:
         self.surrogates = surrogates
         self.model, self.layout, self.n_slots = model, layout, n_slots
         self.policy, self.miss = policy, miss
-        self.api = _native_api.slots()
+        self.api = _native.slots()
         # the C side allocates one count in every layer: the largest. On the CPU a slot never written takes no
         # memory, and a layer never writes past its own count, so the spread costs only what it uses
         self.n_alloc = n_slots + max(self.extra.values(), default=0)
@@ -140,7 +105,7 @@ class ExpertCache:
                                 reuse=reuse is not None and reuse.has_reuse)
         if native and why_not:
             raise SpecterError(f"native residency cannot run this configuration: {why_not}")
-        self.native = native is not False and not why_not
+        use_c = native is not False and not why_not
         # slots eviction may use now: the regular ones less those held back for later
         self.residency = Residency(model, layout, self.n_alloc, self.n_regular - held, pol,
                                    ghost_capacity=self.n_regular if held else None, held=held, extra=self.extra)
@@ -155,12 +120,13 @@ class ExpertCache:
         self._next_layer = {a.index: b.index for a, b in zip(layout.layers, layout.layers[1:], strict=False)}
         self.hooks = None
         self._observer = None
-        self._native_trace: list[tuple[int, tuple[int, ...]]] | None = None
-        self._native_base = _native_api.Stats()  # native counters from before the last reset_counters
+        self.nat: NativeResidency | None = None
         self._pre_native: dict[str, int] = {}  # counts of the Python hook before a running cache went native
         self._pre_totals = Totals()
-        if self.native:
-            self._init_native(record, reuse if policy == "predicted" else None, duel)
+        if use_c:
+            self.nat = NativeResidency(model, layout, self.tier, self._usable(), policy=policy, miss=miss,
+                                       ordered=ordered, lookahead=self.lookahead, trace=self._trace, reuse=reuse,
+                                       duel=duel)
             if on_input is not None:
                 self.hooks = Hooks(model, None, on_input=on_input)
         elif hook:
@@ -171,72 +137,22 @@ class ExpertCache:
         self._closed = False
         self._prev_tokens = 0  # ubatch size of the latest routing call
 
-    def _init_native(self, record: bool, reuse, duel: bool) -> None:
-        """Hand the slot table to the routing op (C). The Python table stays empty: nothing mirrors it."""
-        miss = native.NATIVE_MISS["ordered" if self.ordered else self.miss]
-        policy = native.NATIVE_POLICIES["score" if self.policy == "predicted" else self.policy]
-        p = native.ResidencyParams(policy=policy, miss=miss,
-                                   n_readers=1, fd=-1, drop_cache=False, lookahead=self.lookahead, record=record)
-        if isinstance(self.tier, DiskTier):
-            # as many readers as the Python path's demand and prefetch pools together: misses of one layer and
-            # the kinds of one expert are read side by side, so the disk's queue stays several deep
-            p.fd, p.drop_cache, p.n_readers = self.tier.fd, not self.tier.direct, 2 * self.tier.queue_depth
-        rc = self.api.residency_init(self.model.ptr, ctypes.byref(p))
-        if rc != 0:
-            raise SpecterError(f"could not enable native residency ({native.status_name(rc)})")
-        for L in self.layout.layers:
-            self.api.set_usable(self.model.ptr, L.index, self.residency.usable(L.index))
-            if isinstance(self.tier, DiskTier):
-                for kind, t in L.tensors.items():
-                    if self.api.set_file_offset(self.model.ptr, L.index, native.KIND_NAMES[kind], t.offset) != 0:
-                        raise SpecterError(f"layer {L.index}: could not set where {t.name} is in the file")
-        if reuse is not None:
-            self._set_reuse_maps(reuse, duel)
-        if record:  # the same list: a cache that went native mid-run keeps what the Python hook recorded
-            self._native_trace = self._trace if self._trace is not None else []
+    @property
+    def native(self) -> bool:
+        """Residency is decided in C (``native_residency``); False: by the Python hook."""
+        return self.nat is not None
 
-    def _set_reuse_maps(self, predictor, duel: bool) -> None:
-        """The learned reuse maps (and their recency blend), applied by C to each layer's router input."""
-        for L in self.layout.layers:
-            j = predictor.pos.get(L.index)
-            if j is None or predictor.R[j] is None:
-                continue
-            # contiguous float32 copies for C, which copies them in turn
-            arrs = [np.ascontiguousarray(predictor.R[j], np.float32), np.ascontiguousarray(predictor.rb[j], np.float32)]
-            if predictor.blend is not None:
-                arrs.append(np.ascontiguousarray(predictor.blend[j], np.float32))
-            rc = self.api.set_reuse_map(self.model.ptr, L.index, arrs[0].ctypes.data, arrs[1].ctypes.data,
-                                        arrs[0].shape[0], arrs[2].ctypes.data if len(arrs) > 2 else None)
-            if rc != 0:
-                raise SpecterError(f"layer {L.index}: the reuse map does not fit the model ({native.status_name(rc)})")
-        # a blended predictor was weighed against recency when it was fitted: the duel starts on its scores
-        rc = self.api.set_duel(self.model.ptr, duel, predictor.blend is not None, 0.998, 0.03)
-        if rc != 0:
-            raise SpecterError(f"could not set the eviction duel ({native.status_name(rc)})")
+    def _usable(self) -> dict[int, int]:
+        return {il: self.residency.usable(il) for il in self.residency.layers}
 
     def duel_state(self) -> tuple[bool, int] | None:
         """(evicting by the reuse scores now, switches so far) under native reuse maps; None otherwise."""
-        if not self.native:
-            return None
-        sw = ctypes.c_int64()
-        st = self.api.duel_state(self.model.ptr, ctypes.byref(sw))
-        return (st == 1, sw.value) if st >= 0 else None
+        return self.nat.duel_state() if self.nat is not None else None
 
     @property
     def trace(self) -> list[tuple[int, tuple[int, ...]]] | None:
         """The routing trace [(layer, needed experts)] when recording (None otherwise)."""
-        if self._native_trace is not None:
-            n = self.api.trace_take(self.model.ptr, None, 0)
-            if n:
-                buf = (ctypes.c_int32 * n)()
-                got = self.api.trace_take(self.model.ptr, buf, n)
-                flat, i = list(buf[:got]), 0
-                while i < got:
-                    k = flat[i + 1]
-                    self._native_trace.append((flat[i], tuple(flat[i + 2: i + 2 + k])))
-                    i += 2 + k
-            return self._native_trace
-        return self._trace
+        return self.nat.trace() if self.nat is not None else self._trace
 
     @trace.setter
     def trace(self, value) -> None:
@@ -245,11 +161,11 @@ class ExpertCache:
     @property
     def totals(self) -> Totals:
         """Since the cache was made: misses, ghost misses, time deciding (C's counters under native residency)."""
-        if not self.native:
+        if self.nat is None:
             return self._totals
-        c, b, p = self.api.stats(self.model.ptr), self._native_base, self._pre_totals
-        return Totals(misses=p.misses + (c.needed + b.needed) - (c.resident_at_need + b.resident_at_need),
-                      ghost_misses=p.ghost_misses, hook_ns=p.hook_ns + c.route_ns + b.route_ns)
+        n, p = self.nat.since_start, self._pre_totals
+        return Totals(misses=p.misses + n("needed") - n("resident_at_need"), ghost_misses=p.ghost_misses,
+                      hook_ns=p.hook_ns + n("route_ns"))
 
     @property
     def route_observer(self):
@@ -289,9 +205,8 @@ class ExpertCache:
     @property
     def layers(self):
         """Layer -> its slot table (under native residency a read-only view of C's: for tests and stats)."""
-        if self.native:
-            return {il: _NativeLayer(self.api, self.model, il, self.layout.n_expert, self.n_alloc, st.n_usable)
-                    for il, st in self.residency.layers.items()}
+        if self.nat is not None:
+            return self.nat.layers()
         return self.residency.layers
 
     @property
@@ -385,17 +300,16 @@ class ExpertCache:
 
     def protect(self, il: int, experts) -> None:
         """Experts predicted for the window in flight: eviction skips them until unprotect_all()."""
-        if self.native:
-            ids = list(experts)
-            self.api.set_protected(self.model.ptr, il, (ctypes.c_int32 * len(ids))(*ids), len(ids))
+        if self.nat is not None:
+            self.nat.protect(il, experts)
             return
         st = self.layers.get(il)
         if st is not None:
             st.protected.update(experts)
 
     def unprotect_all(self) -> None:
-        if self.native:
-            self.api.set_protected(self.model.ptr, -1, None, 0)
+        if self.nat is not None:
+            self.nat.unprotect_all()
             return
         for st in self.layers.values():
             st.protected.clear()
@@ -403,8 +317,8 @@ class ExpertCache:
     def prefetch(self, il: int, experts) -> int:
         """Start async uploads of predicted experts that are neither resident nor on their way. Victims are never
         protected or pending. Returns how many uploads were issued."""
-        if self.native:
-            return sum(self.api.schedule(self.model.ptr, il, e, 1.0, 0) == 1 for e in experts)
+        if self.nat is not None:
+            return self.nat.schedule(il, experts)
         issued = self._upload_ahead(il, experts)
         self.stats.prefetches += issued
         return issued
@@ -449,16 +363,16 @@ class ExpertCache:
         self._pre_totals = self._totals
         self.hooks.close()
         self.hooks = None
-        self.native = True
-        self._init_native(self._trace is not None, None, True)
+        self.nat = NativeResidency(self.model, self.layout, self.tier, self._usable(), policy=self.policy,
+                                   miss=self.miss, ordered=self.ordered, lookahead=self.lookahead, trace=self._trace)
         return True
 
     def check(self) -> None:
         """Re-raise an error a hook parked (call after each decode); report failed uploads once, in one line."""
         if self.hooks is not None:
             self.hooks.check()
-        if self.native:
-            lost = self._native_base.late_lost + self.api.stats(self.model.ptr).late_lost
+        if self.nat is not None:
+            lost = self.nat.since_start("late_lost")
             if lost > self._late_lost:
                 self._late_lost = lost
                 raise SpecterError(f"{lost} late expert read(s) failed twice ({self.tier.name} tier); the output of "
@@ -473,15 +387,15 @@ class ExpertCache:
 
     def drain(self) -> None:
         """Finish uploads in flight and make those that landed resident."""
-        if self.native:
-            self.api.drain(self.model.ptr)
+        if self.nat is not None:
+            self.nat.drain()
         else:
             self.residency.drain()
 
     def failed_uploads(self) -> int:
         """Uploads that did not land since the cache was made (their experts were computed on the host)."""
-        if self.native:
-            return self._native_base.upload_failures + self.api.stats(self.model.ptr).upload_failures
+        if self.nat is not None:
+            return self.nat.since_start("upload_failures")
         return self.residency.failed_uploads
 
     def warm(self, experts_by_layer: dict[int, list[int]]) -> None:
@@ -519,47 +433,18 @@ class ExpertCache:
         }
 
     def _native_counters(self) -> dict:
-        """counters() of native residency: the C counters, in the same names (plus what the Python hook counted
-        before a cache went native, since the last reset)."""
-        out = self._native_counts()
+        """counters() of native residency: C's, plus what the Python hook counted before a cache went native
+        (since the last reset)."""
+        out = self.nat.counters()
         for k, v in self._pre_native.items():
             out[k] += v
         out["hit_rate"] = out["resident_at_need"] / out["needed"] if out["needed"] else 0.0
         return out
 
-    def _native_counts(self) -> dict:
-        c = self.api.stats(self.model.ptr)
-        rows = c.hit_rows + c.miss_rows
-        calls = c.route_calls
-        return {
-            "hit_rate": c.resident_at_need / c.needed if c.needed else 0.0,
-            "slot_row_rate": c.hit_rows / rows if rows else 0.0,
-            "hit_rows": c.hit_rows, "miss_rows": c.miss_rows, "route_calls": calls,
-            "needed": c.needed, "resident_at_need": c.resident_at_need,
-            # the stall a token sees from residency: the routing op's time, its waits for reads included (the
-            # Python hook's time is the same measure there)
-            "hook_ms": c.route_ns / 1e6, "upload_ns": c.upload_ns,
-            "uploads": c.uploads, "upload_bytes": c.upload_bytes, "native": 1,
-            "overflow_rows": c.overflow, "prefetches": c.prefetches,
-            "waited": c.waited, "surrogate_uses": 0, "late": c.late, "lookahead": c.lookahead,
-            "failed_uploads": c.upload_failures,
-            "route_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
-            "hook_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
-            # the routing op's own time, its waits for reads left out: what deciding costs per MoE layer
-            "route_us_per_layer": (c.route_ns - c.wait_ns) / 1e3 / calls if calls else 0.0,
-            "wait_ms": c.wait_ns / 1e6,
-            # mean reads outstanding while the routing op waited (a deep queue keeps the disk busy)
-            "reads_in_flight": c.stall_reads_ns / c.wait_ns if c.wait_ns else 0.0,
-            "read_bytes": c.read_bytes,
-        }
-
     def link_gbps(self) -> float | None:
         """The slow tier's speed as measured on this session's uploads so far (None before any)."""
-        if self.native:
-            c = self.api.stats(self.model.ptr)
-            if c.read_busy_ns and c.read_bytes:
-                return c.read_bytes / c.read_busy_ns
-            return c.upload_bytes / c.upload_ns if c.upload_ns else None
+        if self.nat is not None:
+            return self.nat.link_gbps()
         if isinstance(self.tier, DiskTier):
             return self.tier.read_bytes / self.tier.busy_ns if self.tier.busy_ns else None
         c = self.api.stats(self.model.ptr)
@@ -568,10 +453,8 @@ class ExpertCache:
     def reset_counters(self) -> None:
         self.stats = CacheStats()
         self._pre_native = {}
-        if self.native:  # totals and failures count from the cache's start: keep what the reset takes away
-            c = self.api.stats(self.model.ptr)
-            for name, _ in native.Stats._fields_:
-                setattr(self._native_base, name, getattr(self._native_base, name) + getattr(c, name))
+        if self.nat is not None:  # totals and failures count from the cache's start: keep what the reset takes
+            self.nat.reset()
         self.api.stats_reset(self.model.ptr)
 
     def close(self) -> None:

@@ -4,6 +4,9 @@ Our ``extern "C"`` functions are compiled into the same libllama as llama.cpp's,
 bindings already hold (as ``llama_cpp/llama_cpp_ext.py`` does) instead of loading a second copy of the library.
 Each C function has one typed stub below, declared the way ``llama_cpp/llama_cpp.py`` declares its own; unlike
 there, binding waits for first use, so importing pyspecter works before ``make build``.
+
+Why this module is long: it is the C API's one declaration, a typed stub per function of the header (a unit test
+checks the two name the same functions and counters), and splitting it would split that one list.
 """
 
 from __future__ import annotations

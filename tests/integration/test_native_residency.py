@@ -99,7 +99,8 @@ def test_native_prefetch_protect_and_link_counters() -> None:
         cache.close()
     assert abs(ref - got).max() <= TOL
     assert c["prefetches"] >= 2 * len(lay.layers) and c["route_us_per_layer"] > 0
-    assert c["read_bytes"] > 0 and c["wait_ms"] > 0 and c["reads_in_flight"] >= 1.0
+    # reads in flight while waiting: at most the readers (a read may land before the wait starts, so no floor)
+    assert c["read_bytes"] > 0 and c["wait_ms"] > 0 and 0.0 <= c["reads_in_flight"] <= 8.0
 
 
 def test_failed_native_reads_leave_experts_to_the_host() -> None:

@@ -1,0 +1,203 @@
+"""The control plane's side of native residency (csrc/residency.cpp): configure it, then, between decodes, hand it
+prefetches and protected experts and read its counters and routing trace. Inside a layer C alone decides; nothing
+here mirrors its slot table (``NativeLayer`` reads it on demand, for tests and stats).
+
+``native_reason`` says which configurations C runs; the others keep the Python routing hook (``cache.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from pyspecter import native
+from pyspecter.errors import SpecterError
+from pyspecter.layout import ModelLayout
+from pyspecter.tiers import DiskTier, EmulatedTier, RamTier, Tier
+
+Trace = list[tuple[int, tuple[int, ...]]]
+
+
+def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, held: int = 0,
+                  surrogates: bool = False, reuse: bool = False) -> str:
+    """Why the routing op cannot own residency in C for this configuration ('' when it can). What stays in Python:
+    eviction by the Python prefetch plan's table ('predicted' without reuse maps: C applies the maps themselves),
+    surrogates (approximate, opt-in), a draft's held slots (their ghost LRU) and tiers C does not know (tests'
+    fault-injecting ones)."""
+    if not hook:
+        return "no routing hook (static residency)"
+    if policy == "predicted" and not reuse:
+        return "policy 'predicted' without reuse maps reads the Python prefetch plan"
+    if policy not in native.NATIVE_POLICIES and policy != "predicted":
+        return f"policy {policy!r} is decided in Python"
+    if miss not in ("cpu", "wait"):
+        return f"miss mode {miss!r} is Python's"
+    if surrogates:
+        return "surrogates are expanded from Python"
+    if held:
+        return "held slots (a draft's memory) keep a Python ghost LRU"
+    if type(tier) not in (RamTier, EmulatedTier, DiskTier):
+        return f"tier {type(tier).__name__} has no native reader"
+    return ""
+
+
+class NativeLayer:
+    """One layer's residency as C holds it, read on each access (never on the hot path)."""
+
+    def __init__(self, api, model, il: int, n_expert: int, n_slots: int, n_usable: int) -> None:
+        self.api, self.model, self.il, self.n_expert, self.n_slots = api, model, il, n_expert, n_slots
+        self.n_usable = n_usable
+
+    @property
+    def where(self) -> list[int]:
+        return [self.api.slot_of(self.model.ptr, self.il, e) for e in range(self.n_expert)]
+
+    @property
+    def owner(self) -> list[int]:
+        return [self.api.expert_in(self.model.ptr, self.il, s) for s in range(self.n_slots)]
+
+
+class NativeResidency:
+    """Residency owned by the routing op. Enable before the model's context exists (or between decodes: the graphs
+    keep the shape they were built with, and a late path or a router input they carry serve C the same way)."""
+
+    def __init__(self, model: native.Model, layout: ModelLayout, tier: Tier, usable: dict[int, int], *,
+                 policy: str, miss: str, ordered: bool, lookahead: bool, trace: Trace | None,
+                 reuse=None, duel: bool = True) -> None:
+        """usable: layer -> slots it hands out; trace: a list to append the routing trace to (None: not recorded;
+        a list already holding the Python hook's calls keeps them); reuse: a ``LearnedPredictor`` whose reuse maps
+        C applies for policy 'predicted' (``duel``: only while they miss less than LRU)."""
+        self.api, self.model, self.layout = native.slots(), model, layout
+        p = native.ResidencyParams(
+            policy=native.NATIVE_POLICIES["score" if policy == "predicted" else policy],
+            miss=native.NATIVE_MISS["ordered" if ordered else miss], n_readers=1, fd=-1, drop_cache=False,
+            lookahead=lookahead, record=trace is not None)
+        if isinstance(tier, DiskTier):
+            # as many readers as the Python path's demand and prefetch pools together: misses of one layer and
+            # the kinds of one expert are read side by side, so the disk's queue stays several deep
+            p.fd, p.drop_cache, p.n_readers = tier.fd, not tier.direct, 2 * tier.queue_depth
+        self._check(self.api.residency_init(model.ptr, ctypes.byref(p)), "could not enable native residency")
+        for L in layout.layers:
+            self._check(self.api.set_usable(model.ptr, L.index, usable[L.index]), f"layer {L.index}: slot count")
+            if isinstance(tier, DiskTier):
+                for kind, t in L.tensors.items():
+                    self._check(self.api.set_file_offset(model.ptr, L.index, native.KIND_NAMES[kind], t.offset),
+                                f"layer {L.index}: where {t.name} is in the file")
+        if reuse is not None and policy == "predicted":
+            self._set_reuse_maps(reuse, duel)
+        self.trace_list = trace
+        self.base = native.Stats()  # counters from before the last reset
+        self.usable = dict(usable)
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise SpecterError(f"{what} ({native.status_name(rc)})")
+
+    def _set_reuse_maps(self, predictor, duel: bool) -> None:
+        """The learned reuse maps (and their recency blend), applied by C to each layer's router input."""
+        for L in self.layout.layers:
+            j = predictor.pos.get(L.index)
+            if j is None or predictor.R[j] is None:
+                continue
+            # contiguous float32 copies for C, which copies them in turn
+            arrs = [np.ascontiguousarray(predictor.R[j], np.float32), np.ascontiguousarray(predictor.rb[j], np.float32)]
+            if predictor.blend is not None:
+                arrs.append(np.ascontiguousarray(predictor.blend[j], np.float32))
+            self._check(self.api.set_reuse_map(self.model.ptr, L.index, arrs[0].ctypes.data, arrs[1].ctypes.data,
+                                               arrs[0].shape[0], arrs[2].ctypes.data if len(arrs) > 2 else None),
+                        f"layer {L.index}: the reuse map does not fit the model")
+        # a blended predictor was weighed against recency when it was fitted: the duel starts on its scores
+        self._check(self.api.set_duel(self.model.ptr, duel, predictor.blend is not None, 0.998, 0.03),
+                    "could not set the eviction duel")
+
+    # --- between decodes ------------------------------------------------------------------------------------
+
+    def schedule(self, il: int, experts, priority: float = 1.0, deadline: int = 0) -> int:
+        """Prefetch experts of layer il behind every demand read; how many reads were queued."""
+        return sum(self.api.schedule(self.model.ptr, il, e, priority, deadline) == 1 for e in experts)
+
+    def protect(self, il: int, experts) -> None:
+        ids = list(experts)
+        self._check(self.api.set_protected(self.model.ptr, il, (ctypes.c_int32 * len(ids))(*ids), len(ids)),
+                    f"layer {il}: protected experts")
+
+    def unprotect_all(self) -> None:
+        self.api.set_protected(self.model.ptr, -1, None, 0)
+
+    def drain(self) -> None:
+        self.api.drain(self.model.ptr)
+
+    def layers(self) -> dict[int, NativeLayer]:
+        n_slots = self.api.n_slots(self.model.ptr)
+        return {il: NativeLayer(self.api, self.model, il, self.layout.n_expert, n_slots, n)
+                for il, n in self.usable.items()}
+
+    def duel_state(self) -> tuple[bool, int] | None:
+        """(evicting by the reuse scores now, switches so far); None without the duel's C state."""
+        sw = ctypes.c_int64()
+        st = self.api.duel_state(self.model.ptr, ctypes.byref(sw))
+        return (st == 1, sw.value) if st >= 0 else None
+
+    def trace(self) -> Trace | None:
+        """The routing trace so far (C's calls taken from its buffer into the list)."""
+        if self.trace_list is None:
+            return None
+        n = self.api.trace_take(self.model.ptr, None, 0)
+        if n:
+            buf = (ctypes.c_int32 * n)()
+            got = self.api.trace_take(self.model.ptr, buf, n)
+            flat, i = list(buf[:got]), 0
+            while i < got:
+                k = flat[i + 1]
+                self.trace_list.append((flat[i], tuple(flat[i + 2: i + 2 + k])))
+                i += 2 + k
+        return self.trace_list
+
+    # --- counters -------------------------------------------------------------------------------------------
+
+    def stats(self) -> native.Stats:
+        return self.api.stats(self.model.ptr)
+
+    def since_start(self, name: str) -> int:
+        """One C counter since residency went native (resets included)."""
+        return getattr(self.base, name) + getattr(self.stats(), name)
+
+    def reset(self) -> None:
+        c = self.stats()
+        for name, _ in native.Stats._fields_:
+            setattr(self.base, name, getattr(self.base, name) + getattr(c, name))
+
+    def counters(self) -> dict:
+        """The C counters since the last reset, in ``ExpertCache.counters``' names."""
+        c = self.stats()
+        rows = c.hit_rows + c.miss_rows
+        calls = c.route_calls
+        return {
+            "hit_rate": c.resident_at_need / c.needed if c.needed else 0.0,
+            "slot_row_rate": c.hit_rows / rows if rows else 0.0,
+            "hit_rows": c.hit_rows, "miss_rows": c.miss_rows, "route_calls": calls,
+            "needed": c.needed, "resident_at_need": c.resident_at_need,
+            # the stall a token sees from residency: the routing op's time, its waits for reads included (the
+            # Python hook's time is the same measure there)
+            "hook_ms": c.route_ns / 1e6, "upload_ns": c.upload_ns,
+            "uploads": c.uploads, "upload_bytes": c.upload_bytes, "native": 1,
+            "overflow_rows": c.overflow, "prefetches": c.prefetches,
+            "waited": c.waited, "surrogate_uses": 0, "late": c.late, "lookahead": c.lookahead,
+            "failed_uploads": c.upload_failures,
+            "route_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
+            "hook_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
+            # the routing op's own time, its waits for reads left out: what deciding costs per MoE layer
+            "route_us_per_layer": (c.route_ns - c.wait_ns) / 1e3 / calls if calls else 0.0,
+            "wait_ms": c.wait_ns / 1e6,
+            # mean reads outstanding while the routing op waited (a deep queue keeps the disk busy)
+            "reads_in_flight": c.stall_reads_ns / c.wait_ns if c.wait_ns else 0.0,
+            "read_bytes": c.read_bytes,
+        }
+
+    def link_gbps(self) -> float | None:
+        c = self.stats()
+        if c.read_busy_ns and c.read_bytes:
+            return c.read_bytes / c.read_busy_ns
+        return c.upload_bytes / c.upload_ns if c.upload_ns else None
