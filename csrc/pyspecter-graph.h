@@ -1,5 +1,5 @@
-// The seam: all that llama.cpp's own code (patched llama-graph.cpp) calls. Kept to forward declarations so the
-// patch needs none of our internals.
+// The seam: all that llama.cpp's own code (patched llama-graph.cpp, llama-context.cpp) calls. Kept to forward
+// declarations so the patch needs none of our internals.
 #pragma once
 
 struct ggml_context;
@@ -8,15 +8,36 @@ struct llama_pyspecter_slots;
 
 // The routing op of MoE layer il, built in build_moe_ffn after the router and before the expert matmuls; null
 // when slots are off or the layer has none (the graph is then stock). A CPU custom op over (selected_experts,
-// weights) returning I32 [n_used, n_tokens, 2 or 3]: plane 0 = slot ids for the slot matmul, plane 1 = logical ids
-// for the host matmul (-1 where the other path computes the row); with a wait hook, plane 2 = slot ids of late
-// experts. ffn_inp is the layer's router input [n_embd, 1, n_tokens]; it becomes a source of the op only when an
+// weights). ffn_inp is the layer's router input [n_embd, 1, n_tokens]; it becomes a source of the op only when an
 // input hook is set (learned predictors read it).
+//
+// Two forms. Split (a device layer, allow_split, no wait hook): the slot path reads its ids from the device's remap
+// table (get_rows over selected_experts, the zero slot where not resident) and never waits for the host; the op
+// reads those ids back and returns I32 [n_used, n_tokens, 2], plane 0 = logical ids for the host path (-1 where
+// the slot path computes the row), plane 1 scratch. The layer then costs one CPU split (this op and every host
+// matmul) between two device ones. Per matmul (CPU slots, LoRA, or a wait hook): I32 [n_used, n_tokens, 2 or 3],
+// plane 0 = slot ids, plane 1 = logical ids for the host matmul, with a wait hook plane 2 = slot ids of late experts.
+// allow_split: false when the paths cannot be built apart (LoRA adapters would add their rows to both).
 ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspecter_slots * slots, int il,
                                           ggml_tensor * selected_experts, ggml_tensor * weights,
-                                          ggml_tensor * ffn_inp);
+                                          ggml_tensor * ffn_inp, bool allow_split);
 
-// The expert matmul of w through the route: slot path + host path (+ late path), each row computed by exactly one
-// of them. Null when w has no slots: the caller builds the stock matmul.
+// How many times build_moe_ffn builds its expert FFN for this route: 2 for a split route (path 0 the slots on the
+// device, path 1 the host copy; the two down projections are added), else 1 (route may be null).
+int llama_pyspecter_n_paths(const ggml_tensor * route);
+
+// The expert matmul of w on one path of the route (split), or slot path + host path (+ late path) summed (per
+// matmul, path 0), each row computed by exactly one of them. Null when w has no slots: the caller builds the
+// stock matmul. ids: the logical ids (selected_experts).
 ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspecter_slots * slots,
-                                          ggml_tensor * w, ggml_tensor * cur, ggml_tensor * route);
+                                          ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids,
+                                          ggml_tensor * route, int path);
+
+// A per-expert tensor of the layer (bias, scale) as path `path` of a split route reads it: on path 0, and after the
+// paths are joined, its copy on the device; otherwise t itself (also for null t or route).
+ggml_tensor * llama_pyspecter_on_path(const llama_pyspecter_slots * slots, ggml_tensor * t,
+                                      const ggml_tensor * route, int path);
+
+// Before each ubatch's graph runs (llama_context::graph_compute): the device tables take what landed since the
+// previous one, in one copy per device. Null slots: nothing.
+void llama_pyspecter_fence(llama_pyspecter_slots * slots);

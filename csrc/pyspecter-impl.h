@@ -58,6 +58,19 @@ struct llama_pyspecter_layer {
     int64_t calls = 0;
     std::vector<int64_t> ghost_lru, ghost_score;   // duel: expert -> last use in each simulated cache (-1: out)
     llama_pyspecter_layer * next = nullptr;                // the next MoE layer in forward order
+    // Device layers: the slot matmul reads its ids from a table on the device (get_rows over the router's ids), so
+    // it never waits for the host. table_row is this layer's row of tables[table]; the row holds remap as of the
+    // latest fence (the zero slot where not resident), except evictions, which reach it at once (see remap_set).
+    int32_t table = -1;
+    int32_t table_row = -1;
+    std::atomic<bool> passed{false}; // this ubatch's slot path of the layer has run (its route op has started)
+};
+
+// One remap table per device: [n_expert, n_layer] I32 in a weights buffer of that device, and its host image.
+struct llama_pyspecter_table {
+    ggml_tensor * t = nullptr;
+    std::vector<int32_t> image; // what the device holds
+    bool dirty = false;         // remap changed since the image was last pushed
 };
 
 // Bumped from the compute thread (route op), the upload thread and callers' threads at once, hence atomics.
@@ -67,6 +80,8 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> needed{0}, resident_at_need{0}, uploads{0}, prefetches{0}, waited{0}, overflow{0};
     std::atomic<int64_t> wait_ns{0}, stall_reads_ns{0}, read_bytes{0}, read_busy_ns{0}, lookahead{0}, late{0};
     std::atomic<int64_t> late_lost{0};
+    // device tables (llama_pyspecter_device_stats)
+    std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
 };
 
 // An emulated link (uploads.cpp charges every copy to it): a virtual clock of when the link is next free.
@@ -119,6 +134,12 @@ struct llama_pyspecter_slots {
         int kind;
     };
     std::unordered_map<const ggml_tensor *, slot_ref> slot_of_host; // a model expert tensor -> where its slots are
+    // small per-expert tensors of device layers (biases, scales) kept in host memory beside the experts -> their
+    // copy on the layer's device, which the slot path reads so that it stays on the device
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> on_device;
+    std::vector<llama_pyspecter_table> tables;
+    std::mutex table_mu;              // remap changes, table images and fences
+    mutable std::atomic<bool> split_built{false}; // a graph with split routes was built: evictions reach the tables
     std::vector<ggml_context *> ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
     // With slots on a device: a one-element tensor in a host weights buffer, a source of every route and wait op.
@@ -155,6 +176,12 @@ struct llama_pyspecter_slots {
 };
 
 // shared by the csrc/ files
+
+// Every change of a layer's residency (remap/owner) goes through here: expert -> slot, slot -1 evicts. On a device
+// layer an eviction reaches the device's table before this returns when the layer's slot path may still run in
+// the ubatch in flight (a slot it maps may be overwritten right after); a new mapping waits for the next fence.
+// Returns LLAMA_PYSPECTER_OK or ERR_ARG.
+int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
 
 llama_pyspecter_slots * pyspecter_slots_of(const llama_model * model);
 llama_pyspecter_layer * pyspecter_layer_of(const llama_model * model, int32_t il);

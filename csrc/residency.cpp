@@ -268,21 +268,17 @@ struct pyspecter_residency {
 // the slot table (mu held)
 //
 
+// Through pyspecter_remap_set, like every residency change: on a device layer an eviction reaches the device's
+// table at once when the layer's slot path may still run in the ubatch in flight.
 static void map_slot(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
-    const int32_t prev = L->owner[slot];
-    if (prev >= 0) {
-        L->remap[prev] = -1;
-    }
-    L->owner[slot]  = expert;
-    L->remap[expert] = slot;
+    pyspecter_remap_set(L, expert, slot);
     L->last_use[slot] = L->loaded[slot] = R->clock;
 }
 
 static void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
     const int32_t prev = L->owner[slot];
     if (prev >= 0) {
-        L->remap[prev] = -1;
-        L->owner[slot] = -1;
+        pyspecter_remap_set(L, prev, -1);
     }
 }
 

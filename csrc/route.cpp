@@ -6,6 +6,13 @@
 #include <algorithm>
 #include <cstring>
 
+// A split route (pyspecter-graph.h) carries the device's slot ids as its source 4.
+static constexpr int ROUTE_SRC_SLOT_IDS = 4;
+
+static bool is_split(const ggml_tensor * route) {
+    return route && route->src[ROUTE_SRC_SLOT_IDS] != nullptr;
+}
+
 void llama_pyspecter_set_route_cb(llama_model * model, llama_pyspecter_route_cb cb, void * user_data) {
     if (auto * s = pyspecter_slots_of(model)) {
         s->route_cb = cb;
@@ -53,8 +60,13 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t t0 = pyspecter_now_ns();
 
     // planes of dst: contiguous [n_tokens][n_used] each
-    int32_t * slot_ids = (int32_t *) dst->data;
-    int32_t * host_ids = slot_ids + (size_t) n_used * n_tokens;
+    // split: the slot ids the device computed, read back; the host ids go in plane 0 and plane 1 is scratch
+    const ggml_tensor * dev_ids = dst->src[ROUTE_SRC_SLOT_IDS];
+    if (dev_ids) {
+        L->passed = true; // the CPU split this op is in began after the device ran the layer's slot path
+    }
+    int32_t * slot_ids = (int32_t *) dst->data + (dev_ids ? (size_t) n_used * n_tokens : 0);
+    int32_t * host_ids = dev_ids ? (int32_t *) dst->data : slot_ids + (size_t) n_used * n_tokens;
 
     for (int32_t t = 0; t < n_tokens; ++t) {
         for (int32_t j = 0; j < n_used; ++j) {
@@ -95,7 +107,20 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         s->counters.hook_ns += pyspecter_now_ns() - c0;
     }
     int64_t hit = 0;
-    for (int32_t i = 0; i < n_used * n_tokens; ++i) {
+    if (dev_ids) {
+        // the device decided from its table; the host computes exactly the rows it sent to the zero slot
+        for (int32_t t = 0; t < n_tokens; ++t) {
+            for (int32_t j = 0; j < n_used; ++j) {
+                const int32_t slot = *(const int32_t *) ((const char *) dev_ids->data + t * dev_ids->nb[1] +
+                                                         j * dev_ids->nb[0]);
+                if (slot != L->miss_slot) {
+                    host_ids[t * n_used + j] = -1;
+                    ++hit;
+                }
+            }
+        }
+    }
+    for (int32_t i = 0; i < n_used * n_tokens && !dev_ids; ++i) {
         const int32_t e = host_ids[i];
         const int32_t slot = e >= 0 && e < (int32_t) L->remap.size() ? L->remap[e] : -1;
         const int32_t late = with_late && slot < 0 && e >= 0 && e < (int32_t) L->late.size() ? L->late[e] : -1;
@@ -148,7 +173,7 @@ static void wait_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
 ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspecter_slots * slots, int il,
                                           ggml_tensor * selected_experts, ggml_tensor * weights,
-                                          ggml_tensor * ffn_inp) {
+                                          ggml_tensor * ffn_inp, bool allow_split) {
     llama_pyspecter_layer * L = slots ? slots->layer(il) : nullptr;
     if (!L) {
         return nullptr;
@@ -156,6 +181,23 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
     // the input is read as contiguous f32 rows; any other form is simply not offered to the hook
     const bool with_input = (slots->input_cb || pyspecter_native_wants_input(slots)) && ffn_inp &&
             ffn_inp->type == GGML_TYPE_F32 && ggml_is_contiguous(ffn_inp);
+    if (allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb && !pyspecter_native_late(slots)) {
+        // slot ids on the device: table[expert] for every (token, expert) row; the table never holds a negative id
+        // (ordered misses, Python's or C's, keep the per-matmul route: their late path needs it)
+        ggml_tensor * table = slots->tables[L->table].t;
+        ggml_tensor * row = ggml_view_2d(ctx, table, 1, table->ne[0], table->nb[0], (size_t) L->table_row * table->nb[1]);
+        ggml_tensor * ids = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx, selected_experts);
+        ids = ggml_reshape_1d(ctx, ids, ggml_nelements(ids));
+        ggml_tensor * slot_ids = ggml_reshape_2d(ctx, ggml_get_rows(ctx, row, ids), selected_experts->ne[0],
+                                                 selected_experts->ne[1]);
+        ggml_format_name(slot_ids, "ffn_moe_slot_ids-%d", il);
+        ggml_tensor * args[5] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor,
+                                  slot_ids };
+        static_assert(ROUTE_SRC_SLOT_IDS == 4, "");
+        slots->split_built = true;
+        return ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 2, 1, args, 5,
+                              route_op, 1, (void *) L);
+    }
     // fixed places: 2 the input (or null), 3 the CPU anchor of device layers (or null)
     ggml_tensor * args[4] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor };
     const int n_args = slots->cpu_anchor ? 4 : with_input ? 3 : 2;
@@ -165,8 +207,23 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
                           (void *) L);
 }
 
+int llama_pyspecter_n_paths(const ggml_tensor * route) {
+    return is_split(route) ? 2 : 1;
+}
+
+ggml_tensor * llama_pyspecter_on_path(const llama_pyspecter_slots * slots, ggml_tensor * t, const ggml_tensor * route,
+                                      int path) {
+    if (!t || !slots || !is_split(route) || path != 0) {
+        return t;
+    }
+    auto it = slots->on_device.find(t);
+    return it == slots->on_device.end() ? t : it->second;
+}
+
 ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspecter_slots * slots,
-                                          ggml_tensor * w, ggml_tensor * cur, ggml_tensor * route) {
+                                          ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids,
+                                          ggml_tensor * route, int path) {
+    GGML_UNUSED(ids);
     if (!slots || !route) {
         return nullptr;
     }
@@ -176,6 +233,13 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
     }
     llama_pyspecter_layer * L = it->second.layer;
     ggml_tensor * slot_w = L->slot[it->second.kind];
+    if (is_split(route)) {
+        if (path == 0) {
+            return ggml_mul_mat_id(ctx, slot_w, cur, route->src[ROUTE_SRC_SLOT_IDS]);
+        }
+        ggml_tensor * host_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], 0);
+        return ggml_mul_mat_id(ctx, w, cur, host_ids);
+    }
 
     ggml_tensor * slot_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], 0);
     ggml_tensor * host_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], route->nb[2]);

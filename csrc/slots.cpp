@@ -47,7 +47,23 @@ bool pyspecter_is_repacked(const ggml_tensor * t) {
     return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
 }
 
-// One MoE layer's slots: a tensor per expert kind, n_alloc experts deep, in one buffer of the layer's device.
+// The per-expert tensors of layer il the expert FFN reads beside the matmul weights (biases, scales).
+static void layer_small_tensors(const llama_model * model, int32_t il, std::vector<ggml_tensor *> & out) {
+    const llama_layer & l = model->layers[il];
+    for (ggml_tensor * t : { l.ffn_gate_exps_b, l.ffn_up_exps_b, l.ffn_down_exps_b, l.ffn_gate_up_exps_b,
+                             l.ffn_gate_exps_s, l.ffn_up_exps_s, l.ffn_down_exps_s }) {
+        if (t) {
+            out.push_back(t);
+        }
+    }
+}
+
+static bool in_host_memory(const ggml_tensor * t) {
+    return t->buffer && ggml_backend_buffer_is_host(t->buffer);
+}
+
+// One MoE layer's slots: a tensor per expert kind, n_alloc experts deep, in one buffer of the layer's device; on a
+// device also a copy of the layer's small per-expert tensors that stay in host memory (the slot path reads them).
 static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32_t il,
                            ggml_tensor * const host[LLAMA_PYSPECTER_N_KINDS]) {
     ggml_backend_dev_t dev = model->dev_layer(il);
@@ -55,8 +71,14 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     // CUDA and friends would read a negative id as a huge unsigned one, so misses point at a zero slot there;
     // the patched CPU kernel skips negative ids instead, which saves a useless matmul.
     const int32_t n_alloc = s->n_slots + (on_cpu ? 0 : 1);
+    std::vector<ggml_tensor *> small;
+    if (!on_cpu) {
+        layer_small_tensors(model, il, small);
+        small.erase(std::remove_if(small.begin(), small.end(), [](ggml_tensor * t) { return !in_host_memory(t); }),
+                    small.end());
+    }
 
-    ggml_init_params ip = { ggml_tensor_overhead() * LLAMA_PYSPECTER_N_KINDS, nullptr, true };
+    ggml_init_params ip = { ggml_tensor_overhead() * (LLAMA_PYSPECTER_N_KINDS + small.size()), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     if (!ctx) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
@@ -91,6 +113,12 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
         L->slot[k] = t;
         s->slot_of_host[h] = { L.get(), k };
     }
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> copies;
+    for (ggml_tensor * h : small) {
+        ggml_tensor * t = ggml_dup_tensor(ctx, h);
+        ggml_format_name(t, "%s.dev", h->name);
+        copies.emplace_back(h, t);
+    }
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(dev));
     if (!buf) {
         LLAMA_LOG_ERROR("%s: cannot allocate expert slots for layer %d\n", __func__, il);
@@ -105,7 +133,59 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     if (!on_cpu) {
         ggml_backend_buffer_clear(buf, 0);
     }
+    for (auto & [h, t] : copies) {
+        ggml_backend_tensor_set(t, h->data, 0, ggml_nbytes(h));
+        s->on_device[h] = t;
+    }
     s->layers[il] = std::move(L);
+    return LLAMA_PYSPECTER_OK;
+}
+
+// The remap tables of device layers: one [n_expert, n_layer] I32 tensor per device buffer type, every entry the
+// layer's zero slot (nothing resident).
+static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
+    std::vector<ggml_backend_buffer_type_t> bufts;
+    for (int32_t il = 0; il < (int32_t) s->layers.size(); ++il) {
+        auto * L = s->layers[il].get();
+        if (!L || L->miss_slot < 0) {
+            continue;
+        }
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(model->dev_layer(il));
+        auto it = std::find(bufts.begin(), bufts.end(), buft);
+        L->table = (int32_t) (it - bufts.begin());
+        L->table_row = il;
+        if (it == bufts.end()) {
+            bufts.push_back(buft);
+        }
+    }
+    for (auto * buft : bufts) {
+        ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+        ggml_context * ctx = ggml_init(ip);
+        if (!ctx) {
+            return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+        }
+        s->ctxs.push_back(ctx);
+        llama_pyspecter_table tab;
+        tab.t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, s->n_expert, (int64_t) s->layers.size());
+        ggml_format_name(tab.t, "pyspecter.remap.%zu", s->tables.size());
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+        if (!buf) {
+            return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+        }
+        s->bufs.push_back(buf);
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // get_rows runs on the device
+        tab.image.assign((size_t) s->n_expert * s->layers.size(), 0);
+        s->tables.push_back(std::move(tab));
+    }
+    for (auto & L : s->layers) {
+        if (L && L->table >= 0) {
+            auto & img = s->tables[L->table].image;
+            std::fill_n(img.begin() + (size_t) L->table_row * s->n_expert, s->n_expert, L->miss_slot);
+        }
+    }
+    for (auto & tab : s->tables) {
+        ggml_backend_tensor_set(tab.t, tab.image.data(), 0, tab.image.size() * sizeof(int32_t));
+    }
     return LLAMA_PYSPECTER_OK;
 }
 
@@ -129,8 +209,18 @@ static int32_t alloc_cpu_anchor(llama_pyspecter_slots * s) {
 }
 
 int32_t llama_pyspecter_slots_init(llama_model * model, int32_t n_slots) {
-    if (!model || n_slots <= 0) {
+    return llama_pyspecter_slots_init_layers(model, n_slots, nullptr, 0);
+}
+
+int32_t llama_pyspecter_slots_init_layers(llama_model * model, int32_t n_slots, const int32_t * kinds,
+                                          int32_t n_kinds) {
+    if (!model || n_slots <= 0 || n_kinds < 0 || (n_kinds > 0 && !kinds)) {
         return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    for (int32_t i = 0; i < n_kinds; ++i) {
+        if (kinds[i] < LLAMA_PYSPECTER_LAYER_SLOTS || kinds[i] > LLAMA_PYSPECTER_LAYER_FULL) {
+            return LLAMA_PYSPECTER_ERR_ARG;
+        }
     }
     if (model->pyspecter_slots) {
         return LLAMA_PYSPECTER_ERR_ENABLED;
@@ -146,8 +236,9 @@ int32_t llama_pyspecter_slots_init(llama_model * model, int32_t n_slots) {
         s->layers.resize(model->layers.size());
 
         for (int32_t il = 0; il < (int32_t) model->layers.size(); ++il) {
-            if (!llama_pyspecter_is_moe_layer(model, il)) {
-                continue;
+            if (!llama_pyspecter_is_moe_layer(model, il) ||
+                    (il < n_kinds && kinds[il] != LLAMA_PYSPECTER_LAYER_SLOTS)) {
+                continue; // host and full layers keep stock's graph: their experts are where the model put them
             }
             ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS];
             pyspecter_host_experts(model, il, host);
@@ -160,7 +251,10 @@ int32_t llama_pyspecter_slots_init(llama_model * model, int32_t n_slots) {
             return L && L->miss_slot >= 0; // a zero slot: the layer's slots are not on the CPU
         });
         if (any_device) {
-            const int32_t rc = alloc_cpu_anchor(s.get());
+            int32_t rc = alloc_cpu_anchor(s.get());
+            if (rc == LLAMA_PYSPECTER_OK) {
+                rc = alloc_tables(model, s.get());
+            }
             if (rc != LLAMA_PYSPECTER_OK) {
                 return rc;
             }
@@ -222,22 +316,106 @@ int32_t llama_pyspecter_expert_in(const llama_model * model, int32_t il, int32_t
     return L && slot >= 0 && slot < (int32_t) L->owner.size() ? L->owner[slot] : -1;
 }
 
-int32_t llama_pyspecter_set_slot(llama_model * model, int32_t il, int32_t expert, int32_t slot) {
-    auto * L = pyspecter_layer_of(model, il);
+// An expert leaves the device's view of layer L: if the layer's slot path may still run in this ubatch (its route op
+// has not started since the last fence), its table entry goes to the zero slot now, before anything can overwrite
+// the slot it held. Called with table_mu held.
+static void unmap_on_device(llama_pyspecter_layer * L, int32_t expert) {
+    auto * s = L->parent;
+    if (L->table < 0 || !s->split_built || L->passed) {
+        return; // not read from a table, or not again before the next fence, which pushes the change
+    }
+    auto & tab = s->tables[L->table];
+    const size_t i = (size_t) L->table_row * s->n_expert + expert;
+    if (tab.image[i] == L->miss_slot) {
+        return;
+    }
+    tab.image[i] = L->miss_slot;
+    ggml_backend_tensor_set(tab.t, &tab.image[i], i * sizeof(int32_t), sizeof(int32_t));
+    s->counters.eviction_writes++;
+}
+
+int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
     if (!L || expert < 0 || expert >= (int32_t) L->remap.size() || slot < -1 || slot >= (int32_t) L->owner.size()) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
+    auto * s = L->parent;
+    std::lock_guard<std::mutex> lk(s->table_mu);
     const int32_t old_slot = L->remap[expert];
     if (old_slot >= 0) {
         L->owner[old_slot] = -1;
+        if (old_slot != slot) {
+            unmap_on_device(L, expert);
+        }
     }
     if (slot >= 0) {
         const int32_t prev = L->owner[slot];
-        if (prev >= 0) {
+        if (prev >= 0 && prev != expert) {
             L->remap[prev] = -1;
+            unmap_on_device(L, prev);
         }
         L->owner[slot] = expert;
     }
     L->remap[expert] = slot;
+    if (L->table >= 0) {
+        s->tables[L->table].dirty = true;
+    }
     return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_set_slot(llama_model * model, int32_t il, int32_t expert, int32_t slot) {
+    return pyspecter_remap_set(pyspecter_layer_of(model, il), expert, slot);
+}
+
+void llama_pyspecter_fence(llama_pyspecter_slots * s) {
+    if (!s || s->tables.empty()) {
+        return;
+    }
+    std::lock_guard<std::mutex> lk(s->table_mu);
+    s->counters.fences++;
+    for (auto & tab : s->tables) {
+        if (!tab.dirty) {
+            continue;
+        }
+        tab.dirty = false;
+        bool changed = false;
+        for (auto & L : s->layers) {
+            if (!L || L->table < 0 || &s->tables[L->table] != &tab) {
+                continue;
+            }
+            int32_t * row = tab.image.data() + (size_t) L->table_row * s->n_expert;
+            for (int32_t e = 0; e < s->n_expert; ++e) {
+                const int32_t v = L->remap[e] >= 0 ? L->remap[e] : L->miss_slot;
+                changed |= row[e] != v;
+                row[e] = v;
+            }
+        }
+        if (changed) {
+            // the device is idle here (the previous ubatch's slot paths have all run): a plain copy is ordered
+            ggml_backend_tensor_set(tab.t, tab.image.data(), 0, tab.image.size() * sizeof(int32_t));
+            s->counters.table_pushes++;
+            s->counters.table_bytes += (int64_t) (tab.image.size() * sizeof(int32_t));
+        }
+    }
+    for (auto & L : s->layers) {
+        if (L) {
+            L->passed = false;
+        }
+    }
+}
+
+int32_t llama_pyspecter_layer_kind(const llama_model * model, int32_t il) {
+    if (!llama_pyspecter_is_moe_layer(model, il)) {
+        return -1;
+    }
+    if (pyspecter_layer_of(model, il)) {
+        return LLAMA_PYSPECTER_LAYER_SLOTS;
+    }
+    ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS];
+    pyspecter_host_experts(model, il, host);
+    for (ggml_tensor * t : host) {
+        if (t) {
+            return in_host_memory(t) ? LLAMA_PYSPECTER_LAYER_HOST : LLAMA_PYSPECTER_LAYER_FULL;
+        }
+    }
+    return LLAMA_PYSPECTER_LAYER_HOST;
 }

@@ -40,5 +40,23 @@ void llama_pyspecter_stats_reset(llama_model * model) {
                           &c.read_busy_ns, &c.lookahead, &c.late, &c.late_lost }) {
             *v = 0;
         }
+        for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes }) {
+            *v = 0;
+        }
     }
+}
+
+void llama_pyspecter_get_device_stats(const llama_model * model, llama_pyspecter_device_stats * out) {
+    if (!out) {
+        return;
+    }
+    *out = {};
+    auto * s = pyspecter_slots_of(model);
+    if (!s) {
+        return;
+    }
+    out->fences          = s->counters.fences;
+    out->table_pushes    = s->counters.table_pushes;
+    out->table_bytes     = s->counters.table_bytes;
+    out->eviction_writes = s->counters.eviction_writes;
 }

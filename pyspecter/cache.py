@@ -14,6 +14,8 @@ session and the bench never ask which one runs.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -63,7 +65,8 @@ class ExpertCache:
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, *, policy: str = "lru",
                  miss: str = "wait", tier: Tier | None = None, hook: bool = True, record: bool = False,
                  surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0,
-                 on_input=None, extra: Mapping[int, int] | None = None, native: bool | None = None,
+                 on_input=None, extra: Mapping[int, int] | None = None,
+                 kinds: Mapping[int, int] | None = None, native: bool | None = None,
                  reuse=None, duel: bool = True) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
@@ -72,12 +75,20 @@ class ExpertCache:
         now and the slots get once the draft is dropped (CPU slots never written take no memory); on_input(il, x):
         each MoE layer's router input before its routing call (learned predictors); ``route_observer``, when
         set, hears ``on_route(il, needed, n_tokens)`` after each routing call; extra: layer -> regular slots that
-        layer uses beyond ``n_slots`` (a budget spread by layer: ``budget.allocate_slots``/``split_counts``);
-        native=None: the routing op decides in C wherever this configuration allows it (``native_reason``),
-        False: always the Python hook (tests of that path), True: refuse a configuration C cannot run; reuse: a
-        ``LearnedPredictor`` whose reuse maps C applies to each layer's router input for policy 'predicted'
-        (``duel``: only while they miss less than LRU, ``policies.EvictionDuel``'s rule)."""
+        layer uses beyond ``n_slots`` (a budget spread by layer: ``budget.allocate_slots``/``split_counts``); kinds:
+        a layer plan (``layerplan``), MoE layer -> native.LAYER_SLOTS / LAYER_HOST / LAYER_FULL, slots where not
+        named: only slot layers get slots and a routing hook, the others run stock's graph (and the cache's layout,
+        residency and tier see only the slot layers); native=None: the routing op decides in C wherever this
+        configuration allows it (``native_reason``), False: always the Python hook (tests of that path), True:
+        refuse a configuration C cannot run; reuse: a ``LearnedPredictor`` whose reuse maps C applies to each
+        layer's router input for policy 'predicted' (``duel``: only while they miss less than LRU,
+        ``policies.EvictionDuel``'s rule)."""
         layout.require_moe()
+        if kinds:
+            slot_layers = [L for L in layout.layers if kinds.get(L.index, _native.LAYER_SLOTS) == _native.LAYER_SLOTS]
+            layout = dataclasses.replace(layout, layers=slot_layers)
+            if not layout.layers:
+                raise SpecterError("the layer plan has no slot layer: nothing for expert slots to do")
         pol = make_policy(policy)
         if miss not in MISS_MODES:
             raise SpecterError(f"unknown miss mode {miss!r}: use one of {', '.join(MISS_MODES)}")
@@ -97,7 +108,11 @@ class ExpertCache:
         # the C side allocates one count in every layer: the largest. On the CPU a slot never written takes no
         # memory, and a layer never writes past its own count, so the spread costs only what it uses
         self.n_alloc = n_slots + max(self.extra.values(), default=0)
-        rc = self.api.slots_init(model.ptr, self.n_alloc)
+        if kinds:
+            arr = (ctypes.c_int32 * model.n_layer)(*[kinds.get(il, _native.LAYER_SLOTS) for il in range(model.n_layer)])
+            rc = self.api.slots_init_layers(model.ptr, self.n_alloc, arr, model.n_layer)
+        else:
+            rc = self.api.slots_init(model.ptr, self.n_alloc)
         if rc != 0:
             raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
         self.tier = tier or RamTier()

@@ -153,6 +153,7 @@ class Session:
         # on the disk tier the experts live in the file: loading must not read them all (patch 0005)
         self.target = native.Model(cfg.model, device=self.device, lazy_experts=self.tier.name == "disk")
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
+        self.target_splits: tuple[int, int] | None = None
         self.prefetch_plan = self.ahead = self.plan_governor = None
         try:
             self._build(dlay)
@@ -190,6 +191,7 @@ class Session:
 
             self.cache.warm(routing_profile(cfg.profile, self.layout))
         self.tctx = native.Context(self.target, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
+        self.target_splits = native.graph_splits()  # host round trips of the target's graphs (bench reports them)
         if dlay is not None:
             # a draft lives whole on the device (its bytes are in the budget)
             self.draft = native.Model(cfg.draft, device=self.device, n_cpu_moe=0 if self.device else None)

@@ -22,11 +22,14 @@
 #      |dlogit| <= 1e-4); plus one prompt of >= 32 tokens per arch (the ubatch where op offload would kick in)
 #   5. bench: one VRAM budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in
 #      time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
-#      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, on-demand-lru and specter (with a
-#      draft made by `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device and them; what
-#      is missing is a row saying so
-# Then one table (stdout and $OUT/table.txt), $OUT/results.json (every step; the JSON that verify and bench
-# printed), $OUT/build_log_tail.txt, $OUT/bench.json and $OUT/gpu_check.log (every command's output).
+#      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
+#      and slot layers the cost model chooses at the budget), on-demand-lru and specter (with a draft made by
+#      `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device and them; what is missing is a
+#      row saying so
+# Then one table (stdout and $OUT/table.txt), and under it the device rows' host round trips beside their time per
+# token (llama.cpp's splits of the one-token graph, host switches per MoE layer: stock --cpu-moe, stock --n-cpu-moe
+# at equal memory, our plan; also $OUT/device_table.txt), $OUT/results.json (every step; the JSON that verify and
+# bench printed), $OUT/build_log_tail.txt, $OUT/bench.json and $OUT/gpu_check.log (every command's output).
 #
 # Assumptions about the GPU machine (this workplace's H200 kind: 16 cores, no network; run by the device tool):
 #   - bash with coreutils (timeout), a C/C++ compiler, CMake >= 3.18 on PATH or as this Python's `cmake` package;
@@ -152,14 +155,42 @@ def bench_rows(path, steps, status, secs):
             rows.append((f"bench {name}", "skip", "", str(p["skipped"])))
             continue
         same = p.get("same_tokens_as_stock")
+        splits = (f", {p['splits_per_token']} splits/token = {p['host_switches_per_moe_layer']:.2f} host switches "
+                  f"per MoE layer" if "splits_per_token" in p else "")
         rows.append((f"bench {name}", "ok", "",
                      f"{p['decode_tok_s']:.1f} tok/s, TPOT {p['tpot_ms']:.2f} ms, prefill "
                      f"{p.get('prefill_tok_s', float('nan')):.0f} tok/s, hit {100 * p.get('hit_rate', 1):.0f}%, "
-                     f"{p['bytes_per_token'] / 1024:.0f} KiB/token"
+                     f"{p['bytes_per_token'] / 1024:.0f} KiB/token" + splits
                      + ("" if same is None else f", {'same' if same else 'DIFFERENT'} tokens as stock")))
     with open(steps, "a") as f:
         for row in rows:
             f.write("\t".join(str(x) for x in row) + "\n")
+
+
+def device_table(bench_json, out):
+    """Host round trips beside time per token: stock --cpu-moe, stock --n-cpu-moe at equal device memory, our
+    layer plan (and the other device rows bench ran), one table ($OUT/device_table.txt)."""
+    r = last_json(bench_json)
+    order = ["stock-cpu-moe", "stock-n-cpu-moe", "plan", "stock-device", "all-resident", "on-demand-lru", "specter"]
+    pol = r["policies"]
+    names = [n for n in order if n in pol] + [n for n in pol if n not in order]
+    lines = [f"{r['model'].rsplit('/', 1)[-1]} on {r.get('device')}, budget {r['budget']}",
+             f"{'placement':<18} {'TPOT ms':>9} {'splits/token':>13} {'switches/MoE layer':>19}  note"]
+    for n in names:
+        p = pol[n]
+        if "tpot_ms" not in p:
+            lines.append(f"{n:<18} {'-':>9} {'-':>13} {'-':>19}  {str(p.get('skipped', ''))[:60]}")
+            continue
+        note = f"N={p['n_cpu_moe']}" if "n_cpu_moe" in p else ""
+        if n == "plan" and "layer_plan" in r:
+            lp = r["layer_plan"]
+            note = (f"{lp['plan']}; predicted {lp['predicted_ms']:.2f} ms vs stock --n-cpu-moe "
+                    f"{lp['predicted_stock_n_cpu_moe_ms']:.2f}, --cpu-moe {lp['predicted_stock_cpu_moe_ms']:.2f}")
+        lines.append(f"{n:<18} {p['tpot_ms']:>9.2f} {p.get('splits_per_token', '-'):>13} "
+                     f"{p.get('host_switches_per_moe_layer', float('nan')):>19.2f}  {note}")
+    text = "\n".join(lines)
+    print(text)
+    Path(out, "device_table.txt").write_text(text + "\n")
 
 
 def table(steps, out, total, dry, device, work):
@@ -394,7 +425,7 @@ fi
 
 # --- 5. bench -----------------------------------------------------------------------------------------------------
 # all-resident beside stock-device: bench then reports the routing round trip per MoE layer
-WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe on-demand-lru specter"
+WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru specter"
 if [ "$BUILT" = 1 ]; then
     COLUMNS=300 "$PY" -m pyspecter bench --help > "$WORK/bench_help.txt" 2>&1
     have=$("$PY" -c 'from pyspecter.cli import BENCH_POLICIES; print(" ".join(BENCH_POLICIES))' 2>/dev/null)
@@ -434,6 +465,7 @@ if [ "$BUILT" = 1 ]; then
             cp "$WORK/bench.txt" "$OUT/bench.json"
             "$PY" "$GC" bench-rows "$WORK/bench.txt" "$STEPS" "$(status_of $bench_rc)" "$bench_secs" 2>> "$LOG" \
                 || record bench "$(status_of $bench_rc)" "$bench_secs" "$(last_line "$WORK/bench.txt")"
+            "$PY" "$GC" device-table "$WORK/bench.txt" "$OUT" > "$WORK/device_table.txt" 2>> "$LOG" || true
         fi
     fi
 else
@@ -444,6 +476,10 @@ fi
 TOTAL=$(($(date +%s) - T0))
 "$PY" "$GC" table "$STEPS" "$OUT" "$TOTAL" "$DRY" "$DEVICE" "$WORK" \
     || { column -t -s $'\t' "$STEPS" | tee "$OUT/table.txt"; }
+if [ -s "$WORK/device_table.txt" ]; then
+    echo; echo "host round trips and time per token:"; cat "$WORK/device_table.txt"
+    { echo; echo "host round trips and time per token:"; cat "$WORK/device_table.txt"; } >> "$OUT/table.txt"
+fi
 failed=$(awk -F'\t' '$2 != "ok" && $2 != "skip"' "$STEPS" | wc -l)
 say "done in ${TOTAL}s; results in $OUT"
 [ "$failed" = 0 ]

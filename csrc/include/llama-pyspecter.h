@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 9
+#define LLAMA_PYSPECTER_VERSION 10
 
 #ifdef __cplusplus
 extern "C" {
@@ -62,6 +62,20 @@ typedef void (*llama_pyspecter_route_cb)(void * user_data, int32_t il, int32_t n
 // creating a context on it. All experts start non-resident. CPU slots are not touched here, so a slot takes memory
 // only once an expert is written into it. Returns 0, or a negative status.
 LLAMA_API int32_t llama_pyspecter_slots_init(struct llama_model * model, int32_t n_slots);
+
+// A layer plan: what each MoE layer is. Only slot layers get slots and a routing op; host and full layers keep
+// stock llama.cpp's graph, with their experts wherever the model load put them (host layers: in host memory, as
+// with --cpu-moe; full layers: on the device, as stock's device layers, with no host round trip at all).
+enum llama_pyspecter_layer_kind {
+    LLAMA_PYSPECTER_LAYER_SLOTS = 0,
+    LLAMA_PYSPECTER_LAYER_HOST  = 1,
+    LLAMA_PYSPECTER_LAYER_FULL  = 2,
+};
+// slots_init with a plan: kinds[il] for layers il < n_kinds (SLOTS beyond), n_kinds = 0 is slots_init.
+LLAMA_API int32_t llama_pyspecter_slots_init_layers(struct llama_model * model, int32_t n_slots,
+                                                    const int32_t * kinds, int32_t n_kinds);
+// SLOTS (the layer has slots), HOST (its experts are in host memory), FULL (on the device), -1 not a MoE layer
+LLAMA_API int32_t llama_pyspecter_layer_kind(const struct llama_model * model, int32_t il);
 LLAMA_API int32_t llama_pyspecter_n_slots   (const struct llama_model * model); // 0: slots not enabled
 LLAMA_API bool    llama_pyspecter_is_moe_layer(const struct llama_model * model, int32_t il);
 // bytes of one expert in one kind of weight of layer il; 0 if the layer has no such tensor
@@ -71,6 +85,11 @@ LLAMA_API size_t  llama_pyspecter_slots_nbytes (const struct llama_model * model
 // Residency. set_slot(il, e, s) makes expert e resident in slot s (the slot must already hold e's bytes);
 // s = -1 evicts e. A slot holds at most one expert: the previous owner of s becomes non-resident.
 // Change residency only from the routing hook or between decodes.
+//
+// On a device the slot matmul reads a remap table on the device, so residency reaches it in two ways: a new
+// mapping at the next fence (before each ubatch's graph runs: one copy per device), an eviction at once when the
+// layer may still run in the ubatch in flight, so that its slot can be overwritten as soon as set_slot returns.
+// The host computes exactly the rows the device sent to its zero slot, whatever the table held.
 LLAMA_API int32_t llama_pyspecter_slot_of  (const struct llama_model * model, int32_t il, int32_t expert);
 LLAMA_API int32_t llama_pyspecter_expert_in(const struct llama_model * model, int32_t il, int32_t slot);
 LLAMA_API int32_t llama_pyspecter_set_slot (struct llama_model * model, int32_t il, int32_t expert, int32_t slot);
@@ -211,6 +230,15 @@ LLAMA_API int32_t llama_pyspecter_drain(struct llama_model * model);
 // The routing trace (record): flat int32 [il, n, e_1 .. e_n] per routing call, the distinct experts ascending.
 // Copies and removes up to cap ints of whole calls; returns how many (0 with cap 0: the ints waiting).
 LLAMA_API size_t  llama_pyspecter_trace_take(struct llama_model * model, int32_t * out, size_t cap);
+// The device tables' counters since the last stats_reset (all zero without device slots).
+struct llama_pyspecter_device_stats {
+    int64_t fences;          // ubatches started (graph computes) with device tables
+    int64_t table_pushes;    // fences that copied a table to its device (something changed)
+    int64_t table_bytes;     // bytes those copies sent
+    int64_t eviction_writes; // evictions written to a table at once (the layer could still run this ubatch)
+};
+LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
+                                                   struct llama_pyspecter_device_stats * out);
 
 // Counters since the last reset (all zero when slots are not enabled).
 struct llama_pyspecter_stats {

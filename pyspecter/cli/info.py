@@ -52,6 +52,12 @@ def inspect(
         assert device is not None
         native_errors_exit()
         info["device"] = dataclasses.asdict(device_fit(lay, device))
+        from pyspecter.devcosts import plan_for
+        from pyspecter.native.devices import open_device
+
+        # the layer plan for the budget (else what the device holds), its inputs measured on the model (cached)
+        room = info["budget_bytes"] if budget is not None else info["device"]["slot_bytes"]
+        _, info["device"]["plan"] = plan_for(lay.path, lay, open_device(device), room)
     if json_out:
         print(json.dumps(info, indent=1))
         return
@@ -72,3 +78,9 @@ def inspect(
         d = info["device"]
         print(f"on {d['name']} ({d['description']}): {fmt_bytes(d['free_bytes'])} free of "
               f"{fmt_bytes(d['total_bytes'])}; {d['why']}")
+        p, c = d["plan"], d["plan"]["costs"]
+        print(f"layer plan for {fmt_bytes(p['device_bytes'])} of experts on the device: {p['plan']}; predicted "
+              f"{p['predicted_ms']:.2f} ms/token, stock --n-cpu-moe {p['stock_n_cpu_moe']} "
+              f"{p['predicted_stock_n_cpu_moe_ms']:.2f}, stock --cpu-moe {p['predicted_stock_cpu_moe_ms']:.2f} "
+              f"(measured: a host switch {c['split_us']:.0f} us, link {c['link_gbps']:.2f} GB/s, an expert row "
+              f"{c['cpu_row_us']:.1f} us on the host, {c['dev_row_us']:.1f} us on the device)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import re
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -171,13 +172,19 @@ def open_device(spec: str | None) -> Device | None:
 class Placement:
     """The llama_model_params fields that put every layer on ``device`` and the routed experts in host memory
     (pinned where the device offers a host buffer type). ``n_cpu_moe``: only the first N layers' experts stay on
-    the host (llama.cpp's --n-cpu-moe); None: all of them (--cpu-moe). Holds the ctypes arrays the params point
-    to, so keep it alive until the model is loaded."""
+    the host (llama.cpp's --n-cpu-moe); ``host_layers``: only those layers' (a layer plan's host and slot layers;
+    the others are full layers, all their experts on the device); neither: all of them (--cpu-moe). Holds the
+    ctypes arrays the params point to, so keep it alive until the model is loaded."""
 
-    def __init__(self, device: Device, n_cpu_moe: int | None = None) -> None:
+    def __init__(self, device: Device, n_cpu_moe: int | None = None,
+                 host_layers: Iterable[int] | None = None) -> None:
+        if n_cpu_moe is not None and host_layers is not None:
+            raise SpecterError("give n_cpu_moe or host_layers, not both")
         self.devices = (ctypes.c_void_p * 2)(device.ptr, None)
         host = device.host_buffer_type() or _cpu_buffer_type()
-        if n_cpu_moe is None:
+        if host_layers is not None:
+            patterns = [rf"blk\.{i}{EXPERT_PATTERN}" for i in sorted(set(host_layers))]
+        elif n_cpu_moe is None:
             patterns = [EXPERT_PATTERN]
         else:
             patterns = [rf"blk\.{i}{EXPERT_PATTERN}" for i in range(n_cpu_moe)]

@@ -15,13 +15,14 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 9
+PATCH_SERIES_VERSION = 10
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -66,12 +67,32 @@ def patch_series_version() -> int:
     return int(llama_lib().llama_pyspecter_version())
 
 
+# llama_context's line at context creation: "graph: nodes = N, splits = S, ..." or, when the prompt (pp) and the
+# one-token (tg) graphs differ, "graph (pp bs=.., tg bs=..): nodes = N / n, splits = S / s, ..."
+_SPLITS = re.compile(rb"graph[^:]*: nodes = \d+(?: / \d+)?, splits = (\d+)(?: / (\d+))?")
+_graph_splits: list[tuple[int, int]] = []
+
+
+def graph_splits() -> tuple[int, int] | None:
+    """(prompt graph, one-token graph) splits of the latest context created in this process, as llama.cpp's
+    scheduler counted them at its reserve (each split boundary is a switch between backends: on a device, a host
+    round trip); None before any context. Read from the log line the sink below keeps while discarding the rest."""
+    return _graph_splits[-1] if _graph_splits else None
+
+
 def quiet_logs() -> None:
-    """Silence llama.cpp's stderr chatter (model loading prints hundreds of lines)."""
+    """Silence llama.cpp's stderr chatter (model loading prints hundreds of lines); keep only the graph split
+    counts (``graph_splits``)."""
     import llama_cpp
 
     @llama_cpp.llama_log_callback
     def _sink(level, text, user_data):  # noqa: ARG001
+        if text and b"splits = " in text:
+            m = _SPLITS.search(text)
+            if m:
+                pp = int(m.group(1))
+                _graph_splits.append((pp, int(m.group(2) or pp)))
+                del _graph_splits[:-1]
         return None
 
     quiet_logs._keep = _sink  # type: ignore[attr-defined]  # the C side holds a pointer to it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 
 from pyspecter.errors import SpecterError
 from pyspecter.native.devices import Device, Placement
@@ -19,9 +20,10 @@ class Model:
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, load_mode: str = "mmap",
                  extra_bufts: bool = False, device: Device | None = None, n_cpu_moe: int | None = None,
-                 lazy_experts: bool = False) -> None:
-        """device: every layer on that ggml device, routed experts in host memory (all of them, or only the first
-        n_cpu_moe layers' as llama.cpp's --n-cpu-moe). None: everything on the CPU. lazy_experts: the file mapping
+                 host_layers: Iterable[int] | None = None, lazy_experts: bool = False) -> None:
+        """device: every layer on that ggml device, routed experts in host memory (all of them, only the first
+        n_cpu_moe layers' as llama.cpp's --n-cpu-moe, or only host_layers': a layer plan's host and slot layers).
+        None: everything on the CPU. lazy_experts: the file mapping
         is not pre-faulted for the routed experts (patch 0005), so a model bigger than RAM loads without reading
         them; stock pre-faults the whole file."""
         import llama_cpp
@@ -38,7 +40,7 @@ class Model:
         p.use_extra_bufts = extra_bufts
         if lazy_experts:
             p.lazy_mode = 2  # LLAMA_LAZY_MODE_ON: with patch 0005, routed experts too
-        placement = Placement(device, n_cpu_moe) if device is not None else None
+        placement = Placement(device, n_cpu_moe, host_layers) if device is not None else None
         if placement is not None:
             placement.apply(p)  # its arrays stay alive until the load below has read them
         self.ptr = llama_cpp.llama_model_load_from_file(self.path.encode(), p)

@@ -19,7 +19,9 @@ import numpy as np
 from pyspecter import native
 from pyspecter.budget import MemoryPlan, allocate_slots, check_slots, parse_budget, slots_for_budget, split_counts
 from pyspecter.cache import ExpertCache
+from pyspecter.devcosts import plan_for
 from pyspecter.errors import SpecterError
+from pyspecter.layerplan import LayerPlan
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model
@@ -34,8 +36,9 @@ from pyspecter.tiers import make_tier
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
-            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine")
-DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device")  # need --device
+            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine", "plan")
+# need --device; "plan": the layer plan (full, host and slot layers) the cost model chooses at the budget
+DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "plan")
 # with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
 DEVICE_DEFAULTS = ("stock-cpu-moe", "stock-n-cpu-moe", "on-demand-lru", "on-demand-cpu", "prev-token", "static-hot")
 APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their quality cost is measured apart)
@@ -70,6 +73,14 @@ def prompt_sets(path: Path, items: list[dict] | None, prompt_len: int | None) ->
         if items is None:
             return [_prompt_tokens(model, prompt_len or DEFAULT_PROMPT_LEN)]
         return [model.tokenize(render_prompt(model, p["messages"]))[:prompt_len] for p in items]
+
+
+def device_columns(splits: int | None, n_moe_layers: int, on_device: bool) -> dict:
+    """A device row's host round trips: llama.cpp's splits of the one-token graph, and the switches beyond the two
+    every device graph has (the host's input split, then the device), per MoE layer."""
+    if not on_device or splits is None:
+        return {}
+    return {"splits_per_token": splits, "host_switches_per_moe_layer": (splits - 2) / n_moe_layers}
 
 
 def calibration_profile(path: Path, layout: ModelLayout, n_threads: int) -> dict[int, list[int]]:
@@ -153,7 +164,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                 budget_bytes: int, n: int, repeat: int, n_threads: int, draft: str | Path | None, k: int,
                 adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None,
                 learned_slots: int | None = None, extra: dict[int, int] | None = None,
-                ) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
+                plan: LayerPlan | None = None) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
     """Every policy ``repeat`` times, interleaved so that drift hits every policy alike. Returns the runs, the
     policies skipped (and why: e.g. the draft alone is bigger than the budget) and how each capped run was held."""
     runs: dict[str, list[Run]] = {p: [] for p in policies}
@@ -191,7 +202,8 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                                                device=device.spec if device else None))
                 else:
                     runs[p].append(run_policy(p, path, layout, p_slots, tier, sets, n, n_threads, surrogate_width,
-                                              hot, device=device, budget_bytes=budget_bytes, extra=extra))
+                                              hot, device=device, budget_bytes=budget_bytes, extra=extra,
+                                              plan=plan if p == "plan" else None))
             except SpecterError as e:
                 skipped[p] = str(e)
     return runs, skipped, caps
@@ -249,6 +261,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     sets = prompt_sets(path, items, prompt_len)
     hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
     link_gbps = measure_link(path, tier, device=dev)
+    plan, plan_info = plan_for(path, layout, dev, budget_bytes) if dev is not None and "plan" in policies \
+        else (None, None)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
     run_policy("stock", path, layout, slots, tier, [sets[0][:8]], 2, n_threads)
     with tempfile.TemporaryDirectory(prefix="pyspecter-bench-") as tmp:
@@ -259,7 +273,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
                                           n_threads=n_threads, draft=draft, k=k, adaptive=adaptive, cutoff=cutoff,
                                           surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots,
-                                          extra=extra)
+                                          extra=extra, plan=plan)
     uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
                 "cgroup": "none"}
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)
@@ -273,6 +287,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "memory_cap": next(iter(caps.values()), uncapped)["memory_cap"],
                  "budget_bytes": budget_bytes, "budget_pct": 100 * budget_bytes / layout.expert_total_bytes,
                  "build": native.build_key(), "policies": {}}
+    if plan_info is not None:
+        out["layer_plan"] = plan_info
     layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
     ref = "stock-cpu-moe" if dev is not None and runs.get("stock-cpu-moe") else "stock"
     stock_tokens = runs[ref][0].tokens if runs.get(ref) else None
@@ -297,6 +313,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             # from a cold start to the first prompt's first token: load + that prefill (see Run.load_s)
             "cold_ttft_s": statistics.median(r.load_s + r.first_prefill_s for r in rs),
             "hit_rate": c.get("hit_rate", 1.0), "coverage": c.get("slot_row_rate", 1.0),
+            **device_columns(rs[-1].splits, len(layout.layers), dev is not None),
             "bytes_per_token": statistics.mean(ups) / n_decode,
             "stall_ms_per_token": statistics.mean(hook_ms) / n_decode,
             "route_us_per_call": c.get("route_us_per_call", 0.0),

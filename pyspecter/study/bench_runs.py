@@ -17,9 +17,10 @@ import psutil
 from pyspecter.budget import MemoryPlan
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
+from pyspecter.layerplan import LayerPlan, n_cpu_moe_for
 from pyspecter.layout import ModelLayout
 from pyspecter.models.calibration import select_neurons
-from pyspecter.native import Context, Model
+from pyspecter.native import Context, Model, graph_splits
 from pyspecter.native.devices import Device
 from pyspecter.policies import hot_experts
 from pyspecter.session import Session, SessionConfig
@@ -45,6 +46,8 @@ class Run:
     # our disk tier's load reads none of them, so prefill alone compares unlike work)
     load_s: float = 0.0
     first_prefill_s: float = 0.0
+    # llama.cpp's scheduler: splits of the decode context's one-token graph (native.graph_splits)
+    splits: int | None = None
 
 
 # counters that are ratios: recomputed from the summed counts, never summed themselves
@@ -136,18 +139,6 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
     return None
 
 
-def n_cpu_moe_for(layout: ModelLayout, budget_bytes: int) -> int:
-    """llama.cpp's --n-cpu-moe N for a device budget: the smallest N (experts of blocks < N stay on the host) whose
-    device-side experts fit in ``budget_bytes``, so stock's device memory for experts equals ours."""
-    on_device = 0
-    for L in sorted(layout.layers, key=lambda L: -L.index):  # from the last block down
-        layer_bytes = L.expert_bytes * layout.n_expert  # expert_bytes is one expert's
-        if on_device + layer_bytes > budget_bytes:
-            return L.index + 1
-        on_device += layer_bytes
-    return 0
-
-
 def _model_for(policy: str, path: Path, layout: ModelLayout, device: Device | None, budget_bytes: int,
                lazy_experts: bool = False) -> Model:
     """Stock is llama.cpp as users run it (repacked weights where the CPU has kernels for them); with a device,
@@ -168,20 +159,30 @@ def _model_for(policy: str, path: Path, layout: ModelLayout, device: Device | No
 def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompts: list[list[int]],
                n: int, n_threads: int, surrogate_width: float = 0.25,
                hot: dict[int, list[int]] | None = None, device: Device | None = None, budget_bytes: int = 0,
-               extra: dict[int, int] | None = None) -> Run:
+               extra: dict[int, int] | None = None, plan: LayerPlan | None = None) -> Run:
     """One run of a non-speculative policy over every prompt. ``hot``: static-hot's profile, per MoE layer the
     times each expert was selected (``bench.calibration_profile``: the model reading the packaged calibration
     prompts, text the bench never measures); its slots get the most selected, once. ``device``: layers (and our
     slots) on that device, experts' host copy in RAM."""
     proc = psutil.Process()
     t_load = time.perf_counter()
-    model = _model_for(policy, path, layout, device, budget_bytes, lazy_experts=tier == "disk")
+    if policy == "plan":
+        if plan is None or device is None:
+            raise SpecterError("policy plan needs --device (and a layer plan)")
+        model = Model(path, device=device, host_layers=plan.host_layers)
+    else:
+        model = _model_for(policy, path, layout, device, budget_bytes, lazy_experts=tier == "disk")
     cache = None
     try:
-        cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
+        if policy == "plan":
+            cache = ExpertCache(model, layout, plan.n_slots, miss="cpu", tier=make_tier("ram"),
+                                kinds=plan.native_kinds()) if plan.layers("slots") else None
+        else:
+            cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss
         first_prefill = None
         with Context(model, n_threads=n_threads, n_ctx=max(map(len, prompts)) + n + 8) as ctx:
+            splits = graph_splits()
             ctx.warmup()
             load_s = time.perf_counter() - t_load
             for prompt in prompts:
@@ -208,7 +209,8 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         c = merge_counters(parts)
         if cache:
             c["slots_mean"] = cache.usable_mean()
-        return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens, load_s, first_prefill or 0.0)
+        return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens, load_s, first_prefill or 0.0,
+                   splits[1] if splits else None)
     finally:
         if cache:
             cache.close()
@@ -261,6 +263,6 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
         st = s.stats()
         c.update({k: st[k] for k in ENGINE_STATS if k in st})
         return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens, load_s=load_s,
-                   first_prefill_s=first_prefill or 0.0)
+                   first_prefill_s=first_prefill or 0.0, splits=s.target_splits[1] if s.target_splits else None)
     finally:
         s.close()

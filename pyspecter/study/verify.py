@@ -8,8 +8,9 @@ import numpy as np
 
 from pyspecter.cache import ExpertCache
 from pyspecter.engine import greedy
+from pyspecter.layerplan import LayerPlan
 from pyspecter.layout import read_layout
-from pyspecter.native import Context, Model
+from pyspecter.native import Context, Model, device_stats, graph_splits
 from pyspecter.native.devices import open_device
 from pyspecter.tiers import make_tier
 
@@ -18,27 +19,33 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the s
 
 def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram", policy: str = "lru",
            prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512,
-           ordered: bool = False, device: str | None = None, native: bool | None = None) -> dict:
+           ordered: bool = False, device: str | None = None, plan: LayerPlan | None = None,
+           native: bool | None = None) -> dict:
     """Greedy tokens and logits of stock vs slot path. Attention and batching settings are identical in both
     (docs/DESIGN.md, exactness: routing near-ties make any difference there look like a slot bug). With a device,
-    stock gets the same placement (layers on the device, experts in host memory, no op offload). native: as
+    stock gets the same placement (layers on the device, experts in host memory, no op offload); with a layer
+    plan too (its full layers' experts on the device, its host and slot layers' in host memory). native: as
     ``ExpertCache``'s (None: C decides wherever it can)."""
     layout = read_layout(path).require_moe()
     the_tier = make_tier(tier)  # validate before the expensive part
     dev = open_device(device)
-    with (Model(path, device=dev) as stock_model,
+    host_layers = plan.host_layers if plan is not None and dev is not None else None
+    with (Model(path, device=dev, host_layers=host_layers) as stock_model,
           Context(stock_model, n_threads=n_threads, n_batch=n_batch, op_offload=False) as ctx):
+        stock_splits = graph_splits()
         toks = stock_model.tokenize(prompt)
         ref_tokens, ref_logits = greedy(ctx, toks, n_tokens)
 
-    with Model(path, device=dev) as model:
+    with Model(path, device=dev, host_layers=host_layers) as model:
         cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered,
-                            native=native)
+                            kinds=plan.native_kinds() if plan is not None else None, native=native)
         try:
             with Context(model, n_threads=n_threads, n_batch=n_batch) as ctx:
+                splits = graph_splits()
                 got_tokens, got_logits = greedy(ctx, toks, n_tokens)
                 cache.check()
             counters = cache.counters()
+            dev_stats = device_stats(model.ptr).as_dict()
         finally:
             cache.close()
 
@@ -58,4 +65,5 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         "upload_bytes": counters["upload_bytes"], "overflow_rows": counters["overflow_rows"], "late": counters["late"],
         "hook_us_per_call": counters["hook_us_per_call"], "route_us_per_call": counters["route_us_per_call"],
         "stock_tokens": ref_tokens, "slot_tokens": got_tokens,
+        "stock_splits": stock_splits, "splits": splits, "device_tables": dev_stats,
     }

@@ -19,9 +19,11 @@ from conftest import run_cli
 from pyspecter import native
 from pyspecter.cache import ExpertCache
 from pyspecter.engine import SpeculativeDecoder, greedy
+from pyspecter.layerplan import LayerPlan, stock_plan
 from pyspecter.layout import read_layout
 from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
+from pyspecter.native import graph_splits
 from pyspecter.native.devices import open_device
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
@@ -92,6 +94,74 @@ def test_slots_on_rpc_device_are_exact(name: str, share: str, miss: str, rpc: st
     assert r["max_abs_logit_diff"] == 0.0
     if share != "all":
         assert r["uploads"] > 0
+
+
+def mixed_plans(lay) -> list[LayerPlan]:
+    """Plans that mix every kind of layer, and the plan stock --n-cpu-moe makes of half the layers."""
+    moe = [L.index for L in lay.layers]
+    cycle = ["slots", "full", "host"]
+    return [LayerPlan({il: cycle[i % 3] for i, il in enumerate(moe)}, lay.n_expert // 2),
+            LayerPlan({il: "slots" if i % 2 else "full" for i, il in enumerate(moe)}, lay.n_expert_used),
+            LayerPlan({il: "host" if i < len(moe) // 2 else "slots" for i, il in enumerate(moe)}, lay.n_expert // 2)]
+
+
+@pytest.mark.parametrize("miss", ["wait", "cpu"])
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_layer_plans_on_rpc_device_are_exact(name: str, miss: str, rpc: str) -> None:
+    """Full, host and slot layers side by side; stock with the same placement (full layers' experts on the
+    device) is the reference."""
+    path = build_tiny(name)
+    lay = read_layout(path)
+    for plan in mixed_plans(lay):
+        r = verify(path, slots=plan.n_slots, miss=miss, prompt=LONG_PROMPT, n_tokens=12, device=rpc, plan=plan)
+        assert r["n_prompt_tokens"] >= 32
+        assert r["identical_tokens"], (plan, r["stock_tokens"], r["slot_tokens"])
+        assert r["max_abs_logit_diff"] == 0.0, plan
+        assert r["splits"] == r["stock_splits"], plan  # a slot layer costs what a host layer does
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])
+def test_ordered_wait_on_rpc_device_is_exact_and_pays_its_switches(name: str, rpc: str) -> None:
+    """Ordered wait (late experts) keeps the per-matmul route, asked for only: exact, at more host switches."""
+    path = build_tiny(name)
+    lay = read_layout(path)
+    r = verify(path, slots=lay.n_expert // 2, miss="wait", ordered=True, prompt=LONG_PROMPT, n_tokens=8, device=rpc)
+    assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0
+    assert r["splits"][1] > r["stock_splits"][1]
+
+
+def test_splits_on_rpc_device_are_stock_cpu_moe_s(rpc: str) -> None:
+    """Host round trips: a slot layer is one CPU split between two device ones, as a --cpu-moe layer; the device
+    tables need no round trip of their own inside a layer."""
+    dev = open_device(rpc)
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path, device=dev) as m, native.Context(m):
+        cpu_moe = graph_splits()
+    with native.Model(path, device=dev, n_cpu_moe=2) as m, native.Context(m):
+        n_cpu_moe = graph_splits()
+    with native.Model(path, device=dev, n_cpu_moe=0) as m, native.Context(m):
+        device_only = graph_splits()
+    assert cpu_moe is not None and n_cpu_moe is not None and device_only is not None
+    assert cpu_moe[1] == device_only[1] + 2 * len(lay.layers)
+    # every layer slots, against --cpu-moe; stock --n-cpu-moe 2's full layers with slots for its host ones
+    half = stock_plan(lay, 2)
+    as_slots = LayerPlan({il: "slots" if k == "host" else k for il, k in half.kinds.items()}, lay.n_expert // 2)
+    for plan, want in [(None, cpu_moe), (as_slots, n_cpu_moe)]:
+        with native.Model(path, device=dev, host_layers=plan.host_layers if plan else None) as m:
+            cache = ExpertCache(m, lay, lay.n_expert // 2, miss="cpu", kinds=plan.native_kinds() if plan else None)
+            try:
+                with native.Context(m) as ctx:
+                    ours = graph_splits()
+                    ctx.decode(m.tokenize(LONG_PROMPT))
+                    for t in range(4):
+                        ctx.decode([t + 1])
+                    cache.check()
+                tables = native.device_stats(m.ptr)
+                assert tables.fences >= 5 and tables.table_pushes >= 1  # landed uploads reached the device
+            finally:
+                cache.close()
+        assert ours == want, plan
 
 
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
@@ -175,7 +245,7 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
 
     endpoint, _ = own_rpc
     r = run_cli("bench", "tiny-qwen3moe", "--device", endpoint, "--budget", "50%", "--repeat", "1", "-n", "4",
-                "--policies", "stock-cpu-moe,stock-n-cpu-moe,on-demand-lru,on-demand-cpu", "--json", timeout=600)
+                "--policies", "stock-cpu-moe,stock-n-cpu-moe,on-demand-lru,on-demand-cpu,plan", "--json", timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["device"].startswith("RPC")
@@ -183,3 +253,12 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     assert pol["stock-n-cpu-moe"]["n_cpu_moe"] == 2  # 4 MoE layers, half the expert bytes on the device
     assert pol["on-demand-lru"]["same_tokens_as_stock"] and pol["on-demand-cpu"]["same_tokens_as_stock"]
     assert pol["stock-n-cpu-moe"]["same_tokens_as_stock"]
+    # host round trips: a slot layer costs what a --cpu-moe layer does; the plan is never predicted slower
+    assert pol["stock-cpu-moe"]["host_switches_per_moe_layer"] == 2.0
+    for p in ("on-demand-lru", "on-demand-cpu"):
+        assert pol[p]["splits_per_token"] == pol["stock-cpu-moe"]["splits_per_token"]
+    assert pol["plan"]["same_tokens_as_stock"]
+    assert pol["plan"]["splits_per_token"] <= pol["stock-cpu-moe"]["splits_per_token"]
+    lp = out["layer_plan"]
+    assert lp["predicted_ms"] <= lp["predicted_stock_n_cpu_moe_ms"] + 1e-9
+    assert lp["device_bytes"] <= out["budget_bytes"]

@@ -1,0 +1,149 @@
+"""A layer plan on a device: what each MoE layer is, chosen by a cost model from measured inputs.
+
+  full   all the layer's experts on the device: no routing op and no host round trip (stock's device layers);
+  host   all of them in host memory, computed there: two switches per token (stock ``--cpu-moe`` layers);
+  slots  the dynamic cache: the slot path on the device, misses on the host, one host visit (two switches).
+
+Stock ``--n-cpu-moe N`` (the first N blocks host, the rest full) is one point of this space at its own device
+memory, so the plan chosen at that memory is never predicted slower than it. The model's inputs (the cost of one
+host switch, the link's speed, and the host's and the device's time per (token, expert) row) are measured on the
+model itself by ``devcosts.measure`` and cached per machine, device and model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspecter import native
+from pyspecter.errors import SpecterError
+from pyspecter.layout import ModelLayout
+
+KINDS = ("full", "host", "slots")
+_NATIVE = {"slots": native.LAYER_SLOTS, "host": native.LAYER_HOST, "full": native.LAYER_FULL}
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """What one token costs on a device, by piece (microseconds, GB/s), as measured (``devcosts.measure``)."""
+
+    split_us: float  # one host<->device switch (a stream synchronisation and copy; a TCP round trip on RPC)
+    link_gbps: float  # host -> device uploads
+    cpu_row_us: float  # one (token, expert) row of the expert FFN on the host
+    dev_row_us: float  # ... on the device
+    base_us: float = 0.0  # everything else of a token (attention, dense layers, output) on the device
+
+    def as_dict(self) -> dict[str, float]:
+        return {"split_us": self.split_us, "link_gbps": self.link_gbps, "cpu_row_us": self.cpu_row_us,
+                "dev_row_us": self.dev_row_us, "base_us": self.base_us}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    kinds: dict[int, str]  # MoE layer -> full | host | slots
+    n_slots: int = 0  # slots per slot layer (0: no slot layer)
+
+    def __post_init__(self) -> None:
+        bad = {k for k in self.kinds.values() if k not in KINDS}
+        if bad:
+            raise SpecterError(f"layer kinds {sorted(bad)}: expected {', '.join(KINDS)}")
+        if self.layers("slots") and self.n_slots <= 0:
+            raise SpecterError("a plan with slot layers needs n_slots > 0")
+
+    def layers(self, kind: str) -> list[int]:
+        return sorted(il for il, k in self.kinds.items() if k == kind)
+
+    @property
+    def host_layers(self) -> list[int]:
+        """Layers whose experts stay in host memory (host and slot layers): the model load's placement."""
+        return sorted(il for il, k in self.kinds.items() if k != "full")
+
+    def native_kinds(self) -> dict[int, int]:
+        """For ``ExpertCache(kinds=...)``."""
+        return {il: _NATIVE[k] for il, k in self.kinds.items()}
+
+    def device_bytes(self, layout: ModelLayout) -> int:
+        """Device memory for experts: a full layer's every expert, a slot layer's slots and its zero slot."""
+        eb = {L.index: L.expert_bytes for L in layout.layers}
+        return sum(eb[il] * (layout.n_expert if k == "full" else self.n_slots + 1 if k == "slots" else 0)
+                   for il, k in self.kinds.items())
+
+    def switches_per_token(self) -> int:
+        """Host<->device switches per token the plan's MoE layers cost (full: 0, host and slots: 2)."""
+        return sum(2 for k in self.kinds.values() if k != "full")
+
+    def describe(self, layout: ModelLayout) -> str:
+        n = {k: len(self.layers(k)) for k in KINDS}
+        parts = [f"{n['full']} full", f"{n['slots']} slots ({self.n_slots}/{layout.n_expert})", f"{n['host']} host"]
+        return ", ".join(p for p, k in zip(parts, KINDS, strict=True) if n[k])
+
+
+def n_cpu_moe_for(layout: ModelLayout, budget_bytes: int) -> int:
+    """llama.cpp's --n-cpu-moe N for a device budget: the smallest N (experts of blocks < N stay on the host) whose
+    device-side experts fit in ``budget_bytes``, so stock's device memory for experts equals ours."""
+    on_device = 0
+    for L in sorted(layout.layers, key=lambda L: -L.index):  # from the last block down
+        layer_bytes = L.expert_bytes * layout.n_expert  # expert_bytes is one expert's
+        if on_device + layer_bytes > budget_bytes:
+            return L.index + 1
+        on_device += layer_bytes
+    return 0
+
+
+def stock_plan(layout: ModelLayout, n_cpu_moe: int | None) -> LayerPlan:
+    """Stock llama.cpp's placement as a plan: --n-cpu-moe N (blocks < N host, the rest full); None: --cpu-moe."""
+    return LayerPlan({L.index: "host" if n_cpu_moe is None or L.index < n_cpu_moe else "full" for L in layout.layers})
+
+
+def hit_rate(n_slots: int, n_expert: int) -> float:
+    """The hit rate the model assumes for n slots of n_expert: what they hold of an expert chosen at random, a
+    floor (routing repeats itself from token to token, and LRU keeps what repeats)."""
+    return min(max(n_slots, 0), n_expert) / n_expert
+
+
+def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts) -> float:
+    """Predicted time per decode token: the costs' base plus each MoE layer's experts and switches. A slot layer's
+    device path runs all k rows (misses on the zero slot), its misses run on the host as well and are uploaded
+    (counted in full: on RPC the link is this machine's CPU)."""
+    k = layout.n_expert_used
+    h = hit_rate(plan.n_slots, layout.n_expert)
+    eb = {L.index: L.expert_bytes for L in layout.layers}
+    t = costs.base_us
+    for il, kind in plan.kinds.items():
+        if kind == "full":
+            t += k * costs.dev_row_us
+        elif kind == "host":
+            t += 2 * costs.split_us + k * costs.cpu_row_us
+        else:
+            miss = k * (1 - h)
+            t += 2 * costs.split_us + k * costs.dev_row_us + miss * costs.cpu_row_us
+            t += miss * eb[il] / (costs.link_gbps * 1e3) if costs.link_gbps > 0 else 0.0
+    return t
+
+
+def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts) -> LayerPlan:
+    """The plan of least predicted time whose experts fit in ``device_bytes``: f full layers (the last ones, as
+    stock), s slot layers of n slots, the rest host, over every f, n and s (slots never fewer than top-k, nor E:
+    a layer with every expert is a full layer). Stock's --n-cpu-moe at this memory is among the candidates."""
+    layers = [L.index for L in sorted(layout.layers, key=lambda L: L.index)]
+    E, k = layout.n_expert, layout.n_expert_used
+    eb = max(L.expert_bytes for L in layout.layers)  # plan by the largest layer: every plan below fits
+    best: tuple[float, LayerPlan] | None = None
+    for f in range(len(layers) + 1):
+        left = device_bytes - f * E * eb
+        if left < 0:
+            break
+        rest = layers[: len(layers) - f]
+        full = {il: "full" for il in layers[len(layers) - f:]}
+        for n in [0, *range(k, E)]:
+            fit = min(len(rest), left // ((n + 1) * eb)) if n else 0
+            for s in {0, fit}:
+                kinds = {**{il: "host" for il in rest}, **full}
+                for il in rest[len(rest) - s:] if s else []:
+                    kinds[il] = "slots"
+                plan = LayerPlan(kinds, n if s else 0)
+                t = predict_us(plan, layout, costs)
+                if best is None or t < best[0] - 1e-9:
+                    best = (t, plan)
+    if best is None:
+        raise SpecterError("negative device memory for experts")
+    return best[1]

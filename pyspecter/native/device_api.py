@@ -1,0 +1,57 @@
+"""The C API of layer plans and device remap tables (csrc/include/llama-pyspecter.h), declared like the rest of
+``lib`` and bound with it (``slots()`` binds every declaration once this module is imported)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from pyspecter.native.lib import ModelPtr, _i32, _model, ctypes_function, slots
+
+# enum llama_pyspecter_layer_kind: what a MoE layer is in a layer plan
+LAYER_SLOTS, LAYER_HOST, LAYER_FULL = 0, 1, 2
+LAYER_KIND_NAMES = {LAYER_SLOTS: "slots", LAYER_HOST: "host", LAYER_FULL: "full"}
+
+
+@ctypes_function("llama_pyspecter_slots_init_layers", [_model, _i32, ctypes.POINTER(_i32), _i32], _i32)
+def llama_pyspecter_slots_init_layers(model: ModelPtr, n_slots: int, kinds: Any, n_kinds: int, /) -> int:
+    """slots_init with a layer plan: kinds[il] (LAYER_*) for il < n_kinds; only LAYER_SLOTS layers get slots."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_layer_kind", [_model, _i32], _i32)
+def llama_pyspecter_layer_kind(model: ModelPtr, il: int, /) -> int:
+    """LAYER_SLOTS, LAYER_HOST (experts in host memory), LAYER_FULL (on the device), or -1 (not a MoE layer)."""
+    ...
+
+
+class DeviceStats(ctypes.Structure):
+    """struct llama_pyspecter_device_stats: the device remap tables' counters since the last stats_reset."""
+
+    _fields_ = [
+        ("fences", ctypes.c_int64),  # ubatches started with device tables
+        ("table_pushes", ctypes.c_int64),  # fences that copied a table to its device
+        ("table_bytes", ctypes.c_int64),  # bytes those copies sent
+        ("eviction_writes", ctypes.c_int64),  # evictions written to a table at once
+    ]
+
+    fences: int
+    table_pushes: int
+    table_bytes: int
+    eviction_writes: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+@ctypes_function("llama_pyspecter_get_device_stats", [_model, ctypes.POINTER(DeviceStats)], None)
+def llama_pyspecter_get_device_stats(model: ModelPtr, out: Any, /) -> None:
+    """Fill a DeviceStats (pass ctypes.byref(stats))."""
+    ...
+
+
+def device_stats(model: ModelPtr) -> DeviceStats:
+    """The device remap tables' counters since the last stats_reset."""
+    out = DeviceStats()
+    slots().get_device_stats(model, ctypes.byref(out))
+    return out
