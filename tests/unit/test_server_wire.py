@@ -214,13 +214,13 @@ def _validate(body: bytes, chat: bool) -> None:
     assert all(s.encode("utf-8") for s in req.stop)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_body, st.booleans())
 def test_fuzz_random_json_in_every_field(body: dict, chat: bool) -> None:
     _validate(json.dumps(body).encode(), chat)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64) | _json.map(lambda v: json.dumps(v).encode()), st.booleans())
 def test_fuzz_any_bytes(body: bytes, chat: bool) -> None:
     _validate(body, chat)
