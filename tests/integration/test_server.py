@@ -168,7 +168,7 @@ def test_tiny_sampling_is_per_request(tiny: Server) -> None:
 
 def _greedy_equals_generate(srv: Server, args: tuple[str, ...], model: str, prompt: str, n: int) -> dict:
     """The server's greedy answer is the command line's, token for token; returns generate's JSON."""
-    g = run_cli("generate", *args, "-p", prompt, "-n", str(n), "--json")
+    g = run_cli("generate", *args, "-p", prompt, "-n", str(n), "--json", "--raw")  # completions continue text
     assert g.returncode == 0, g.stderr
     ref = json.loads(g.stdout)
     r = srv.client().completions.create(model=model, prompt=prompt, max_tokens=n)
@@ -220,7 +220,7 @@ def test_with_a_draft(tmp_path: Path) -> None:
     params.allow_requantize = True
     assert llama_cpp.llama_model_quantize(str(build_tiny("tiny-mixtral")).encode(), str(draft).encode(),
                                           ctypes.byref(params)) == 0
-    g = run_cli("generate", "tiny-mixtral", "-p", "speculate on this", "-n", "16", "--json")
+    g = run_cli("generate", "tiny-mixtral", "-p", "speculate on this", "-n", "16", "--json", "--raw")
     assert g.returncode == 0, g.stderr
     with serving(tmp_path, "tiny-mixtral", "--draft", str(draft), "--budget", "100%") as srv:
         client = srv.client()
