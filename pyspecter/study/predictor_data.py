@@ -28,21 +28,27 @@ TUNE_ANSWER_TOKENS = 256
 
 
 class Progress:
-    """A progress bar on stderr that advances by any step (models/progress.py's lines assume steps of one)."""
+    """A progress bar on stderr that advances by any step (models/progress.py's lines assume steps of one). A file
+    or pipe gets whole lines about every 10%, and at least every QUIET_S seconds: on a busy machine a tenth of a
+    fit's recording can take half a minute, and a log silent that long looks hung."""
+
+    QUIET_S = 5.0
 
     def __init__(self, what: str, total: int, unit: str) -> None:
         self.what, self.total, self.unit = what, max(total, 1), unit
         self.t0, self.shown = time.monotonic(), -1
+        self.last = self.t0
 
     def update(self, i: int) -> None:
         from pyspecter.models.progress import step
 
         tenth = i * 10 // self.total
-        if sys.stderr.isatty() or tenth != self.shown:  # a file or pipe gets whole lines about every 10%
-            self.shown = tenth
+        now = time.monotonic()
+        if sys.stderr.isatty() or tenth != self.shown or now - self.last >= self.QUIET_S:
+            self.shown, self.last = tenth, now
             filled = i * 30 // self.total
             step(f"{self.what} [{'#' * filled}{'.' * (30 - filled)}] {i}/{self.total} {self.unit}, "
-                 f"{time.monotonic() - self.t0:.0f}s", 1, 1)
+                 f"{now - self.t0:.0f}s", 1, 1)
 
     def close(self) -> None:
         from pyspecter.models.progress import done
@@ -93,9 +99,11 @@ class _Recorder:
         self.hooks.close()
 
 
-def _continue(ctx, model, tokens: list[int], n_gen: int, rng: np.random.Generator | None) -> list[int]:
+def _continue(ctx, model, tokens: list[int], n_gen: int, rng: np.random.Generator | None,
+              tick=None) -> list[int]:
     """Decode ``tokens`` with every row an output, then n_gen more tokens (greedy, or sampled when rng is given),
-    stopping at end of generation. Returns the whole sequence, one entry per recorded row."""
+    stopping at end of generation. Returns the whole sequence, one entry per recorded row. ``tick(n)``: called
+    after each generated token with the sequence's length so far (progress within a long answer)."""
     ctx.clear()
     logits = ctx.decode(tokens, logits_all=True)[-1]
     seq = list(tokens)
@@ -109,6 +117,8 @@ def _continue(ctx, model, tokens: list[int], n_gen: int, rng: np.random.Generato
             break
         logits = ctx.decode([g])
         seq.append(g)
+        if tick is not None:
+            tick(len(seq))
     return seq
 
 
@@ -162,8 +172,10 @@ def record(model_path: str | os.PathLike, n_tokens: int, *, held_out: bool = Fal
                 total, i = 0, 0
                 while total < n_tokens and i < 4 * len(items):
                     toks, n_gen = items[i % len(items)]
+                    n_gen = min(n_gen, max(n_tokens - total - len(toks), 0))  # no answer past what is wanted
                     rng = np.random.default_rng(i) if i >= len(items) else None
-                    seq = _continue(ctx, model, toks, n_gen, rng)
+                    tick = (lambda m, t=total: bar.update(min(t + m, n_tokens))) if progress else None
+                    seq = _continue(ctx, model, toks, n_gen, rng, tick)
                     X, ids = rec.take()
                     keep = np.ones(len(seq), bool)
                     for t in range(len(seq)):
