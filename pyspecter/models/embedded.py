@@ -6,10 +6,10 @@ as the model's sidecar, which is keyed by the file's content (``learned.sidecar_
 The fit here is smaller than ``fit-predictor``'s default (12000 fit and 2048 held-out tokens, about 10 minutes on
 two idle cores), so that a fresh clone's ``make test`` stays cheap: recording runs the model token by token with a
 Python hook at every layer, ~40 ms of CPU a token on smol-moe. Measured on the shared 2-core machine under load
-(load average 12-15): 2000 fit + 256 held-out tokens took 544 s wall, 116 s of CPU, and recalled 68.2% of the
-next MoE layer's top-2 on held-out text; 1000 + 256 took 186 s wall, 68 s of CPU, 62.9%; the full fit recalls
-78.5% (docs/PREDICTION.md). EMBEDDED_FIT_TOKENS sits between the two. ``pyspecter fit-predictor smol-moe``
-replaces it with the full fit (the same sidecar).
+(load average 12-15), fit + held-out tokens: 2000 + 256 took 544 s wall and 116 s of CPU, and recalled 68.2% of
+the next MoE layer's top-2 on held-out text; 1500 + 256: 475 s, 91 s, 65.3%; 1000 + 256: 186 s, 68 s, 62.9%. The
+full fit recalls 78.5% (docs/PREDICTION.md). ``pyspecter fit-predictor smol-moe`` replaces this one with the full
+fit (the same sidecar).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pyspecter.learned import LearnedPredictor, model_key, predictors_dir, sidecar_path
 
-EMBEDDED_FIT_TOKENS = 1500
+EMBEDDED_FIT_TOKENS = 1000
 EMBEDDED_EVAL_TOKENS = 256
 EMBEDDED_HORIZONS = 4
 
@@ -51,7 +51,7 @@ def ensure_predictor(model_path: Path, *, progress: bool = True) -> Path:
 
         if progress:
             print(f"{model_path.stem}: fitting its learned routing predictor on {EMBEDDED_FIT_TOKENS} tokens "
-                  "(once per model file; about 1.5 minutes on two idle cores)", file=sys.stderr, flush=True)
+                  "(once per model file; about a minute on two idle cores)", file=sys.stderr, flush=True)
         r = fit_model(model_path, None, horizons=EMBEDDED_HORIZONS, n_tokens=EMBEDDED_FIT_TOKENS,
                       eval_tokens=EMBEDDED_EVAL_TOKENS, n_threads=1, progress=progress)
         if progress:

@@ -31,7 +31,7 @@ from pyspecter.prompts import load_prompts, render_prompt
 from pyspecter.study.analyze import simulate_cache
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
-from pyspecter.study.forced import FORCED, default_mode, forced_tokens, same_logits
+from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
@@ -341,7 +341,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             # every step's logits bit for bit stock's on the same fed tokens
             "decode": rs[0].decode,
             "same_tokens_as_stock": (all(r.tokens == stock_tokens for r in rs)
-                                     if stock_tokens is not None and rs[0].decode == runs[ref][0].decode else None),
+                                     if stock_tokens is not None and rs[0].decode == runs[ref][0].decode == FREE
+                                     else None),
             "same_logits_as_stock": (all(same_logits(stock_digests, r.digests) for r in rs)
                                      if stock_digests is not None and rs[0].digests is not None else None),
             **caps.get(p, uncapped),
