@@ -55,25 +55,24 @@ def _one_line_error(r: subprocess.CompletedProcess, path_part: str) -> str:
     return line
 
 
-def _leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.rglob("*") if p.is_file() and p.name != "fill")
-
-
 def test_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
     mount = f"mount -t tmpfs -o size=40m tmpfs {cache}"
     env = f"env SPECTER_CACHE={cache} {PY} -m pyspecter"
     # 1.7 GB of bench-qwen3moe into 40 MiB: refused before a byte is written (it used to fail 12 s in)
+    left = f"rc=$?; find {cache} -type f ! -name fill; exit $rc"  # what stays in the cache: printed on stdout
     t0 = time.monotonic()
-    r = _in_namespace(mount, f"{env} models build bench-qwen3moe")
+    r = _in_namespace(mount, f"sh -c '{env} models build bench-qwen3moe; {left}'")
     line = _one_line_error(r, str(cache / "models" / "bench-qwen3moe-"))
     assert "needed" in line and "free" in line
     assert time.monotonic() - t0 < 60
+    assert r.stdout == ""  # no partial file, no lock file
     # the disk already full: a small fixture too is one line, not a chained double traceback
     r = _in_namespace(f"{mount}\nmkdir {cache}/models\ndd if=/dev/zero of={cache}/fill bs=1M 2>/dev/null || true",
-                      f"sh -c '{env} models build tiny-mixtral; rc=$?; ls -A {cache}/models >&2; exit $rc'")
+                      f"sh -c '{env} models build tiny-mixtral; {left}'")
     _one_line_error(r, str(cache / "models"))
+    assert r.stdout == ""
 
 
 def test_read_only_cache_is_one_line(tmp_path: Path) -> None:
