@@ -22,6 +22,8 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import run_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
 
@@ -446,8 +448,8 @@ def _hostile_probes(srv: Server) -> dict[int, int]:
     for t in threads:
         t.join(timeout=300)
     assert len(results) == 40 and set(results) <= {200, 429}, results
-    for st in results:
-        seen[st] = seen.get(st, 0) + 1
+    for code in results:
+        seen[code] = seen.get(code, 0) + 1
     socks = _open_idle(srv, 150 - 100) + _open_idle(srv, 100, partial=True)  # more than --max-connections
     try:
         assert _closed_within(socks, 10) == len(socks)  # refused over the cap, or timed out idle
@@ -473,9 +475,9 @@ def test_hostile_input_gets_4xx_and_leaves_rss_flat(tmp_path: Path) -> None:
         print(f"\nserver RSS: {rss0 / 2**20:.1f} MiB at start, {rss1 / 2**20:.1f} MiB after one abuse run, "
               f"{rss2 / 2**20:.1f} MiB after a second")
         m = srv.metrics()
-        for st in seen1 | seen2:
-            if 400 <= st < 500:
-                assert m["client_errors"][str(st)] >= seen1.get(st, 0) + seen2.get(st, 0)
+        for code in seen1 | seen2:
+            if 400 <= code < 500:
+                assert m["client_errors"][str(code)] >= seen1.get(code, 0) + seen2.get(code, 0)
         assert m["client_errors"]["400"] >= 12 and m["client_errors"]["413"] >= 2
         assert m["connections"]["refused"] > 0 and m["connections"]["timed_out"] > 0
         assert "server_errors" not in m or not m["server_errors"], m["server_errors"]
@@ -535,3 +537,24 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_and_done(tmp_path: Path) ->
     log = srv.log.read_text()
     assert "Traceback" not in log and "without completing response" not in log, log[-3000:]
     assert re.search(r"POST /v1/chat/completions 200 tokens \d+\+\d+ \d+ ms", log)
+
+
+_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=8)  # lone surrogates included
+_json = st.recursive(st.none() | st.booleans() | st.integers(-5, 40) | st.floats() | _text,
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(_text, kids, max_size=3), max_leaves=8)
+_message = st.fixed_dictionaries({}, optional={"role": st.sampled_from(["user", "system", "assistant"]) | _json,
+                                               "content": _text | _json})
+_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "stop",
+           "stream", "stream_options", "n", "presence_penalty", "logit_bias", "response_format", "echo", "best_of")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({}, optional={name: _json for name in _FIELDS} | {
+    "messages": st.lists(_message, min_size=1, max_size=2) | _json,
+    "prompt": _text | st.lists(st.integers(-2, 400), max_size=4) | _json}), st.booleans())
+def test_fuzz_the_live_server_never_answers_5xx(tiny: Server, body: dict, chat: bool) -> None:
+    """Random JSON in every field, sent to the running server: always a 2xx or a 4xx with OpenAI's error shape."""
+    r = tiny.post("/v1/chat/completions" if chat else "/v1/completions", body, timeout=120)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
