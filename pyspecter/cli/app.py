@@ -107,4 +107,6 @@ def os_error_line(e: OSError) -> str:
     path = e.filename if e.filename is not None else cache_dir()
     reason = e.strerror or str(e)
     in_cache = Path(os.path.abspath(path)).is_relative_to(os.path.abspath(cache_dir()))
-    return f"cannot write {path}: {reason}" + (" (set SPECTER_CACHE to a writable folder)" if in_cache else "")
+    if in_cache:  # every command writes there: that is what failed
+        return f"cannot write {path}: {reason} (set SPECTER_CACHE to a writable folder)"
+    return f"cannot access {path}: {reason}"  # a file the user named, read or written
