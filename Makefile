@@ -19,7 +19,10 @@ build: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check pyspecter tests tools
 
+# smol-moe and its learned predictor first (cached; minutes on a fresh machine, with progress lines), so the
+# tests that use it find both, as a user's first `generate` would
 test: build lint
+	$(VENV)/bin/pyspecter models build smol-moe
 	$(PY) -m pytest -q
 
 # The fast tier alone: no llama.cpp build needed, seconds.

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,3 +51,55 @@ def atomic_path(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
 def write_text_atomic(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def check_free(path: Path, need: int, slack: int = 16 << 20) -> None:
+    """Refuse, before writing anything, to write ``need`` bytes to ``path`` when its folder has not that much
+    free (plus ``slack``: a disk filled to the last byte breaks everything else on the machine). The refusal is
+    the OSError a full disk would give, with the figures."""
+    free = shutil.disk_usage(Path(path).parent).free
+    if need + slack > free:
+        raise OSError(errno.ENOSPC, f"no space left on the device: {_mib(need + slack)} needed, {_mib(free)} free",
+                      str(path))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """Hold the build lock of ``path`` (its cache key): a second build of the same key waits here, then finds the
+    file built. Holding it, no live process writes this key, so temporary files of the key left by a build that
+    was killed (``.STEM-*.tmp``) are removed first. The lock file goes when the build ends."""
+    import fcntl
+
+    path = Path(path)
+    lock = path.parent / f".{path.name}.lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # the holder before us may have removed the file we waited on: lock the one that is there now
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        remove_stale(path)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        os.close(fd)
+
+
+def remove_stale(path: Path) -> list[Path]:
+    """Remove the temporary files of ``path``'s key (``.STEM-*.tmp``, as atomic_path names them). Call it only
+    holding build_lock(path). Returns what it removed."""
+    gone = []
+    for p in Path(path).parent.glob(f".{glob.escape(Path(path).stem)}-*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            gone.append(p)
+    return gone

@@ -87,3 +87,26 @@ def main() -> None:
     except SpecterError as e:
         print(f"pyspecter: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:  # `pyspecter ... | head`: the reader left; nothing to report
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except OSError as e:  # a full disk, a read-only or missing cache folder: one line, not a traceback
+        print(f"pyspecter: error: {os_error_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def os_error_line(e: OSError) -> str:
+    """What went wrong with which file, and what to do when it is the cache (where every command writes)."""
+    import os
+    from pathlib import Path
+
+    from pyspecter.paths import cache_dir
+
+    path = e.filename if e.filename is not None else cache_dir()
+    reason = e.strerror or str(e)
+    in_cache = Path(os.path.abspath(path)).is_relative_to(os.path.abspath(cache_dir()))
+    if in_cache:  # every command writes there: that is what failed
+        return f"cannot write {path}: {reason} (set SPECTER_CACHE to a writable folder)"
+    return f"cannot access {path}: {reason}"  # a file the user named, read or written

@@ -18,6 +18,7 @@ from pyspecter.cli.options import (
     THREADS_HELP,
     DeviceOpt,
     DraftOpt,
+    ForcedOpt,
     ForceOpt,
     ModelArg,
     PromptsOpt,
@@ -71,6 +72,7 @@ def bench(
                                                         "each row carries its whole setting")] = False,
     force: ForceOpt = False,
     device: DeviceOpt = None,
+    forced: ForcedOpt = None,
 ) -> None:
     """Time residency policies side by side on one model: same prompts, interleaved repeats, ratios.
 
@@ -115,7 +117,7 @@ def bench(
         results.append(run_bench(path, tier=p.tier, budget=p.budget, policies=split(policies or "") or None,
                                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=th, draft=dpath, k=k,
                                  adaptive=not fixed_k, cutoff=not no_cutoff, surrogate_width=surrogate_width,
-                                 prompts=prompts, device=p.device))
+                                 prompts=prompts, device=p.device, forced=forced))
         if not (json_out or csv_out):
             _print_bench(results[-1])
     if json_out:
@@ -135,14 +137,24 @@ def _prompt_desc(r: dict) -> str:
     return f"{r['n_prompts']} prompts of {Path(r['prompts']).name} ({r['prompt_tokens']} tokens)"
 
 
+def _mode(p: dict) -> str:
+    """A row's decode mode, and whether it kept to stock's output (tokens free, logits teacher-forced)."""
+    if p.get("computed"):
+        return ""
+    mode = "forced" if p.get("decode") == "teacher-forced" else "free"
+    same = p.get("same_logits_as_stock") if mode == "forced" else p.get("same_tokens_as_stock")
+    return mode + {True: "", False: " (differs from stock)", None: ""}[same]
+
+
 def _print_bench(r: dict) -> None:
     on = f" on {r['device']}" if r.get("device", "CPU") != "CPU" else ""
     print(f"{Path(r['model']).name}: {r['arch']}{on}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
           f"budget {r['budget']} = {r['slots_per_layer']}/{r['n_expert']} slots per layer, link "
           f"{r['link_gbps']:.2f} GB/s, {r['n_threads']} threads, {_prompt_desc(r)}, "
-          f"{r['decode_tokens']} decode tokens x {r['repeat']}; memory: {r['memory_cap']}")
+          f"{r['decode_tokens']} decode tokens x {r['repeat']} ({r.get('decode', 'free')}); "
+          f"memory: {r['memory_cap']}")
     print(f"{'policy':<22}{'TPOT ms':>9}{'mean ms':>9}{'tok/s':>9}{'prefill/s':>10}{'ttft s':>8}{'hit%':>7}"
-          f"{'KiB/tok':>9}{'stall ms':>9}{'hook us':>8}{'vs lru':>8}{'vs all':>8}{'slots':>7}")
+          f"{'KiB/tok':>9}{'stall ms':>9}{'hook us':>8}{'vs lru':>8}{'vs all':>8}{'slots':>7}  decode")
     for name, p in r["policies"].items():
         if "skipped" in p:
             print(f"{name:<22} skipped: {p['skipped']}")
@@ -153,7 +165,7 @@ def _print_bench(r: dict) -> None:
               f"{100 * p.get('hit_rate', 1):>7.1f}{p['bytes_per_token'] / 1024:>9.1f}"
               f"{p.get('stall_ms_per_token', 0):>9.2f}{p.get('hook_us_per_call', 0):>8.1f}"
               f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}"
-              f"{p['slots_mean'] if p.get('slots_mean') is not None else float('nan'):>7.2f}")
+              f"{p['slots_mean'] if p.get('slots_mean') is not None else float('nan'):>7.2f}  {_mode(p)}")
     if "round_trip_us_per_layer" in r:
         print(f"routing round trip (all-resident vs stock-device, per MoE layer): "
               f"{r['round_trip_us_per_layer']:.1f} us")

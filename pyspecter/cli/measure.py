@@ -14,6 +14,7 @@ from pyspecter.cli.options import (
     DEFAULT_MODEL,
     DEFAULT_THREADS,
     DeviceOpt,
+    ForcedOpt,
     MissOpt,
     ModelArg,
     ThreadsOpt,
@@ -136,6 +137,12 @@ def demo(
     raise typer.Exit(1)
 
 
+def _same_as_stock(x: dict) -> str:
+    if x.get("decode") == "teacher-forced":
+        return f"forced, logits {x.get('same_logits_as_stock')}"
+    return f"free, tokens {x.get('same_tokens_as_stock')}"
+
+
 @app.command()
 def scale(
     model: ModelArg = DEFAULT_MODEL,
@@ -147,6 +154,7 @@ def scale(
     no_stock: Annotated[bool, typer.Option("--no-stock", help="skip stock llama.cpp (slow on a model bigger "
                                                                "than RAM)")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    forced: ForcedOpt = None,
 ) -> None:
     """How cost grows with the model: load time, peak RSS, bytes read per token, prefill and TPOT of stock
     llama.cpp (mmap) and of the disk tier at each budget, each in a fresh process starting from a cold page cache,
@@ -164,7 +172,7 @@ def scale(
             print(f"pyspecter: auto = {fit.why}", file=sys.stderr)
             b = fit.budget or "100%"
         chosen.append(b)
-    r = run_scale(path, chosen, n=n, prompt_len=prompt_tokens, threads=threads, stock=not no_stock,
+    r = run_scale(path, chosen, n=n, prompt_len=prompt_tokens, threads=threads, stock=not no_stock, forced=forced,
                   progress=None if json_out else lambda c: print(f"measuring {c} ...", file=sys.stderr, flush=True))
     if json_out:
         print(json.dumps(r, indent=1))
@@ -172,9 +180,9 @@ def scale(
     gb = 1e9
     print(f"{Path(r['model']).name}: {r['file_bytes'] / gb:.1f} GB file ({r['nonexpert_bytes'] / gb:.2f} GB "
           f"non-expert), {r['ram_bytes'] / gb:.1f} GB RAM, {r['prompt_tokens']}-token prompt, "
-          f"{r['decode_tokens']} decode tokens, {r['threads']} threads, cold page cache")
+          f"{r['decode_tokens']} decode tokens ({r['decode']}), {r['threads']} threads, cold page cache")
     print(f"{'config':<14}{'load s':>8}{'load GB':>9}{'peak RSS GB':>12}{'prefill/s':>10}{'TPOT ms':>10}"
-          f"{'GB/tok':>8}{'hit%':>6}{'hook us':>8}{'stall ms':>9}  same as stock")
+          f"{'GB/tok':>8}{'hit%':>6}{'hook us':>8}{'stall ms':>9}  decode, same as stock")
     for x in r["runs"]:
         if "error" in x:
             print(f"{x['config']:<14} failed: {x['error']}")
@@ -183,4 +191,4 @@ def scale(
               f"{r['prompt_tokens'] / x['prefill_s']:>10.1f}{1e3 * x['tpot_s']:>10.0f}"
               f"{x['decode_read_bytes_per_token'] / gb:>8.2f}{100 * x.get('hit_rate', 1):>6.0f}"
               f"{x.get('hook_us_per_call', 0):>8.0f}{x.get('hook_ms_per_token', 0):>9.0f}  "
-              f"{x.get('same_tokens_as_stock')}")
+              f"{_same_as_stock(x)}")

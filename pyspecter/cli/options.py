@@ -63,6 +63,12 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="where layers an
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
                                                       "hottest experts before the first token")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+ForcedOpt = Annotated[bool | None, typer.Option(
+    "--teacher-forced/--free", show_default=False,
+    help="teacher-forced: every decode step is fed the next token of a held-out text (the packaged held-out "
+         "prose and eval prompts) instead of the one picked, identity checked on the logits; free: greedy "
+         "tokens. Default: teacher-forced on the random-weight built-ins (tiny-*, bench-qwen3moe, big-qwen3moe), "
+         "whose greedy text cycles through a few tokens so every cache hits; free otherwise")]
 
 
 def native_errors_exit() -> None:

@@ -77,11 +77,27 @@ def open_session(model: str, *, draft: str | None = None, budget: str | None = N
                               adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
                               profile=profile, surrogate_groups=groups, n_ctx=n_ctx, device=where.device,
                               **(sampling or {})), placement=where)
+    if s.predictor is None and s.ahead is None and dpath is None and s.n_slots < s.layout.n_expert:
+        _hint_predictor(s, model)
     if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
         from pyspecter.study.quality import describe, perplexity_delta
 
         print(describe(perplexity_delta(path, surrogate_width, s.n_slots, where.tier)), file=sys.stderr)
     return s
+
+
+def _hint_predictor(s, name: str) -> None:
+    """Once per model file: a session that would prefetch with a learned predictor says how to get one."""
+    from pyspecter.predictor_hint import fit_seconds_estimate, predictor_hint
+    from pyspecter.prompts import has_chat_template
+
+    lay = s.layout
+    active = lay.nonexpert_bytes + lay.n_expert_used * sum(L.expert_bytes for L in lay.layers)
+    n_embd = lay.layers[0].tensors["up"].shape[2]  # (experts, n_ff, n_embd)
+    est = fit_seconds_estimate(len(lay.layers), active, n_embd, lay.n_expert, has_chat_template(s.target))
+    line = predictor_hint(s.cfg.model, name, est)
+    if line:
+        print(f"pyspecter: {line}", file=sys.stderr)
 
 
 @app.command()

@@ -40,6 +40,10 @@ def serve(
                                                 help="require 'Authorization: Bearer KEY' on every route but "
                                                      "/health (or set PYSPECTER_API_KEY)")] = None,
     queue: Annotated[int, typer.Option(help="requests that may wait for the one generating; more get 429")] = 8,
+    max_connections: Annotated[int, typer.Option(help="open connections at most; one more gets 503 and is "
+                                                      "closed")] = 64,
+    idle_timeout: Annotated[float, typer.Option(help="seconds a connection may stay open without sending a whole "
+                                                     "request (after it opens or after its last answer)")] = 5.0,
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; "
                                                                   "longer requests are refused with 400)")] = 2048,
     threads: ThreadsOpt = DEFAULT_THREADS,
@@ -57,6 +61,10 @@ def serve(
         raise SpecterError(f"--port must be in 1..65535, got {port}")
     if queue < 0:
         raise SpecterError(f"--queue must be >= 0, got {queue}")
+    if max_connections < 1:
+        raise SpecterError(f"--max-connections must be >= 1, got {max_connections}")
+    if not 0 < idle_timeout <= 3600:
+        raise SpecterError(f"--idle-timeout must be in (0, 3600] seconds, got {idle_timeout:g}")
     if api_key is not None and not api_key.strip():
         raise SpecterError("--api-key must not be empty")
     sock = bind(host, port)  # before the model loads: a port in use costs no load
@@ -70,7 +78,8 @@ def serve(
     model_id = model if is_builtin(model) else path.name
     try:
         run_server(s, sock, model_id=model_id, aliases={model, path.name, path.stem, str(path)},
-                   api_key=api_key.strip() if api_key else None, queue_size=queue)
+                   api_key=api_key.strip() if api_key else None, queue_size=queue, max_connections=max_connections,
+                   idle_timeout=idle_timeout)
     finally:
         s.close()
 

@@ -79,6 +79,6 @@ def fit_predictor(
     thread by default: the hooks call Python at every layer, and more threads spin meanwhile)."""
     from pyspecter.study.predictor_fit import describe, fit_model
 
-    r = fit_model(resolve_model(model), out, horizons=horizons, n_tokens=tokens, eval_tokens=eval_tokens,
-                  n_threads=threads, progress=True, rank=rank)
+    r = fit_model(resolve_model(model, predictor=False), out, horizons=horizons, n_tokens=tokens,
+                  eval_tokens=eval_tokens, n_threads=threads, progress=True, rank=rank)
     print(json.dumps(r, indent=1) if json_out else describe(r))

@@ -32,7 +32,7 @@ from pyspecter.errors import SpecterError
 from pyspecter.models import tiny
 from pyspecter.models.progress import done as progress_done
 from pyspecter.models.progress import step as progress_step
-from pyspecter.paths import atomic_path, content_key, models_dir
+from pyspecter.paths import atomic_path, build_lock, content_key, models_dir
 
 __all__ = ["BIG_MODELS", "build_big", "planned_bytes"]
 
@@ -133,15 +133,19 @@ def build_big(spec: str | tiny.TinySpec, out_dir: Path | None = None, *, progres
         return path
     plan = _plan(spec)
     need = _data_bytes(plan) + (16 << 20)  # + the header, generously
-    free = shutil.disk_usage(out_dir).free
-    slack = 512 << 20  # a full disk breaks everything else on the machine: leave it this much
-    if need + slack > free:
-        raise SpecterError(f"{spec.name} needs {need / 1e9:.1f} GB in {out_dir} and {free / 1e9:.1f} GB is free "
-                           "there (set SPECTER_CACHE to a bigger disk)")
-    if progress:
-        print(f"{spec.name}: writing {need / 1e9:.1f} GB of random weights to {path}", file=sys.stderr, flush=True)
-    with atomic_path(path, suffix=".gguf.tmp") as tmp:
-        _write(spec, plan, tmp, progress)
+    with build_lock(path):  # a build of this key killed before us left its temporary file: removed here
+        if path.exists():  # built by the one we waited for
+            return path
+        free = shutil.disk_usage(out_dir).free
+        slack = 512 << 20  # a full disk breaks everything else on the machine: leave it this much
+        if need + slack > free:
+            raise SpecterError(f"{spec.name} needs {need / 1e9:.1f} GB in {out_dir} and {free / 1e9:.1f} GB is "
+                               "free there (set SPECTER_CACHE to a bigger disk)")
+        if progress:
+            print(f"{spec.name}: writing {need / 1e9:.1f} GB of random weights to {path}", file=sys.stderr,
+                  flush=True)
+        with atomic_path(path, suffix=".gguf.tmp") as tmp:
+            _write(spec, plan, tmp, progress)
     return path
 
 

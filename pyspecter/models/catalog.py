@@ -21,8 +21,10 @@ def is_builtin(name: str) -> bool:
     return name in builtin_names() or DRAFT_NAME.fullmatch(name) is not None
 
 
-def resolve_model(spec: str) -> Path:
-    """A path as given, or a built-in model name built (or found in the cache) on demand."""
+def resolve_model(spec: str, *, predictor: bool = True) -> Path:
+    """A path as given, or a built-in model name built (or found in the cache) on demand. The embedded model,
+    smol-moe, comes with its learned routing predictor, fitted on first use (models/embedded.py), unless
+    ``predictor`` is False (``fit-predictor`` itself: it fits its own)."""
     p = Path(spec)
     if p.exists() or "/" in spec or spec.endswith(".gguf"):
         return p
@@ -37,7 +39,12 @@ def resolve_model(spec: str) -> Path:
     if spec == "smol-moe":
         from pyspecter.models.smol import build_smol_moe
 
-        return build_smol_moe()
+        path = build_smol_moe()
+        if predictor:
+            from pyspecter.models.embedded import ensure_predictor
+
+            ensure_predictor(path)
+        return path
     m = DRAFT_NAME.fullmatch(spec)
     if m:  # smol-moe-draft, or e.g. smol-moe-draft-Q4_0-w0.25: experts Q4_0, narrowed to a quarter
         from pyspecter.models.draft import build_smol_moe_draft

@@ -26,7 +26,7 @@ from pyspecter.layout import read_layout
 from pyspecter.models.calibration import calibration_tokens, ffn_inputs, neuron_importance
 from pyspecter.models.progress import done as progress_done
 from pyspecter.models.progress import step as progress_step
-from pyspecter.paths import content_key, models_dir
+from pyspecter.paths import build_lock, check_free, content_key, models_dir
 
 __all__ = ["EXPERT_PATTERN", "build_smol_moe_draft", "make_draft", "routing_agreement", "routing_trace"]
 
@@ -71,6 +71,7 @@ def make_draft(model: Path, out: Path, experts_type: str = "Q2_K", rest_type: st
     if ffn_keep >= 1:
         return _quantize_draft(model, model, out, experts_type, exp_t, rest_t, "", progress)
     out.parent.mkdir(parents=True, exist_ok=True)
+    check_free(out, 2 * model.stat().st_size)  # the narrowed copy, then the draft: neither bigger than the model
     fd, narrow_name = tempfile.mkstemp(prefix=f".{out.stem}-narrow-", suffix=".gguf.tmp", dir=out.parent)
     os.close(fd)
     try:
@@ -135,6 +136,7 @@ def _quantize_draft(model: Path, target: Path, out: Path, experts_type: str, exp
     llama_lib()
     quiet_logs()
     out.parent.mkdir(parents=True, exist_ok=True)
+    check_free(out, model.stat().st_size)  # re-quantized experts: never bigger than the model's
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=".gguf.tmp", dir=out.parent)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -281,7 +283,10 @@ def build_smol_moe_draft(experts_type: str = "Q2_K", ffn_keep: float = 1.0, prog
     out = models_dir() / f"smol-moe-draft-{t}{width}-{key}.gguf"
     if out.exists():
         return out
-    return make_draft(target, out, experts_type=experts_type, ffn_keep=ffn_keep, progress=progress)
+    with build_lock(out):  # a build of this key killed before us left its temporary files: removed here
+        if out.exists():
+            return out
+        return make_draft(target, out, experts_type=experts_type, ffn_keep=ffn_keep, progress=progress)
 
 
 # --- routing -------------------------------------------------------------------------------------------------------

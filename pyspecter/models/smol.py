@@ -50,7 +50,7 @@ from pyspecter.models.smol_router import (
     _field,
     fit_router,
 )
-from pyspecter.paths import cache_dir, content_key, models_dir, write_text_atomic
+from pyspecter.paths import build_lock, cache_dir, check_free, content_key, models_dir, write_text_atomic
 
 __all__ = [
     "ANSWER_PROMPTS", "GGUF_SHA256", "WHEEL_SHA256", "DenseReference", "build_smol_moe", "calibration_prompts",
@@ -314,6 +314,15 @@ def _copy_kv(r: gguf.GGUFReader, w: gguf.GGUFWriter, name: str, n_expert: int, t
     w.add_expert_used_count(top_k)
 
 
+def _moe_bytes(src: Path, n_expert: int) -> int:
+    """About what _write_moe writes: every dense FFN tensor n_expert times, the rest once, plus headroom for the
+    routers and the header."""
+    r = gguf.GGUFReader(src)
+    ffn = sum(int(t.n_bytes) for t in r.tensors if (p := t.name.split("."))[0] == "blk" and len(p) == 4
+              and p[2] in _FFN_NAMES)
+    return sum(int(t.n_bytes) for t in r.tensors) + (n_expert - 1) * ffn + (4 << 20)
+
+
 def _write_moe(src: Path, out: Path, routers: list[np.ndarray], n_expert: int, top_k: int, name: str,
                progress: bool) -> None:
     r = gguf.GGUFReader(src)
@@ -420,9 +429,14 @@ def build_smol_moe(n_expert: int = 16, top_k: int = 2, progress: bool = True) ->
     path = smol_moe_path(n_expert, top_k)
     if path.exists():
         return path
+    with build_lock(path):  # a build of this key killed before us left its temporary files: removed here
+        return path if path.exists() else _build(path, n_expert, top_k, progress)
 
+
+def _build(path: Path, n_expert: int, top_k: int, progress: bool) -> Path:
     t_start = time.monotonic()
     src = fetch_smollm2()
+    check_free(path, _moe_bytes(src, n_expert))  # before minutes of calibration, not after
     _log(progress, f"smol-moe: building {path.name} from {src.name} ({n_expert} experts, top-{top_k})")
     prompts = calibration_prompts()
     with single_threaded_blas():

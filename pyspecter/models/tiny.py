@@ -10,10 +10,11 @@ editing the builder or a spec yields a new file instead of silently reusing a st
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
-import os
-import tempfile
+import re
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
 
-from pyspecter.paths import content_key, models_dir
+from pyspecter.paths import atomic_path, build_lock, check_free, content_key, models_dir
 
 __all__ = ["BENCH_MODELS", "TINY_MODELS", "TinySpec", "build_tiny"]
 
@@ -138,17 +139,28 @@ def build_tiny(name: str, out_dir: Path | None = None) -> Path:
     path = out_dir / f"{name}-{_cache_key(spec)}.gguf"
     if path.exists():
         return path
-
-    # Write next to the target and rename: a concurrent or interrupted build never leaves a truncated GGUF at `path`.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{name}-", suffix=".gguf.tmp", dir=out_dir)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        _write(spec, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with build_lock(path):  # a build of this key killed before us left its temporary file: removed here
+        if not path.exists():
+            _remove_unkeyed_orphans(out_dir, name)
+            check_free(path, planned_bytes(spec) + (1 << 20))  # + the header, generously
+            # written next to the target and renamed: nobody ever sees a truncated GGUF at `path`
+            with atomic_path(path, suffix=".gguf.tmp") as tmp:
+                _write(spec, tmp)
     return path
+
+
+_UNKEYED_TMP_AGE_S = 3600
+
+
+def _remove_unkeyed_orphans(out_dir: Path, name: str) -> None:
+    """Temporary files named without their key (``.NAME-XXXXXXXX.gguf.tmp``, from builders before the build
+    lock): no lock says whether one is being written, so only those untouched for an hour are removed."""
+    pat = re.compile(rf"\.{re.escape(name)}-[a-z0-9_]{{8}}\.gguf\.tmp")
+    now = time.time()
+    for p in out_dir.glob(f".{name}-*.gguf.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            if pat.fullmatch(p.name) and now - p.stat().st_mtime > _UNKEYED_TMP_AGE_S:
+                p.unlink()
 
 
 def _cache_key(spec: TinySpec) -> str:
@@ -162,9 +174,11 @@ def _cache_key(spec: TinySpec) -> str:
 
 
 class _Tensors:
-    """Adds tensors to a writer, each from its own RNG stream so one tensor's shape never shifts another's values."""
+    """Writes tensors in order, each made when written (the model is never whole in memory), each from its own
+    RNG stream so one tensor's shape never shifts another's values. ``writer`` must have its tensor infos
+    (from _Infos) and header written."""
 
-    def __init__(self, writer: gguf.GGUFWriter, seed: int) -> None:
+    def __init__(self, writer: gguf.GGUFWriter | None, seed: int) -> None:
         self.writer = writer
         self.seed = seed
 
@@ -174,12 +188,12 @@ class _Tensors:
 
     def add(self, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:
         if qtype == GGMLQuantizationType.F32:
-            self.writer.add_tensor(name, data.astype(np.float32))
+            self.writer.write_tensor_data(data.astype(np.float32))
         elif qtype == GGMLQuantizationType.F16:
-            self.writer.add_tensor(name, data.astype(np.float16))
+            self.writer.write_tensor_data(data.astype(np.float16))
         else:
             # Quantized rows are stored as raw bytes; the writer derives the logical shape from the block size.
-            self.writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            self.writer.write_tensor_data(gguf.quants.quantize(data, qtype))
 
     def matrix(self, name: str, n_in: int, n_out: int, qtype: GGMLQuantizationType, gain: float = 1.0) -> None:
         # ggml ne = {n_in, n_out} is numpy (n_out, n_in). std = gain/sqrt(fan_in) keeps activations ~unit scale.
@@ -190,20 +204,57 @@ class _Tensors:
 
     def ones(self, name: str, n: int) -> None:
         # Norm weights of 1 leave RMS-normalised activations at unit scale; ggml wants 1-D tensors in F32.
-        self.writer.add_tensor(name, np.ones(n, dtype=np.float32))
+        self.add(name, np.ones(n, dtype=np.float32), GGMLQuantizationType.F32)
 
     def small(self, name: str, shape: tuple[int, ...], std: float = 0.02) -> None:
         self.add(name, self.normal(name, shape, std), GGMLQuantizationType.F32)
 
 
+class _Shape:
+    """A tensor described by its shape alone (what _Infos needs to know)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = tuple(shape)
+
+
+class _Infos(_Tensors):
+    """The same tensor list, made of no data: each tensor's info (name, shape, type, size) goes to the writer,
+    which puts them in the header before any data is written."""
+
+    def __init__(self, writer: gguf.GGUFWriter) -> None:
+        super().__init__(writer, seed=0)
+        self.nbytes = 0
+
+    def normal(self, name: str, shape: tuple[int, ...], std: float) -> _Shape:
+        return _Shape(shape)
+
+    def add(self, name: str, data: np.ndarray | _Shape, qtype: GGMLQuantizationType) -> None:
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            dtype = np.dtype(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16)
+            shape, raw = data.shape, None
+        else:
+            dtype, shape, raw = np.dtype(np.uint8), gguf.quant_shape_to_byte_shape(data.shape, qtype), qtype
+        nbytes = math.prod(shape) * dtype.itemsize
+        self.writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=raw)
+        self.nbytes += gguf.GGUFWriter.ggml_pad(nbytes, self.writer.data_alignment)
+
+
+def planned_bytes(spec: TinySpec) -> int:
+    """Bytes of tensor data the fixture's file holds (all of it but the header)."""
+    infos = _Infos(gguf.GGUFWriter(None, spec.arch))
+    _write_tensors(infos, spec)
+    return infos.nbytes
+
+
 def _write(spec: TinySpec, path: Path) -> None:
     w = gguf.GGUFWriter(path, spec.arch)
     _write_metadata(w, spec)
-    _write_tensors(_Tensors(w, spec.seed), spec)
+    _write_tensors(_Infos(w), spec)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        _write_tensors(_Tensors(w, spec.seed), spec)
     finally:
         w.close()
 

@@ -31,6 +31,7 @@ from pyspecter.prompts import load_prompts, render_prompt
 from pyspecter.study.analyze import simulate_cache
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
+from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
@@ -164,9 +165,12 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                 budget_bytes: int, n: int, repeat: int, n_threads: int, draft: str | Path | None, k: int,
                 adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None,
                 learned_slots: int | None = None, extra: dict[int, int] | None = None,
-                plan: LayerPlan | None = None) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
+                plan: LayerPlan | None = None, forced: list[list[int]] | None = None,
+                ) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
     """Every policy ``repeat`` times, interleaved so that drift hits every policy alike. Returns the runs, the
-    policies skipped (and why: e.g. the draft alone is bigger than the budget) and how each capped run was held."""
+    policies skipped (and why: e.g. the draft alone is bigger than the budget) and how each capped run was held.
+    ``forced``: teacher-forced decode (per prompt, the held-out tokens fed), for every policy but the speculative
+    ones, which draft their own tokens and decode free."""
     runs: dict[str, list[Run]] = {p: [] for p in policies}
     skipped: dict[str, str] = {}
     caps: dict[str, dict] = {}
@@ -193,7 +197,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                     runs[p].append(run)
                 elif p == "engine":  # what generate and chat run by default: no draft, the learned plan if fitted
                     runs[p].append(run_specter(path, None, budget_bytes, True, tier, sets, n, n_threads, k,
-                                               device=device.spec if device else None))
+                                               device=device.spec if device else None, forced=forced))
                 elif p.startswith("specter"):
                     # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
                     # headline); "specter-equal-slots": same slots as the others, draft on top
@@ -203,7 +207,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                 else:
                     runs[p].append(run_policy(p, path, layout, p_slots, tier, sets, n, n_threads, surrogate_width,
                                               hot, device=device, budget_bytes=budget_bytes, extra=extra,
-                                              plan=plan if p == "plan" else None))
+                                              plan=plan if p == "plan" else None, forced=forced))
             except SpecterError as e:
                 skipped[p] = str(e)
     return runs, skipped, caps
@@ -213,11 +217,14 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
               policies: list[str] | None = None, prompt_len: int | None = None, n: int = 32, repeat: int = 3,
               n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
               cutoff: bool = True, surrogate_width: float = 0.25, prompts: str | Path | None = None,
-              device: str | None = None) -> dict:
+              device: str | None = None, forced: bool | None = None) -> dict:
     """Every policy over the same prompts, interleaved ``repeat`` times. ``prompts``: a prompt file (plain text,
     one prompt a line, or JSONL: ``prompts.load_prompts``), each prompt chat-rendered and used whole, or cut to
     ``prompt_len`` tokens when that is given; without one, a single prompt of ``prompt_len`` (64) tokens. Each
-    run prefills every prompt in turn and decodes ``n`` greedy tokens after each; figures cover all of them."""
+    run prefills every prompt in turn and decodes ``n`` tokens after each; figures cover all of them. ``forced``:
+    each decode step fed the next token of a held-out text (``forced.py``) instead of the greedy one, identity
+    checked on the logits; None: forced on the random-weight built-ins (whose greedy text cycles through two or
+    three tokens, so every cache hits), free otherwise."""
     for name, value in (("--prompt-tokens", 1 if prompt_len is None else prompt_len), ("-n", n),
                         ("--repeat", repeat), ("--threads", n_threads)):
         if value < 1:
@@ -259,6 +266,11 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         learned_slots = slots_for_budget(layout, max(budget_bytes - learned_bytes, 0))
         check_slots(layout, learned_slots)
     sets = prompt_sets(path, items, prompt_len)
+    mode = default_mode(path, forced)
+    texts = None
+    if mode == FORCED:
+        with Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
+            texts = forced_tokens(m, len(sets), n)
     hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
     link_gbps = measure_link(path, tier, device=dev)
     plan, plan_info = plan_for(path, layout, dev, budget_bytes) if dev is not None and "plan" in policies \
@@ -268,12 +280,12 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     with tempfile.TemporaryDirectory(prefix="pyspecter-bench-") as tmp:
         # capped children read the shared inputs from a file: token lists can outgrow a command line
         inputs = Path(tmp) / "inputs.json"
-        inputs.write_text(json.dumps({"prompts": sets, "hot": hot}))
+        inputs.write_text(json.dumps({"prompts": sets, "hot": hot, "forced": texts}))
         runs, skipped, caps = _interleave(path, layout, policies, sets, hot, inputs, tier=tier, slots=slots,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
                                           n_threads=n_threads, draft=draft, k=k, adaptive=adaptive, cutoff=cutoff,
                                           surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots,
-                                          extra=extra, plan=plan)
+                                          extra=extra, plan=plan, forced=texts)
     uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
                 "cgroup": "none"}
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)
@@ -282,7 +294,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
                  "n_expert_used": layout.n_expert_used, "prompts": str(prompts) if prompts is not None else None,
-                 "n_prompts": len(sets), "prompt_tokens": n_prompt_tokens, "decode_tokens": n,
+                 "n_prompts": len(sets), "prompt_tokens": n_prompt_tokens, "decode_tokens": n, "decode": mode,
                  "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps,
                  "memory_cap": next(iter(caps.values()), uncapped)["memory_cap"],
                  "budget_bytes": budget_bytes, "budget_pct": 100 * budget_bytes / layout.expert_total_bytes,
@@ -292,6 +304,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
     ref = "stock-cpu-moe" if dev is not None and runs.get("stock-cpu-moe") else "stock"
     stock_tokens = runs[ref][0].tokens if runs.get(ref) else None
+    stock_digests = runs[ref][0].digests if runs.get(ref) else None
     for p, why in skipped.items():
         out["policies"][p] = {"skipped": why}
     for p, rs in runs.items():
@@ -329,10 +342,15 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             # per run, capped children only: pages read back from the file, and times the cgroup hit its cap
             "major_faults": [r.counters["major_faults"] for r in rs if "major_faults" in r.counters] or None,
             "cap_hits": [r.counters["cap_hits"] for r in rs if "cap_hits" in r.counters] or None,
-            # exact policies must decode stock's greedy tokens (on repacked quant types, stock's own kernels may
-            # round differently: `verify` is the exactness check against an unrepacked stock)
-            "same_tokens_as_stock": (all(r.tokens == stock_tokens for r in rs) if stock_tokens is not None
+            # free: exact policies must decode stock's greedy tokens (on repacked quant types, stock's own kernels
+            # may round differently: `verify` is the exactness check against an unrepacked stock); teacher-forced:
+            # every step's logits bit for bit stock's on the same fed tokens
+            "decode": rs[0].decode,
+            "same_tokens_as_stock": (all(r.tokens == stock_tokens for r in rs)
+                                     if stock_tokens is not None and rs[0].decode == runs[ref][0].decode == FREE
                                      else None),
+            "same_logits_as_stock": (all(same_logits(stock_digests, r.digests) for r in rs)
+                                     if stock_digests is not None and rs[0].digests is not None else None),
             **caps.get(p, uncapped),
         }
         if p == "engine":
@@ -377,10 +395,11 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
 
 # every row carries its whole setting: a CSV line read alone says what was run, on what, under which cap
 RUN_FIELDS = ("model", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer", "link_gbps",
-              "n_threads", "prompts", "n_prompts", "prompt_tokens", "decode_tokens", "repeat", "build")
+              "n_threads", "prompts", "n_prompts", "prompt_tokens", "decode_tokens", "repeat", "build", "decode")
 CSV_FIELDS = ("model", "draft", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer",
               "memory_cap", "cap_bytes", "capped", "cgroup", "link_gbps", "n_threads", "prompts", "n_prompts",
-              "prompt_tokens", "decode_tokens", "repeat", "build", "policy", "tpot_ms",
+              "prompt_tokens", "decode_tokens", "repeat", "build", "policy", "decode", "same_logits_as_stock",
+              "same_tokens_as_stock", "tpot_ms",
               "tpot_p10_ms", "tpot_p90_ms", "tpot_mean_ms", "decode_tok_s", "prefill_tok_s", "load_s", "cold_ttft_s",
               "hit_rate", "coverage",
               "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "draft_off",

@@ -21,17 +21,18 @@ def run(args: dict) -> dict:
     p = Path(args["path"])
     # what every run shares (bench.run_bench wrote it): the prompts' tokens and static-hot's profile
     inputs = json.loads(Path(args["inputs"]).read_text())
-    prompts, hot = inputs["prompts"], inputs["hot"]
+    prompts, hot, forced = inputs["prompts"], inputs["hot"], inputs.get("forced")
     if args["fn"] == "run":
         r = run_policy(args["policy"], p, read_layout(p), args["slots"], "disk", prompts, args["n"],
                        args["n_threads"], args["surrogate_width"],
                        {int(il): c for il, c in hot.items()} if hot else None,  # JSON keys are strings
                        budget_bytes=args.get("budget_bytes", 0),
-                       extra={int(il): n for il, n in args.get("extra", {}).items()})
+                       extra={int(il): n for il, n in args.get("extra", {}).items()}, forced=forced)
     else:
         r = run_specter(p, Path(args["draft"]) if args["draft"] else None, args["budget_bytes"], args["count_draft"],
                         "disk", prompts,
-                        args["n"], args["n_threads"], args["k"], args["adaptive"], args["cutoff"])
+                        args["n"], args["n_threads"], args["k"], args["adaptive"], args["cutoff"],
+                        forced=forced if not args["draft"] else None)
     return dataclasses.asdict(r)
 
 

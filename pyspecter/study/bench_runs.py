@@ -1,5 +1,6 @@
 """One timed run of one bench policy: load the model, set its experts up as the policy says, then for every prompt
-of the set prefill it and decode ``n`` greedy tokens, counting decode only.
+of the set prefill it and decode ``n`` tokens, counting decode only: greedy ("free"), or teacher-forced, each
+step fed the next token of a held-out text (``forced.py``), with a digest of each step's logits kept.
 
 The residency outlives each prompt (the KV cache does not): a cache serves one request after another, as a server
 would. ``bench.py`` decides what runs, in which order and under which memory cap; this module only runs it.
@@ -24,6 +25,7 @@ from pyspecter.native import Context, Model, graph_splits
 from pyspecter.native.devices import Device
 from pyspecter.policies import hot_experts
 from pyspecter.session import Session, SessionConfig
+from pyspecter.study.forced import FORCED, FREE, ForcedSampler, digest
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
@@ -48,6 +50,8 @@ class Run:
     first_prefill_s: float = 0.0
     # llama.cpp's scheduler: splits of the decode context's one-token graph (native.graph_splits)
     splits: int | None = None
+    decode: str = FREE  # or FORCED: every step fed the held-out text's next token
+    digests: list[str] | None = None  # teacher-forced: each fed token's logits row (forced.digest), in order
 
 
 # counters that are ratios: recomputed from the summed counts, never summed themselves
@@ -159,11 +163,13 @@ def _model_for(policy: str, path: Path, layout: ModelLayout, device: Device | No
 def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompts: list[list[int]],
                n: int, n_threads: int, surrogate_width: float = 0.25,
                hot: dict[int, list[int]] | None = None, device: Device | None = None, budget_bytes: int = 0,
-               extra: dict[int, int] | None = None, plan: LayerPlan | None = None) -> Run:
+               extra: dict[int, int] | None = None, plan: LayerPlan | None = None,
+               forced: list[list[int]] | None = None) -> Run:
     """One run of a non-speculative policy over every prompt. ``hot``: static-hot's profile, per MoE layer the
     times each expert was selected (``bench.calibration_profile``: the model reading the packaged calibration
     prompts, text the bench never measures); its slots get the most selected, once. ``device``: layers (and our
-    slots) on that device, experts' host copy in RAM."""
+    slots) on that device, experts' host copy in RAM. ``forced``: per prompt, the held-out tokens its decode is
+    fed (``forced.forced_tokens``) instead of the greedy ones."""
     proc = psutil.Process()
     t_load = time.perf_counter()
     if policy == "plan":
@@ -180,12 +186,12 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         else:
             cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss
-        first_prefill = None
+        first_prefill, digests = None, [] if forced is not None else None
         with Context(model, n_threads=n_threads, n_ctx=max(map(len, prompts)) + n + 8) as ctx:
             splits = graph_splits()
             ctx.warmup()
             load_s = time.perf_counter() - t_load
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 ctx.clear()
                 mark = len(cache.trace) if cache and cache.trace is not None else 0
                 t0 = time.perf_counter()
@@ -197,8 +203,12 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
                     cache.reset_counters()
                     if cache.trace is not None:
                         del cache.trace[mark:]  # prefill's routing is a batch, not what decode must predict
-                for _ in range(n):
-                    tokens.append(int(np.argmax(logits)))
+                for t in range(n):
+                    if forced is None:
+                        tokens.append(int(np.argmax(logits)))
+                    else:  # the digest before the timer starts: the timed step is the decode alone, as free
+                        digests.append(digest(logits))
+                        tokens.append(forced[i][t])
                     t0 = time.perf_counter()
                     logits = ctx.decode([tokens[-1]])
                     tpots.append(time.perf_counter() - t0)
@@ -210,7 +220,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         if cache:
             c["slots_mean"] = cache.usable_mean()
         return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens, load_s, first_prefill or 0.0,
-                   splits[1] if splits else None)
+                   splits[1] if splits else None, FREE if forced is None else FORCED, digests)
     finally:
         if cache:
             cache.close()
@@ -219,10 +229,13 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
 
 def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: bool, tier: str,
                 prompts: list[list[int]], n: int, n_threads: int, k: int, adaptive: bool = True,
-                cutoff: bool = True, device: str | None = None) -> Run:
+                cutoff: bool = True, device: str | None = None, forced: list[list[int]] | None = None) -> Run:
     """One run of the engine over every prompt, as generate and chat run it; the session and its slots persist.
     With a draft: speculative decoding with draft-driven prefetch and the K governor; without one ("engine"): the
-    learned predictor's prefetch plan (when one is fitted for the model) under its governor."""
+    learned predictor's prefetch plan (when one is fitted for the model) under its governor. ``forced`` (no
+    draft only): the session's sampler picks the held-out text's tokens (``forced.ForcedSampler``)."""
+    if forced is not None and draft is not None:
+        raise SpecterError("teacher-forced decoding runs without a draft (the speculative decoder drafts its own)")
     proc = psutil.Process()
     t_load = time.perf_counter()
     # force: the bench placed its budget, and its capped children see the host's memory, not their cap
@@ -232,9 +245,11 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
     load_s = time.perf_counter() - t_load  # the session warms its contexts up
     try:
         prefill, tpots, parts, tokens = 0.0, [], [], []
-        first_prefill = None
-        for prompt in prompts:
+        first_prefill, digests = None, [] if forced is not None else None
+        for i, prompt in enumerate(prompts):
             stamps: list[float] = []
+            if forced is not None:
+                s.sampler = ForcedSampler(forced[i])
 
             def on_token(_t: int, stamps: list[float] = stamps) -> None:
                 stamps.append(time.perf_counter())
@@ -252,6 +267,8 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
                 tpots += [(stamps[-1] - stamps[0]) / max(len(out) - 1, 1)] * (len(out) - 1)
             parts.append(s.cache.counters())
             tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
+            if forced is not None:
+                digests += s.sampler.digests()[:n]
         c = merge_counters(parts)
         c["slots"] = s.n_slots
         c["slots_mean"] = s.cache.usable_mean()
@@ -263,6 +280,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
         st = s.stats()
         c.update({k: st[k] for k in ENGINE_STATS if k in st})
         return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens, load_s=load_s,
-                   first_prefill_s=first_prefill or 0.0, splits=s.target_splits[1] if s.target_splits else None)
+                   first_prefill_s=first_prefill or 0.0, splits=s.target_splits[1] if s.target_splits else None,
+                   decode=FREE if forced is None else FORCED, digests=digests)
     finally:
         s.close()

@@ -28,25 +28,46 @@ TUNE_ANSWER_TOKENS = 256
 
 
 class Progress:
-    """A progress bar on stderr that advances by any step (models/progress.py's lines assume steps of one)."""
+    """A progress bar on stderr that advances by any step (models/progress.py's lines assume steps of one). A file
+    or pipe gets whole lines about every 10%, and at least every QUIET_S seconds, from a watch thread when no step
+    came (one decode of a long prompt on a busy machine can take that long): on a busy machine a tenth of a fit's
+    recording can take half a minute, and a log silent that long looks hung."""
+
+    QUIET_S = 5.0
 
     def __init__(self, what: str, total: int, unit: str) -> None:
+        import threading
+
         self.what, self.total, self.unit = what, max(total, 1), unit
-        self.t0, self.shown = time.monotonic(), -1
+        self.t0, self.shown, self.i = time.monotonic(), -1, 0
+        self.last = self.t0
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._watch = threading.Thread(target=self._heartbeat, daemon=True)
+        self._watch.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(1.0):
+            if time.monotonic() - self.last >= self.QUIET_S:
+                self.update(self.i)
 
     def update(self, i: int) -> None:
         from pyspecter.models.progress import step
 
-        tenth = i * 10 // self.total
-        if sys.stderr.isatty() or tenth != self.shown:  # a file or pipe gets whole lines about every 10%
-            self.shown = tenth
-            filled = i * 30 // self.total
-            step(f"{self.what} [{'#' * filled}{'.' * (30 - filled)}] {i}/{self.total} {self.unit}, "
-                 f"{time.monotonic() - self.t0:.0f}s", 1, 1)
+        with self._lock:
+            self.i = i
+            tenth = i * 10 // self.total
+            now = time.monotonic()
+            if sys.stderr.isatty() or tenth != self.shown or now - self.last >= self.QUIET_S:
+                self.shown, self.last = tenth, now
+                filled = i * 30 // self.total
+                step(f"{self.what} [{'#' * filled}{'.' * (30 - filled)}] {i}/{self.total} {self.unit}, "
+                     f"{now - self.t0:.0f}s", 1, 1)
 
     def close(self) -> None:
         from pyspecter.models.progress import done
 
+        self._stop.set()
+        self._watch.join()
         done()
 
 
@@ -93,9 +114,11 @@ class _Recorder:
         self.hooks.close()
 
 
-def _continue(ctx, model, tokens: list[int], n_gen: int, rng: np.random.Generator | None) -> list[int]:
+def _continue(ctx, model, tokens: list[int], n_gen: int, rng: np.random.Generator | None,
+              tick=None) -> list[int]:
     """Decode ``tokens`` with every row an output, then n_gen more tokens (greedy, or sampled when rng is given),
-    stopping at end of generation. Returns the whole sequence, one entry per recorded row."""
+    stopping at end of generation. Returns the whole sequence, one entry per recorded row. ``tick(n)``: called
+    after each generated token with the sequence's length so far (progress within a long answer)."""
     ctx.clear()
     logits = ctx.decode(tokens, logits_all=True)[-1]
     seq = list(tokens)
@@ -109,6 +132,8 @@ def _continue(ctx, model, tokens: list[int], n_gen: int, rng: np.random.Generato
             break
         logits = ctx.decode([g])
         seq.append(g)
+        if tick is not None:
+            tick(len(seq))
     return seq
 
 
@@ -152,39 +177,43 @@ def record(model_path: str | os.PathLike, n_tokens: int, *, held_out: bool = Fal
     lay = read_layout(model_path).require_moe()
     X_parts: list[list[np.ndarray]] = [[] for _ in lay.layers]
     ids_parts, gen_parts, lengths, seen = [], [], [], set()
-    bar = Progress(f"recording {'held-out' if held_out else 'fit'} text", n_tokens, "tokens")
-    with native.Model(model_path) as model:
-        items = _texts(model, held_out)
-        n_ctx = -(-(max(len(t) + g for t, g in items) + 8) // 256) * 256
-        rec = _Recorder(model, lay)
-        try:
-            with native.Context(model, n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=n_threads) as ctx:
-                total, i = 0, 0
-                while total < n_tokens and i < 4 * len(items):
-                    toks, n_gen = items[i % len(items)]
-                    rng = np.random.default_rng(i) if i >= len(items) else None
-                    seq = _continue(ctx, model, toks, n_gen, rng)
-                    X, ids = rec.take()
-                    keep = np.ones(len(seq), bool)
-                    for t in range(len(seq)):
-                        pre = tuple(seq[: t + 1])
-                        keep[t] = pre not in seen
-                        seen.add(pre)
-                    if keep.any():
-                        for j in range(len(X)):
-                            X_parts[j].append(X[j][keep])
-                        ids_parts.append(ids[keep])
-                        # rows whose next tokens are the model's own text (the last prompt row's next is too)
-                        gen_parts.append((np.arange(len(seq)) >= len(toks) - 1)[keep])
-                        lengths.append(int(keep.sum()))
-                        total += int(keep.sum())
-                    i += 1
-                    if progress:
-                        bar.update(min(total, n_tokens))
-        finally:
-            rec.close()
-    if progress:
-        bar.close()
+    bar = Progress(f"recording {'held-out' if held_out else 'fit'} text", n_tokens, "tokens") if progress else None
+    try:
+        with native.Model(model_path) as model:
+            items = _texts(model, held_out)
+            n_ctx = -(-(max(len(t) + g for t, g in items) + 8) // 256) * 256
+            rec = _Recorder(model, lay)
+            try:
+                with native.Context(model, n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=n_threads) as ctx:
+                    total, i = 0, 0
+                    while total < n_tokens and i < 4 * len(items):
+                        toks, n_gen = items[i % len(items)]
+                        n_gen = min(n_gen, max(n_tokens - total - len(toks), 0))  # no answer past what is wanted
+                        rng = np.random.default_rng(i) if i >= len(items) else None
+                        tick = (lambda m, t=total: bar.update(min(t + m, n_tokens))) if bar is not None else None
+                        seq = _continue(ctx, model, toks, n_gen, rng, tick)
+                        X, ids = rec.take()
+                        keep = np.ones(len(seq), bool)
+                        for t in range(len(seq)):
+                            pre = tuple(seq[: t + 1])
+                            keep[t] = pre not in seen
+                            seen.add(pre)
+                        if keep.any():
+                            for j in range(len(X)):
+                                X_parts[j].append(X[j][keep])
+                            ids_parts.append(ids[keep])
+                            # rows whose next tokens are the model's own text (the last prompt row's next is too)
+                            gen_parts.append((np.arange(len(seq)) >= len(toks) - 1)[keep])
+                            lengths.append(int(keep.sum()))
+                            total += int(keep.sum())
+                        i += 1
+                        if bar is not None:
+                            bar.update(min(total, n_tokens))
+            finally:
+                rec.close()
+    finally:
+        if bar is not None:
+            bar.close()
     X = [np.concatenate(p)[:n_tokens] for p in X_parts]
     ends = np.minimum(np.cumsum([0, *lengths]), n_tokens)
     lengths = [int(n) for n in np.diff(ends) if n > 0]

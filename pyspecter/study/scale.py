@@ -7,6 +7,9 @@ Made for models bigger than the machine (``big-qwen3moe``: 32.7 GB on 24 GiB) an
 is what "bigger than RAM" means. Stock is llama.cpp's mmap load with default settings except weight repacking,
 which copies every expert into anonymous memory (a model bigger than RAM cannot load that way).
 
+Decode is teacher-forced by default on the random-weight built-ins (``forced.py``: each step fed the next token
+of a held-out text, identity checked on the logits), whose greedy text cycles through a few tokens.
+
 Child: ``python -m pyspecter.study.scale JOB_JSON`` prints one JSON line.
 """
 
@@ -21,6 +24,7 @@ from pathlib import Path
 
 from pyspecter.errors import SpecterError
 from pyspecter.study.capped import _drop_page_cache
+from pyspecter.study.forced import FORCED, default_mode, digest, forced_tokens, same_logits
 
 CHILD_TIMEOUT_S = 3600
 
@@ -32,7 +36,8 @@ def _read_bytes() -> int:
 
 
 def _child(job: dict) -> dict:
-    """One configuration: load, prefill the prompt, decode n greedy tokens; what each phase cost."""
+    """One configuration: load, prefill the prompt, decode n tokens (greedy, or the job's "forced" text, each
+    step's logits digested before its timer starts); what each phase cost."""
     import numpy as np
 
     from pyspecter import native
@@ -60,14 +65,19 @@ def _child(job: dict) -> dict:
     if cache is not None:
         cache.check()
         cache.reset_counters()
-    tokens, tpots = [], []
+    tokens, tpots, forced = [], [], job.get("forced")
+    digests: list[str] = []
     r2 = _read_bytes()
-    for _ in range(n):
-        tokens.append(int(np.argmax(logits)))
+    for i in range(n):
+        if forced is None:
+            tokens.append(int(np.argmax(logits)))
+        else:
+            digests.append(digest(logits))
+            tokens.append(forced[i])
         t = time.perf_counter()
         logits = decode([tokens[-1]])
         tpots.append(time.perf_counter() - t)
-    out.update(tokens=tokens, tpot_s=sorted(tpots)[len(tpots) // 2], tpots=tpots,
+    out.update(tokens=tokens, tpot_s=sorted(tpots)[len(tpots) // 2], tpots=tpots, digests=digests or None,
                decode_read_bytes_per_token=(_read_bytes() - r2) / n)
     if cache is not None:
         cache.check()
@@ -87,8 +97,9 @@ def _rss() -> int:
 
 
 def run_scale(model: str | Path, budgets: list[str], *, n: int = 8, prompt_len: int = 16, threads: int = 2,
-              stock: bool = True, cold: bool = True, progress=None) -> dict:
-    """Every configuration in its own child, stock first; ``cold`` drops the file's page cache before each."""
+              stock: bool = True, cold: bool = True, progress=None, forced: bool | None = None) -> dict:
+    """Every configuration in its own child, stock first; ``cold`` drops the file's page cache before each.
+    ``forced``: teacher-forced decode (None: on the random-weight built-ins, ``forced.default_mode``)."""
     from pyspecter.layout import read_layout
     from pyspecter.native import Model
 
@@ -96,6 +107,8 @@ def run_scale(model: str | Path, budgets: list[str], *, n: int = 8, prompt_len: 
     lay = read_layout(path).require_moe()
     with Model(path, lazy_experts=True) as m:  # tokenizing must not read a file bigger than RAM
         prompt = m.tokenize("The quick brown fox jumps over the lazy dog. " * 8)[:prompt_len]
+        mode = default_mode(path, forced)
+        text = forced_tokens(m, 1, n)[0] if mode == FORCED else None
     configs = (["stock"] if stock else []) + budgets
     runs = []
     for cfg in configs:
@@ -104,20 +117,24 @@ def run_scale(model: str | Path, budgets: list[str], *, n: int = 8, prompt_len: 
         if cold:
             _drop_page_cache(path)
         job = {"model": str(path), "config": cfg, "budget": None if cfg == "stock" else cfg, "n": n,
-               "prompt": prompt, "threads": threads}
+               "prompt": prompt, "threads": threads, "forced": text}
         r = subprocess.run([sys.executable, "-m", "pyspecter.study.scale", json.dumps(job)], capture_output=True,
                            text=True, timeout=CHILD_TIMEOUT_S)
         if r.returncode != 0:
             runs.append({"config": cfg, "error": (r.stderr.strip().splitlines() or ["no output"])[-1]})
             continue
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    ref = next((x["tokens"] for x in runs if x.get("config") == "stock" and "tokens" in x), None)
+    ref = next((x for x in runs if x.get("config") == "stock" and "tokens" in x), None)
     for x in runs:
         if "tokens" in x:
-            x["same_tokens_as_stock"] = None if ref is None else x["tokens"] == ref
+            x["decode"] = mode
+            # free: stock's greedy tokens; teacher-forced: stock's logits at every step of the same text
+            x["same_tokens_as_stock"] = None if ref is None or text is not None else x["tokens"] == ref["tokens"]
+            x["same_logits_as_stock"] = None if ref is None else same_logits(ref.get("digests"), x.get("digests"))
     return {"model": str(path), "file_bytes": lay.file_bytes, "expert_bytes": lay.expert_total_bytes,
             "nonexpert_bytes": lay.nonexpert_bytes, "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used,
-            "n_moe_layers": len(lay.layers), "prompt_tokens": len(prompt), "decode_tokens": n, "threads": threads,
+            "n_moe_layers": len(lay.layers), "prompt_tokens": len(prompt), "decode_tokens": n, "decode": mode,
+            "threads": threads,
             "ram_bytes": _total_ram(), "cold": cold, "runs": runs}
 
 

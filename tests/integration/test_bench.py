@@ -23,6 +23,14 @@ def test_bench_json_keys() -> None:
         assert 0 < p["load_s"] < p["cold_ttft_s"], name  # load, then the prompt's prefill
     assert out["policies"]["all-resident"]["hit_rate"] == 1.0
     assert "oracle-bound" in out["policies"]
+    assert out["decode"] == "teacher-forced"  # a random-weight fixture: held-out text by default
+    r = run_cli("bench", "tiny-mixtral", "--repeat", "1", "-n", "4", "--prompt-tokens", "8", "--json", "--free",
+                "--policies", "stock,on-demand-lru")
+    assert r.returncode == 0, r.stderr
+    free = json.loads(r.stdout)
+    lru = free["policies"]["on-demand-lru"]
+    assert free["decode"] == lru["decode"] == "free"
+    assert lru["same_tokens_as_stock"] is True and lru["same_logits_as_stock"] is None
 
 
 def test_bench_engine_and_surrogate_policies_on_the_disk_tier(tmp_path) -> None:
@@ -39,6 +47,8 @@ def test_bench_engine_and_surrogate_policies_on_the_disk_tier(tmp_path) -> None:
     assert spec["slots_per_layer"] == out["slots_per_layer"] == 12 and lru["hit_rate"] < 1
     assert spec["mean_k"] == 0 and spec["draft_off"] == 0 and spec["cutoff"] is False and spec["adaptive"] is False
     assert spec["miss"] == "wait"
+    # teacher-forced by default on the fixture, but the speculative decoder drafts its own tokens: free, and says so
+    assert lru["decode"] == "teacher-forced" and spec["decode"] == "free"
     assert sur["approximate"] is True and sur["surrogate_uses"] > 0 and sur["slots_per_layer"] == 4
     specter = out["policies"]["specter"]
     # the draft counted in the budget may leave no room; that is the one acceptable reason to skip it

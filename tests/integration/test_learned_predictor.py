@@ -157,3 +157,42 @@ def test_reuse_maps_in_c_are_exact_with_the_duel_on_disk(fitted) -> None:
     c, _, got, state = _decode_with_reuse(fitted, True, tier="disk", ordered=True, duel=True)
     assert np.abs(np.array(ref) - got).max() == 0.0
     assert state is not None and c["late"] > 0 and c["route_us_per_layer"] > 0
+
+
+def test_the_embedded_model_ships_with_its_predictor() -> None:
+    """`models build smol-moe` fits smol-moe's predictor (once; `make test` runs it first, so this finds it cached)
+    and generate uses it without being asked: no hint, the learned plan on."""
+    from conftest import run_cli
+
+    r = run_cli("models", "build", "smol-moe", timeout=1800)
+    assert r.returncode == 0, r.stderr
+    path = Path(r.stdout.strip().splitlines()[-1])
+    pred = LearnedPredictor.for_model(path)
+    assert pred is not None and pred.meta["model_key"] == model_key(path) and pred.has_reuse
+    r = run_cli("generate", "smol-moe", "--budget", "50%", "-p", "Hi", "-n", "2", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "fit-predictor" not in r.stderr
+    import json
+
+    assert json.loads(r.stdout)["stats"]["predictor_mib"] == pytest.approx(pred.nbytes / 2**20)
+
+
+def test_a_model_without_a_predictor_says_so_once(tmp_path: Path) -> None:
+    """The first session that would prefetch says, in one line, what fit-predictor would add and about how long
+    it takes; the second says nothing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECTER_CACHE": str(tmp_path / "cache")}
+    args = [sys.executable, "-m", "pyspecter", "generate", "tiny-qwen3moe", "--budget", "50%", "-p", "hi", "-n",
+            "2", "--raw"]
+    first, second = (subprocess.run(args, capture_output=True, text=True, env=env, timeout=600) for _ in range(2))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    hint = [line for line in first.stderr.splitlines() if "fit-predictor" in line]
+    assert len(hint) == 1 and "`pyspecter fit-predictor tiny-qwen3moe` would add prefetching" in hint[0]
+    assert "about" in hint[0], hint
+    assert "fit-predictor" not in second.stderr
+    every = subprocess.run([*args[:5], "--budget", "100%", *args[7:]], capture_output=True, text=True,
+                           env={**env, "SPECTER_CACHE": str(tmp_path / "other")}, timeout=600)
+    assert every.returncode == 0 and "fit-predictor" not in every.stderr  # all resident: nothing to prefetch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import socket
 import statistics
@@ -21,6 +22,8 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import run_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
 
@@ -167,7 +170,7 @@ def test_tiny_sampling_is_per_request(tiny: Server) -> None:
 
 def _greedy_equals_generate(srv: Server, args: tuple[str, ...], model: str, prompt: str, n: int) -> dict:
     """The server's greedy answer is the command line's, token for token; returns generate's JSON."""
-    g = run_cli("generate", *args, "-p", prompt, "-n", str(n), "--json")
+    g = run_cli("generate", *args, "-p", prompt, "-n", str(n), "--json", "--raw")  # completions continue text
     assert g.returncode == 0, g.stderr
     ref = json.loads(g.stdout)
     r = srv.client().completions.create(model=model, prompt=prompt, max_tokens=n)
@@ -219,7 +222,7 @@ def test_with_a_draft(tmp_path: Path) -> None:
     params.allow_requantize = True
     assert llama_cpp.llama_model_quantize(str(build_tiny("tiny-mixtral")).encode(), str(draft).encode(),
                                           ctypes.byref(params)) == 0
-    g = run_cli("generate", "tiny-mixtral", "-p", "speculate on this", "-n", "16", "--json")
+    g = run_cli("generate", "tiny-mixtral", "-p", "speculate on this", "-n", "16", "--json", "--raw")
     assert g.returncode == 0, g.stderr
     with serving(tmp_path, "tiny-mixtral", "--draft", str(draft), "--budget", "100%") as srv:
         client = srv.client()
@@ -365,3 +368,193 @@ def test_serve_refuses_a_port_in_use() -> None:
         r = run_cli("serve", "tiny-qwen3moe", "--port", str(s.getsockname()[1]), timeout=120)
     assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
 
+
+
+# --- hostile clients: 4xx (never 500), no traceback, connections that end, streams that end ------------------------
+
+def _raw(srv: Server, data: bytes, timeout: float = 30) -> bytes:
+    """Send raw bytes on a fresh connection and read until the server closes it."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def _closed_within(socks: list[socket.socket], seconds: float) -> int:
+    """How many of ``socks`` the server closed within ``seconds`` (each read sees EOF or a reset)."""
+    deadline = time.monotonic() + seconds
+    closed = 0
+    for s in socks:
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            while s.recv(4096):
+                pass
+            closed += 1
+        except ConnectionResetError:
+            closed += 1
+        except TimeoutError:
+            pass
+    return closed
+
+
+def _open_idle(srv: Server, n: int, partial: bool = False) -> list[socket.socket]:
+    host, port = srv.url.removeprefix("http://").split(":")
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(n)]
+    if partial:  # a request head that never ends (slowloris)
+        for s in socks:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    return socks
+
+
+def _hostile_probes(srv: Server) -> dict[int, int]:
+    """The tester's probes, once each. Returns the statuses seen, by count."""
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    seen: dict[int, int] = {}
+
+    def note(r: Reply) -> Reply:
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        return r
+
+    for body, code in (("[" * 10000, "invalid_json"), ('{"messages": [{"role": "user", "content": "\\ud800x"}]}',
+                                                        "invalid_json"),
+                       ('{"prompt": "\\udfff"}', "invalid_json"), (b"\xff\xfe{", "invalid_json"),
+                       ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999}',
+                        "invalid_value"),
+                       ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2000000000}',
+                        "context_length_exceeded")):
+        r = note(srv.post(chat if b"messages" in (body.encode() if isinstance(body, str) else body) else comp,
+                          body))
+        assert _error(r, 400)["code"] == code, r.text
+    assert _error(note(srv.post(comp, b'{"prompt": "' + b"a" * (9 << 20) + b'"}')), 413)
+    r = note(srv.post(comp, {"prompt": "word " * 40000, "max_tokens": 4}))  # 200,000 characters
+    assert _error(r, 400)["code"] == "context_length_exceeded"
+    for _ in range(3):  # abandoned streams
+        with socket.create_connection(tuple(srv.url.removeprefix("http://").rsplit(":", 1)), timeout=10) as s:
+            body = json.dumps({"prompt": "go on", "max_tokens": 200, "stream": True}).encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.recv(1024)
+    results: list[int] = []
+
+    def client() -> None:
+        results.append(srv.post(comp, {"prompt": "many at once", "max_tokens": 8}).status_code)
+
+    threads = [threading.Thread(target=client) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 40 and set(results) <= {200, 429}, results
+    for code in results:
+        seen[code] = seen.get(code, 0) + 1
+    socks = _open_idle(srv, 150 - 100) + _open_idle(srv, 100, partial=True)  # more than --max-connections
+    try:
+        assert _closed_within(socks, 10) == len(socks)  # refused over the cap, or timed out idle
+    finally:
+        for s in socks:
+            s.close()
+    return seen
+
+
+def test_hostile_input_gets_4xx_and_leaves_rss_flat(tmp_path: Path) -> None:
+    """Every probe is answered with the right 4xx and OpenAI's error shape; /metrics counts the client errors by
+    status; the log holds an access line per request and no traceback; the server's RSS stays flat across a
+    second run of the probes (the first run warms allocator pools and caches)."""
+    import psutil
+
+    with serving(tmp_path, *TINY_ARGS, "--queue", "2") as srv:
+        proc = psutil.Process(srv.proc.pid)
+        rss0 = proc.memory_info().rss
+        seen1 = _hostile_probes(srv)
+        rss1 = proc.memory_info().rss
+        seen2 = _hostile_probes(srv)
+        rss2 = proc.memory_info().rss
+        print(f"\nserver RSS: {rss0 / 2**20:.1f} MiB at start, {rss1 / 2**20:.1f} MiB after one abuse run, "
+              f"{rss2 / 2**20:.1f} MiB after a second")
+        m = srv.metrics()
+        for code in seen1 | seen2:
+            if 400 <= code < 500:
+                assert m["client_errors"][str(code)] >= seen1.get(code, 0) + seen2.get(code, 0)
+        assert m["client_errors"]["400"] >= 12 and m["client_errors"]["413"] >= 2
+        assert m["connections"]["refused"] > 0 and m["connections"]["timed_out"] > 0
+        assert "server_errors" not in m or not m["server_errors"], m["server_errors"]
+        assert 'pyspecter_http_client_errors_total{status="400"}' in srv.get("/metrics").text
+        assert srv.get("/health").json()["status"] == "ok"
+        assert rss2 - rss1 < 48 << 20, (rss1, rss2)
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-4000:]
+    lines = [ln for ln in log.splitlines() if ln.startswith("pyspecter serve: 127.0.0.1:")]
+    assert any(" POST /v1/chat/completions 400 " in ln for ln in lines)
+    assert any(" POST /v1/completions 413 " in ln for ln in lines)
+    assert any(re.search(r" POST /v1/completions 200 tokens \d+\+8 \d+ ms$", ln) for ln in lines), lines[-20:]
+    assert any(" GET /health 200 " in ln for ln in lines)
+
+
+def test_idle_connections_close_and_the_cap_holds(tmp_path: Path) -> None:
+    with serving(tmp_path, *TINY_ARGS, "--max-connections", "24", "--idle-timeout", "2") as srv:
+        idle = _open_idle(srv, 10) + _open_idle(srv, 10, partial=True)
+        try:
+            t0 = time.monotonic()
+            assert _closed_within(idle, 10) == 20  # none sent a whole request: all closed
+            assert time.monotonic() - t0 < 10
+        finally:
+            for s in idle:
+                s.close()
+        held = _open_idle(srv, 24)
+        try:
+            over = _raw(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert over.startswith(b"HTTP/1.1 503") and b"too_many_connections" in over
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.5)
+        assert srv.get("/health").status_code == 200  # below the cap again
+        r = _raw(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive: closed once idle after the answer
+        assert r.startswith(b"HTTP/1.1 200")
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_and_done(tmp_path: Path) -> None:
+    with serving(tmp_path, *SMOL_ARGS) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": "smol-moe", "stream": True, "max_tokens": 900,
+                           "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]})
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            got = b""
+            while got.count(b"data: ") < 5:
+                got += s.recv(65536)
+            srv.proc.send_signal(signal.SIGTERM)
+            while chunk := s.recv(65536):
+                got += chunk
+        assert srv.proc.wait(timeout=60) == 0
+    data = [ln[6:] for ln in got.decode().splitlines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]", data[-3:]
+    assert json.loads(data[-2])["error"]["code"] == "server_shutting_down", data[-3:]
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "without completing response" not in log, log[-3000:]
+    assert re.search(r"POST /v1/chat/completions 200 tokens \d+\+\d+ \d+ ms", log)
+
+
+_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=8)  # lone surrogates included
+_json = st.recursive(st.none() | st.booleans() | st.integers(-5, 40) | st.floats() | _text,
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(_text, kids, max_size=3), max_leaves=8)
+_message = st.fixed_dictionaries({}, optional={"role": st.sampled_from(["user", "system", "assistant"]) | _json,
+                                               "content": _text | _json})
+_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "stop",
+           "stream", "stream_options", "n", "presence_penalty", "logit_bias", "response_format", "echo", "best_of")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({}, optional={name: _json for name in _FIELDS} | {
+    "messages": st.lists(_message, min_size=1, max_size=2) | _json,
+    "prompt": _text | st.lists(st.integers(-2, 400), max_size=4) | _json}), st.booleans())
+def test_fuzz_the_live_server_never_answers_5xx(tiny: Server, body: dict, chat: bool) -> None:
+    """Random JSON in every field, sent to the running server: always a 2xx or a 4xx with OpenAI's error shape."""
+    r = tiny.post("/v1/chat/completions" if chat else "/v1/completions", body, timeout=120)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyspecter import learned
+from pyspecter import learned, predictor_hint
 from pyspecter.errors import SpecterError
 from pyspecter.learned import LearnedPredictor, model_key, selection_scores, sidecar_path
 from pyspecter.study import predictor_fit as pf
@@ -170,6 +170,31 @@ def test_sidecar_is_found_by_content_and_refused_when_stale(tmp_path: Path, monk
     assert LearnedPredictor.load(model).nbytes == pred.nbytes
     model.write_bytes(b"GGUF" + bytes(999) + b"\1")  # same size, other content: another key, no predictor
     assert LearnedPredictor.for_model(model) is None
+
+
+def test_the_missing_predictor_hint_is_said_once_per_model_file(tmp_path: Path, monkeypatch, fitted) -> None:
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path / "cache"))
+    model, other = tmp_path / "m.gguf", tmp_path / "o.gguf"
+    model.write_bytes(b"GGUF" + bytes(1000))
+    other.write_bytes(b"GGUF" + bytes(999) + b"\1")
+    line = predictor_hint.predictor_hint(model, "my-model", 600)
+    assert line is not None and "`pyspecter fit-predictor my-model`" in line and "about 10 min" in line
+    assert predictor_hint.predictor_hint(model, "my-model", 600) is None  # said already
+    assert predictor_hint.predictor_hint(other, "o", 30) is not None  # another file: its own first time
+    fit, R = fitted
+    pf.to_runtime(fit, list(range(5)), R, {"n_expert": 8, "n_expert_used": 2,
+                                           "model_key": model_key(other)}).save(sidecar_path(other))
+    sidecar_path(other).with_suffix(".hinted").unlink()
+    assert predictor_hint.predictor_hint(other, "o", 30) is None  # it has a predictor: nothing to say
+
+
+def test_the_fit_estimate_matches_the_measured_fits() -> None:
+    """The two fits the constants were measured on (1000 + 256 tokens; CPU seconds on the 2-core machine:
+    smol-moe 68, bench-qwen3moe 52), within a factor 1.5; and the full default fit of smol-moe, 6-15 minutes."""
+    est = predictor_hint.fit_seconds_estimate
+    smol, bench = est(30, 147_449_088, 576, 16, True, 1000, 256), est(16, 295_841_792, 1024, 32, False, 1000, 256)
+    assert 68 / 1.5 < smol < 68 * 1.5 and 52 / 1.5 < bench < 52 * 1.5, (smol, bench)
+    assert 6 * 60 < est(30, 147_449_088, 576, 16, True) < 15 * 60
 
 
 def test_a_damaged_file_is_a_clean_error(tmp_path: Path) -> None:

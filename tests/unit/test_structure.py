@@ -14,9 +14,12 @@ STUDY_AND_BUILDERS = ("pyspecter.study", "pyspecter.models")
 ENTRY_POINTS = {"__main__.py", "api.py"}
 
 
+RUNTIME_PACKAGES = ("native", "server")
+
+
 def _runtime_modules() -> list[Path]:
     mods = [p for p in PKG.glob("*.py") if p.name not in ENTRY_POINTS]
-    return mods + list((PKG / "native").glob("*.py"))
+    return mods + [p for d in RUNTIME_PACKAGES for p in (PKG / d).glob("*.py")]
 
 
 def _imports(path: Path) -> set[str]:
@@ -44,6 +47,8 @@ def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
 def test_runtime_imports_without_the_library() -> None:
     """Every runtime module imports with llama.cpp's bindings unavailable: the library is bound on first use."""
     names = sorted(f"pyspecter.{p.stem}" for p in PKG.glob("*.py") if p.stem != "__main__")
+    names += sorted(f"pyspecter.{d}.{p.stem}".removesuffix(".__init__") for d in RUNTIME_PACKAGES
+                    for p in (PKG / d).glob("*.py"))
     code = ("import sys; sys.modules['llama_cpp'] = None\n"
             f"import importlib\nfor n in {names!r}: importlib.import_module(n)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -81,3 +86,17 @@ def test_cli_lists_the_bench_policies_it_runs() -> None:
     from pyspecter.study import bench
 
     assert cli.BENCH_POLICIES == bench.POLICIES and cli.BENCH_DEFAULTS == bench.DEFAULT_POLICIES
+
+
+def test_the_server_package_imports_down_the_data_path() -> None:
+    """app -> http, worker -> wire: the wire format knows no worker and no app; the worker knows no HTTP."""
+    srv = PKG / "server"
+    assert not {m for m in _imports(srv / "wire.py") if m.startswith("pyspecter.")} - {"pyspecter.errors"}
+    assert not {m for m in _imports(srv / "worker.py") if m.startswith("pyspecter.server")} - {"pyspecter.server.wire"}
+    assert not {m for m in _imports(srv / "http.py") if m.startswith("pyspecter.server")} - {"pyspecter.server.wire"}
+    top = {a.name.split(".")[0] for n in ast.parse((srv / "app.py").read_text()).body  # module level only
+           for a in (n.names if isinstance(n, ast.Import) else [])} | \
+        {n.module.split(".")[0] for n in ast.parse((srv / "app.py").read_text()).body
+         if isinstance(n, ast.ImportFrom) and n.module}
+    assert not top & {"fastapi", "uvicorn", "sse_starlette", "starlette"}  # the extra is imported when serving
+    assert not (PKG / "server.py").exists() and not (PKG / "serving.py").exists()

@@ -1,10 +1,11 @@
-"""`pyspecter serve`: an OpenAI-compatible HTTP server over one Session (FastAPI + uvicorn + sse-starlette, the
-optional ``server`` extra, imported only when a server is made).
+"""The HTTP app of `pyspecter serve`: routes over one Session (FastAPI + uvicorn + sse-starlette, the optional
+``server`` extra, imported only when a server is made).
 
 Batch size 1: llama.cpp's context here holds one sequence, so one worker thread generates one answer at a time
-(``serving.Worker``); requests wait in a bounded queue in front of it, and a request that finds it full is refused
+(``worker.Worker``); requests wait in a bounded queue in front of it, and a request that finds it full is refused
 with 429 and a Retry-After header. Every request carries its own sampling settings. A client that goes away
-cancels its answer (checked between tokens). Wire format and validation: ``openai_api``.
+cancels its answer (checked between tokens). Wire format and validation: ``wire``; connection limits, timeouts
+and the access log: ``http``.
 """
 
 # no `from __future__ import annotations` here: FastAPI reads the handlers' annotations (``request: Request``,
@@ -17,10 +18,11 @@ import socket
 import sys
 from dataclasses import replace
 
-from pyspecter import openai_api as oa
+import pyspecter.server.http as http
+import pyspecter.server.wire as oa
 from pyspecter.errors import SpecterError
-from pyspecter.openai_api import ApiError
-from pyspecter.serving import Job, Worker, metrics, prometheus
+from pyspecter.server.wire import ApiError
+from pyspecter.server.worker import Job, Worker, metrics, prometheus
 from pyspecter.session import Session
 
 MAX_BODY = 8 * 2**20
@@ -59,7 +61,8 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
-def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None = None):
+def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None = None,
+               stats: http.HttpStats | None = None):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
@@ -70,6 +73,7 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
     from pyspecter.prompts import render_prompt
 
     s = w.s
+    stats = stats or http.HttpStats()
     app = FastAPI(title="pyspecter", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -95,16 +99,17 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
             body += chunk
             if len(body) > MAX_BODY:
                 raise ApiError(413, f"request body over {MAX_BODY // 2**20} MiB", code="request_too_large")
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
+        return await asyncio.to_thread(oa.decode_json, bytes(body))  # up to 8 MiB: off the event loop
 
     def prompt_tokens(req: oa.GenRequest) -> list[int]:
-        if req.messages is not None:  # the model's own chat template (ChatML if it has none llama.cpp knows)
-            return s.tokenize(render_prompt(s.target, req.messages), add_special=False)
-        if isinstance(req.prompt, str):
-            return s.tokenize(req.prompt)  # as `pyspecter generate -p`
+        try:
+            if req.messages is not None:  # the model's own chat template (ChatML if it has none llama.cpp knows)
+                return s.tokenize(render_prompt(s.target, req.messages), add_special=False)
+            if isinstance(req.prompt, str):
+                return s.tokenize(req.prompt)  # as `pyspecter generate -p`
+        except UnicodeEncodeError as e:  # decode_json refuses lone surrogates; this is the last line
+            raise ApiError(400, f"the text cannot be encoded as UTF-8: {e.reason} at character {e.start}",
+                           code="invalid_value", param="messages" if req.messages is not None else "prompt") from None
         bad = [t for t in req.prompt if not 0 <= t < s.target.n_vocab]
         if bad:
             raise ApiError(400, f"'prompt': token id {bad[0]} is not in the vocabulary (0..{s.target.n_vocab - 1})",
@@ -143,6 +148,7 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
 
         job = Job(prompt, n, req, emit=emit)
         w.submit(job)
+        request.state.pyspecter_job = job  # the access log reads its tokens
         return job, q, req
 
     async def collect(request: Request, job: Job, q: asyncio.Queue) -> tuple | None:
@@ -163,43 +169,16 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
                 elif ev[0] == "done":
                     return "".join(parts), *ev[1:]
                 else:
-                    raise ApiError(500, ev[1], type="server_error", code="generation_failed")
+                    raise ApiError(ev[2], ev[1], type="server_error",
+                                   code="server_shutting_down" if ev[2] == 503 else "generation_failed")
         finally:
             if getter is not None:
                 getter.cancel()
             job.cancel.set()  # nothing if it finished; stops it if the client left
 
     def stream(job: Job, q: asyncio.Queue, req: oa.GenRequest, chat: bool):
-        rid = oa.new_id("chatcmpl" if chat else "cmpl")
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str | None, finish: str | None = None) -> str:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                return json.dumps(oa.chat_chunk(rid, model_id, delta, finish))
-            return json.dumps(oa.completion_chunk(rid, model_id, text or "", finish))
-
-        async def events():
-            try:
-                if chat:
-                    yield json.dumps(oa.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}))
-                while True:
-                    ev = await q.get()
-                    if ev[0] == "text":
-                        yield chunk(ev[1])
-                    elif ev[0] == "done":
-                        yield chunk(None, ev[1])
-                        if req.include_usage:
-                            yield json.dumps(oa.usage_chunk(rid, model_id, obj, ev[2], ev[3]))
-                        yield "[DONE]"
-                        return
-                    else:
-                        yield json.dumps(oa.error_body(ev[1], "server_error", "generation_failed"))
-                        return
-            finally:
-                job.cancel.set()  # a client that disconnects cancels its answer
-
-        return EventSourceResponse(events(), ping=15, sep="\n", background=BackgroundTask(job.cancel.set))
+        return EventSourceResponse(stream_events(job, q, req, chat, model_id), ping=15, sep="\n",
+                                   background=BackgroundTask(job.cancel.set))
 
     async def complete(request: Request, chat: bool):
         job, q, req = await start(request, chat)
@@ -244,12 +223,46 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
 
     @app.get("/metrics")
     async def get_metrics(request: Request):
-        m = metrics(w)
+        m = metrics(w) | stats.figures()
         if request.query_params.get("format") == "json" or "application/json" in request.headers.get("accept", ""):
             return m
         return PlainTextResponse(prometheus(m), media_type="text/plain; version=0.0.4")
 
-    return _Auth(app, api_key) if api_key else app
+    return http.AccessLog(_Auth(app, api_key) if api_key else app, stats)
+
+
+async def stream_events(job: Job, q: asyncio.Queue, req: oa.GenRequest, chat: bool, model_id: str):
+    """The data of a streamed answer's events, from the job's events: chunks as the text grows, then the finish
+    reason (and the usage when asked) and ``[DONE]``. A failed answer, or one cut by shutdown, ends with an error
+    event and ``[DONE]`` too: a stream never just stops."""
+    rid = oa.new_id("chatcmpl" if chat else "cmpl")
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None = None) -> str:
+        if chat:
+            return json.dumps(oa.chat_chunk(rid, model_id, {} if text is None else {"content": text}, finish))
+        return json.dumps(oa.completion_chunk(rid, model_id, text or "", finish))
+
+    try:
+        if chat:
+            yield json.dumps(oa.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}))
+        while True:
+            ev = await q.get()
+            if ev[0] == "text":
+                yield chunk(ev[1])
+            elif ev[0] == "done":
+                yield chunk(None, ev[1])
+                if req.include_usage:
+                    yield json.dumps(oa.usage_chunk(rid, model_id, obj, ev[2], ev[3]))
+                yield "[DONE]"
+                return
+            else:
+                code = "server_shutting_down" if ev[2] == 503 else "generation_failed"
+                yield json.dumps(oa.error_body(ev[1], "server_error", code))
+                yield "[DONE]"
+                return
+    finally:
+        job.cancel.set()  # a client that disconnects cancels its answer
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -275,23 +288,32 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+GRACE_S = 3  # on SIGINT/SIGTERM, answers in flight may finish for this long
+
+
 def serve(session: Session, sock: socket.socket, *, model_id: str, aliases: set[str], api_key: str | None,
-          queue_size: int) -> None:
-    """Serve until SIGINT/SIGTERM (graceful: answers in flight get 3 s), then free the session."""
+          queue_size: int, max_connections: int = 64, idle_timeout: float = 5.0) -> None:
+    """Serve until SIGINT/SIGTERM (graceful: answers in flight get GRACE_S, then every stream still open ends
+    with an error event and ``data: [DONE]``), then free the session."""
     import signal
 
     import uvicorn
+    from sse_starlette.sse import AppStatus
 
+    AppStatus.disable_automatic_graceful_drain()  # its drain cuts streams mid-answer; http.server ends them
     w = Worker(session, queue_size)
     try:
-        app = create_app(w, model_id, aliases | {model_id}, api_key)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
-                                lifespan="off")
+        stats = http.HttpStats()
+        app = create_app(w, model_id, aliases | {model_id}, api_key, stats)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                http=http.protocol(max_connections, idle_timeout, stats),
+                                timeout_keep_alive=max(1, round(idle_timeout)))
         host, port = sock.getsockname()[:2]
         where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         print(f"pyspecter serve: {model_id} at {where}/v1 (OpenAI-compatible; /health, /metrics), "
               f"{session.n_slots}/{session.layout.n_expert} expert slots per layer, tier {session.tier.name}, "
-              f"context {session.cfg.n_ctx}, queue {queue_size}" + (", API key required" if api_key else ""),
+              f"context {session.cfg.n_ctx}, queue {queue_size}, at most {max_connections} connections, idle "
+              f"ones closed after {idle_timeout:g} s" + (", API key required" if api_key else ""),
               file=sys.stderr, flush=True)
         if not is_loopback(host) and not api_key:
             print(f"pyspecter serve: WARNING: listening on {host} without --api-key: anyone who can reach this "
@@ -300,7 +322,7 @@ def serve(session: Session, sock: socket.socket, *, model_id: str, aliases: set[
         # and exit 0 instead of dying mid-cleanup (SIGTERM) or printing a traceback (SIGINT)
         old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            uvicorn.Server(config).run(sockets=[sock])
+            http.server(config, w.abort, GRACE_S).run(sockets=[sock])
         finally:
             for sig, h in old.items():
                 signal.signal(sig, h)

@@ -1,12 +1,14 @@
 """The OpenAI wire format for `pyspecter serve`, without a web framework: request validation (every refusal an
 ``ApiError`` with OpenAI's error shape), stop sequences over an incremental detokenizer, response objects.
 
-Kept apart from ``server`` so it imports without the ``server`` extra and is unit-tested without a model.
+Kept apart from ``app`` so it imports without the ``server`` extra and is unit-tested without a model.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -34,6 +36,82 @@ class ApiError(Exception):
 def error_body(message: str, type: str = "invalid_request_error", code: str | None = None,
                param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --- the request body ------------------------------------------------------------------------------------------
+
+MAX_DEPTH = 64  # nesting of a request body: an OpenAI request needs about 5
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _invalid_json(why: str) -> ApiError:
+    return ApiError(400, f"could not parse the JSON body of the request: {why}", code="invalid_json")
+
+
+def nesting_depth(body: bytes) -> int:
+    """How deep arrays and objects nest in ``body``, counted on the bytes without decoding (brackets inside
+    strings do not count): the decoder recurses once per level, so a deep body is refused before it runs.
+    Vectorised, in pieces: linear time and bounded memory for any 8 MiB body."""
+    import numpy as np
+
+    deepest = depth = run = 0  # carried across pieces: nesting, backslashes just before the piece
+    in_str = False
+    for i in range(0, len(body), _PIECE):
+        c = np.frombuffer(body, np.uint8, count=min(_PIECE, len(body) - i), offset=i)
+        bs = c == ord("\\")
+        pos = np.arange(len(c), dtype=np.int32)
+        last_other = np.maximum.accumulate(np.where(bs, -1, pos))
+        runs = np.where(last_other >= 0, pos - last_other, pos + 1 + run)  # backslashes ending at each byte
+        before = np.concatenate(([run], runs[:-1]))  # ... and just before it: odd escapes a quote
+        quotes = np.cumsum((c == ord('"')) & (before % 2 == 0), dtype=np.int32) + in_str
+        outside = quotes % 2 == 0
+        step = (outside & ((c == ord("[")) | (c == ord("{")))).astype(np.int8) - \
+            (outside & ((c == ord("]")) | (c == ord("}")))).astype(np.int8)
+        d = np.cumsum(step, dtype=np.int32) + depth
+        deepest, depth = max(deepest, int(d.max())), int(d[-1])
+        run, in_str = int(runs[-1]), bool(quotes[-1] % 2)
+    return deepest
+
+
+_PIECE = 1 << 20
+
+
+def decode_json(body: bytes) -> Any:
+    """The request body's JSON value. Anything malformed is a 400 ``invalid_json``: bytes that are not JSON (or
+    not UTF-8), nesting deeper than MAX_DEPTH, and strings with a lone surrogate (``"\\ud800"``: valid JSON
+    syntax, but no text, so nothing can encode or tokenize it)."""
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH:  # else it cannot nest deeper: no need to look
+        depth = nesting_depth(body)
+        if depth > MAX_DEPTH:
+            raise _invalid_json(f"nested {depth} levels deep (at most {MAX_DEPTH})")
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise _invalid_json(f"nested too deep (at most {MAX_DEPTH})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _invalid_json(str(e)) from None
+    where = _lone_surrogate(value)
+    if where is not None:
+        raise _invalid_json(f"{where}: a lone surrogate escape (\\ud800-\\udfff without its pair) is not text")
+    return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where the first string with a lone surrogate is (a key or a value), or None."""
+    todo: list[tuple[str, Any]] = [("body", value)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                return where
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if not k.isascii() and _SURROGATE.search(k):
+                    return f"{where} key {k.encode('utf-8', 'backslashreplace').decode()!r}"
+                todo.append((f"{where}.{k}" if where != "body" else k, x))
+        elif isinstance(v, list):
+            todo.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
+    return None
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -176,7 +254,7 @@ def parse_chat(body: Any) -> GenRequest:
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}]", "expected an object {\"role\", \"content\"}", "invalid_type")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or an object is no role (and unhashable)
             raise _bad(f"messages[{i}].role", f"{role!r} is not one of {', '.join(ROLES)} (no tool messages)")
         out.append({"role": ROLES[role], "content": _content(i, m)})
     req.messages = out

@@ -1,6 +1,6 @@
 """Serving at batch size 1: one worker thread owns the Session and generates one answer at a time, from a
 bounded queue of jobs; every job brings its own sampling settings and can be cancelled between tokens. The HTTP
-side (``server``) only submits jobs and reads their events. No web framework here.
+side (``app``) only submits jobs and reads their events. No web framework here.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from pyspecter import openai_api as oa
+import pyspecter.server.wire as oa
 from pyspecter.errors import SpecterError
-from pyspecter.openai_api import ApiError
 from pyspecter.sampling import Sampler
+from pyspecter.server.wire import ApiError
 from pyspecter.session import Session
 
 
@@ -29,7 +29,8 @@ class _Finish(Exception):
 @dataclass
 class Job:
     """One answer to generate. ``emit`` hands events to the request's event loop (thread-safe):
-    ("text", str) as the answer grows, then ("done", finish_reason, n_prompt, n_completion) or ("error", message)."""
+    ("text", str) as the answer grows, then ("done", finish_reason, n_prompt, n_completion) or
+    ("error", message, status): 500 for a failed answer, 503 when the server shuts down."""
 
     prompt: list[int]
     max_tokens: int
@@ -37,6 +38,7 @@ class Job:
     emit: Callable[[tuple], None] = lambda ev: None
     cancel: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.perf_counter)
+    n_out: int = 0  # tokens generated so far (the access log reads it)
 
 
 class Worker:
@@ -56,6 +58,7 @@ class Worker:
         self.durations: deque[float] = deque(maxlen=32)
         self.prompt_tokens = 0
         self.busy = False
+        self.closing = False  # set on shutdown: no new job is taken
         self.stats = self._session_stats()  # refreshed by the worker itself, between tokens
         self._thread = threading.Thread(target=self._loop, name="pyspecter-generate", daemon=True)
         self._thread.start()
@@ -63,6 +66,8 @@ class Worker:
     # --- the request side (event loop thread) ---
 
     def submit(self, job: Job) -> None:
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         with self._admit:
             full = self.inflight > self.queue_size
             if not full:
@@ -76,8 +81,10 @@ class Worker:
                                 f"generating (batch size 1); retry after {wait} s", type="requests",
                            code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
 
-    def close(self) -> None:
-        """Cancel what waits and what runs, stop the thread, then free the session."""
+    def abort(self, message: str = "the server is shutting down") -> None:
+        """End every answer now, waiting or generating: each gets an error event (its stream then ends properly)
+        and is cancelled. Takes no new job after this."""
+        self.closing = True
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -85,17 +92,21 @@ class Worker:
                 break
             if job is not None:
                 job.cancel.set()
-                job.emit(("error", "the server is shutting down"))
-        self._current_cancel().set()
+                job.emit(("error", message, 503))
+        current = self._current
+        if current is not None:
+            current.emit(("error", message, 503))
+            current.cancel.set()
+
+    def close(self) -> None:
+        """Cancel what waits and what runs, stop the thread, then free the session."""
+        self.abort()
         self.jobs.put_nowait(None)
         self._thread.join(timeout=30)
         with self.lock:
             self.s.close()
 
-    _cancel: threading.Event | None = None
-
-    def _current_cancel(self) -> threading.Event:
-        return self._cancel or threading.Event()
+    _current: Job | None = None  # the job generating, if any
 
     # --- the worker thread ---
 
@@ -115,11 +126,11 @@ class Worker:
                     self.counts["cancelled"] += 1
                     continue
                 with self.lock:
-                    self.busy, self._cancel = True, job.cancel
+                    self.busy, self._current = True, job
                     try:
                         self._generate(job)
                     finally:
-                        self.busy, self._cancel = False, None
+                        self.busy, self._current = False, None
                         self.stats = self._session_stats()
             finally:
                 with self._admit:
@@ -150,6 +161,7 @@ class Worker:
         def on_token(tok: int) -> None:
             nonlocal n_out
             n_out += 1
+            job.n_out = n_out
             if n_out == 1:
                 self.ttft.append(time.perf_counter() - job.t_submit)
             delta = text.push(tok)
@@ -170,7 +182,7 @@ class Worker:
             reason = f.reason
         except Exception as e:  # noqa: BLE001 - one answer fails, the server goes on
             self.counts["failed"] += 1
-            job.emit(("error", str(e) if isinstance(e, SpecterError) else repr(e)))
+            job.emit(("error", str(e) if isinstance(e, SpecterError) else repr(e), 500))
             return
         finally:
             if self._pinned is not None and s.decoder is not None:  # back to adapting K
@@ -233,6 +245,16 @@ def prometheus(m: dict) -> str:
     ]
     lines = ["# HELP pyspecter_requests_total requests by outcome", "# TYPE pyspecter_requests_total counter"]
     lines += [f'pyspecter_requests_total{{outcome="{k}"}} {v}' for k, v in m["requests"].items()]
+    for key, help_ in (("client_errors", "HTTP responses 4xx by status"),
+                       ("server_errors", "HTTP responses 5xx by status")):
+        if key in m:
+            lines += [f"# HELP pyspecter_http_{key}_total {help_}", f"# TYPE pyspecter_http_{key}_total counter"]
+            lines += [f'pyspecter_http_{key}_total{{status="{k}"}} {v}' for k, v in sorted(m[key].items())]
+    for k, v in m.get("connections", {}).items():
+        kind = "gauge" if k == "open" else "counter"
+        name = f"connections_{k}" + ("" if kind == "gauge" else "_total")
+        lines += [f"# HELP pyspecter_{name} HTTP connections {k.replace('_', ' ')}", f"# TYPE pyspecter_{name} {kind}",
+                  f"pyspecter_{name} {v}"]
     for name, kind, help_, value in gauges:
         lines += [f"# HELP pyspecter_{name} {help_}", f"# TYPE pyspecter_{name} {kind}",
                   f"pyspecter_{name} {float(value):g}"]
