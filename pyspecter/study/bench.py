@@ -329,14 +329,11 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             **device_columns(rs[-1].splits, len(layout.layers), dev is not None),
             "bytes_per_token": statistics.mean(ups) / n_decode,
             "stall_ms_per_token": statistics.mean(hook_ms) / n_decode,
-            "route_us_per_call": c.get("route_us_per_call", 0.0),
-            "hook_us_per_call": c.get("hook_us_per_call", 0.0),
-            # native residency only (None: the routing decision ran in Python, or there was none): the routing
-            # op's own time per MoE layer with its read waits left out, and the mean reads outstanding while a
-            # token waited for them
+            "route_us_per_call": c.get("route_us_per_call", 0.0), "hook_us_per_call": c.get("hook_us_per_call", 0.0),
+            # native residency only (None otherwise): decision time per MoE layer, read waits left out; mean
+            # reads outstanding while a token waited
             "route_us_per_layer": c.get("route_us_per_layer"),
-            "reads_in_flight": c.get("reads_in_flight"),
-            "native": bool(c.get("native")),
+            "reads_in_flight": c.get("reads_in_flight"), "native": bool(c.get("native")),
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
             "slots_mean": c.get("slots_mean"),  # usable slots per layer, on average (layers may differ)
             # per run, capped children only: pages read back from the file, and times the cgroup hit its cap
