@@ -119,7 +119,7 @@ class ExpertCache:
         self.route_observer = None
         if hook:
             wait = self._on_wait if self.misses.wants_wait_hook else None
-            self.hooks = Hooks(model, self._on_route, wait, on_input=on_input)
+            self.hooks = Hooks(model, self._on_route, wait, on_input=on_input, weights=False)  # it reads ids only
         self._reported_failures = 0
         self._closed = False
         self._prev_tokens = 0  # ubatch size of the latest routing call
