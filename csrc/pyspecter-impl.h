@@ -66,7 +66,8 @@ struct llama_pyspecter_layer {
     std::atomic<bool> passed{false}; // this ubatch's slot path of the layer has run (its route op has started)
 };
 
-// One remap table per device: [n_expert, n_layer] I32 in a weights buffer of that device, and its host image.
+// One remap table per device: [2 * n_expert, n_layer] I32 in a weights buffer of that device, (slot, expert) per
+// expert of each device layer (the layer's zero slot where not resident), and its host image.
 struct llama_pyspecter_table {
     ggml_tensor * t = nullptr;
     std::vector<int32_t> image; // what the device holds
@@ -140,6 +141,11 @@ struct llama_pyspecter_slots {
     std::vector<llama_pyspecter_table> tables;
     std::mutex table_mu;              // remap changes, table images and fences
     mutable std::atomic<bool> split_built{false}; // a graph with split routes was built: evictions reach the tables
+    // split route -> the slot ids its layer's slot matmuls read (graph building: set by build_route, then read by
+    // build_mm_id for the same graph; contexts may build graphs on several threads)
+    mutable std::mutex graph_mu;
+    mutable std::unordered_map<const ggml_tensor *, ggml_tensor *> split_slot_ids;
+    bool route_weights = true; // split routes read the router weights back for the routing hook
     std::vector<ggml_context *> ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
     // With slots on a device: a one-element tensor in a host weights buffer, a source of every route and wait op.

@@ -5,12 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
-// A split route (pyspecter-graph.h) carries the device's slot ids as its source 4.
-static constexpr int ROUTE_SRC_SLOT_IDS = 4;
-
+// A split route (pyspecter-graph.h) has one plane: the host path's ids. Per-matmul routes have two or three.
 static bool is_split(const ggml_tensor * route) {
-    return route && route->src[ROUTE_SRC_SLOT_IDS] != nullptr;
+    return route && route->op == GGML_OP_CUSTOM && route->ne[2] == 1;
 }
 
 void llama_pyspecter_set_route_cb(llama_model * model, llama_pyspecter_route_cb cb, void * user_data) {
@@ -24,6 +23,12 @@ void llama_pyspecter_set_input_cb(llama_model * model, llama_pyspecter_input_cb 
     if (auto * s = pyspecter_slots_of(model)) {
         s->input_cb = cb;
         s->input_ud = user_data;
+    }
+}
+
+void llama_pyspecter_set_route_weights(llama_model * model, bool enabled) {
+    if (auto * s = pyspecter_slots_of(model)) {
+        s->route_weights = enabled;
     }
 }
 
@@ -60,13 +65,8 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t t0 = pyspecter_now_ns();
 
     // planes of dst: contiguous [n_tokens][n_used] each
-    // split: the slot ids the device computed, read back; the host ids go in plane 0 and plane 1 is scratch
-    const ggml_tensor * dev_ids = dst->src[ROUTE_SRC_SLOT_IDS];
-    if (dev_ids) {
-        L->passed = true; // the CPU split this op is in began after the device ran the layer's slot path
-    }
-    int32_t * slot_ids = (int32_t *) dst->data + (dev_ids ? (size_t) n_used * n_tokens : 0);
-    int32_t * host_ids = dev_ids ? (int32_t *) dst->data : slot_ids + (size_t) n_used * n_tokens;
+    int32_t * slot_ids = (int32_t *) dst->data;
+    int32_t * host_ids = slot_ids + (size_t) n_used * n_tokens;
 
     for (int32_t t = 0; t < n_tokens; ++t) {
         for (int32_t j = 0; j < n_used; ++j) {
@@ -107,20 +107,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         s->counters.hook_ns += pyspecter_now_ns() - c0;
     }
     int64_t hit = 0;
-    if (dev_ids) {
-        // the device decided from its table; the host computes exactly the rows it sent to the zero slot
-        for (int32_t t = 0; t < n_tokens; ++t) {
-            for (int32_t j = 0; j < n_used; ++j) {
-                const int32_t slot = *(const int32_t *) ((const char *) dev_ids->data + t * dev_ids->nb[1] +
-                                                         j * dev_ids->nb[0]);
-                if (slot != L->miss_slot) {
-                    host_ids[t * n_used + j] = -1;
-                    ++hit;
-                }
-            }
-        }
-    }
-    for (int32_t i = 0; i < n_used * n_tokens && !dev_ids; ++i) {
+    for (int32_t i = 0; i < n_used * n_tokens; ++i) {
         const int32_t e = host_ids[i];
         const int32_t slot = e >= 0 && e < (int32_t) L->remap.size() ? L->remap[e] : -1;
         const int32_t late = with_late && slot < 0 && e >= 0 && e < (int32_t) L->late.size() ? L->late[e] : -1;
@@ -141,6 +128,71 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += (int64_t) n_used * n_tokens - hit;
+    s->counters.route_calls += 1;
+    s->counters.route_ns += pyspecter_now_ns() - t0;
+}
+
+// The route op of a split route: on the CPU, after the device ran the layer's slot path from its table. src[0] is
+// what the device looked up, (slot, expert) per (token, expert) row; the host computes exactly the rows it sent to
+// the zero slot, so the two paths share one snapshot of residency whatever the table held.
+static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    auto * L = (llama_pyspecter_layer *) userdata;
+    auto * s = L->parent;
+    L->passed = true; // this CPU split began after the device finished the split before it: the slot path
+    const ggml_tensor * pairs = dst->src[0]; // [2, n_used * n_tokens]
+    const ggml_tensor * w     = dst->src[1]; // [1, n_used, n_tokens], or null (route weights off)
+    const int32_t n_used   = (int32_t) dst->ne[0];
+    const int32_t n_tokens = (int32_t) dst->ne[1];
+    const int32_t n        = n_used * n_tokens;
+    const int64_t t0 = pyspecter_now_ns();
+
+    int32_t * host_ids = (int32_t *) dst->data;
+    for (int32_t i = 0; i < n; ++i) {
+        host_ids[i] = *(const int32_t *) ((const char *) pairs->data + i * pairs->nb[1] + pairs->nb[0]);
+    }
+    const ggml_tensor * x = dst->src[2];
+    if (x && s->input_cb) {
+        const int64_t c0 = pyspecter_now_ns();
+        s->input_cb(s->input_ud, L->il, n_tokens, (int32_t) x->ne[0], (const float *) x->data);
+        s->counters.hook_ns += pyspecter_now_ns() - c0;
+    }
+    {
+        // native residency decides for the next ubatches (this one's slot path ran from the table already): what
+        // lands reaches the device at the next fence, an eviction at once only where the layer may still run
+        std::unique_lock<std::mutex> native = pyspecter_native_lock(s);
+        if (native.owns_lock()) {
+            const float * x_last = x && x->type == GGML_TYPE_F32 && n_tokens > 0 ?
+                    (const float *) x->data + (size_t) (n_tokens - 1) * x->ne[0] : nullptr;
+            pyspecter_native_route(L, host_ids, n_tokens, n_used, false, x_last, x ? (int32_t) x->ne[0] : 0);
+        }
+    }
+    if (s->route_cb) {
+        thread_local std::vector<float> wts;
+        if (w) {
+            wts.resize(n);
+            for (int32_t t = 0; t < n_tokens; ++t) {
+                for (int32_t j = 0; j < n_used; ++j) {
+                    wts[t * n_used + j] = *(const float *) ((const char *) w->data + t * w->nb[2] + j * w->nb[1]);
+                }
+            }
+        }
+        const int64_t c0 = pyspecter_now_ns();
+        s->route_cb(s->route_ud, L->il, n_tokens, n_used, host_ids, w ? wts.data() : nullptr);
+        s->counters.hook_ns += pyspecter_now_ns() - c0;
+    }
+    int64_t hit = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        if (*(const int32_t *) ((const char *) pairs->data + i * pairs->nb[1]) != L->miss_slot) {
+            host_ids[i] = -1;
+            ++hit;
+        }
+    }
+    s->counters.hit_rows  += hit;
+    s->counters.miss_rows += n - hit;
     s->counters.route_calls += 1;
     s->counters.route_ns += pyspecter_now_ns() - t0;
 }
@@ -182,21 +234,29 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
     const bool with_input = (slots->input_cb || pyspecter_native_wants_input(slots)) && ffn_inp &&
             ffn_inp->type == GGML_TYPE_F32 && ggml_is_contiguous(ffn_inp);
     if (allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb && !pyspecter_native_late(slots)) {
-        // slot ids on the device: table[expert] for every (token, expert) row; the table never holds a negative id
-        // (ordered misses, Python's or C's, keep the per-matmul route: their late path needs it)
-        ggml_tensor * table = slots->tables[L->table].t;
-        ggml_tensor * row = ggml_view_2d(ctx, table, 1, table->ne[0], table->nb[0], (size_t) L->table_row * table->nb[1]);
+        // (slot, expert) of every (token, expert) row, looked up on the device: one small tensor for the host to
+        // read back, and the slot path's ids (the zero slot where not resident: never a negative id); ordered
+        // misses, Python's or C's, keep the per-matmul route: their late path needs it
+        ggml_tensor * table = slots->tables[L->table].t; // [2 * n_expert, n_layer]
+        ggml_tensor * row = ggml_view_2d(ctx, table, 2, table->ne[0] / 2, 2 * table->nb[0],
+                                         (size_t) L->table_row * table->nb[1]);
         ggml_tensor * ids = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx, selected_experts);
-        ids = ggml_reshape_1d(ctx, ids, ggml_nelements(ids));
-        ggml_tensor * slot_ids = ggml_reshape_2d(ctx, ggml_get_rows(ctx, row, ids), selected_experts->ne[0],
-                                                 selected_experts->ne[1]);
+        ggml_tensor * pairs = ggml_get_rows(ctx, row, ggml_reshape_1d(ctx, ids, ggml_nelements(ids)));
+        ggml_format_name(pairs, "ffn_moe_slot_pairs-%d", il);
+        ggml_tensor * slot_ids = ggml_reshape_2d(ctx, ggml_cont(ctx, ggml_view_2d(ctx, pairs, 1, pairs->ne[1],
+                                                                                  pairs->nb[1], 0)),
+                                                 selected_experts->ne[0], selected_experts->ne[1]);
         ggml_format_name(slot_ids, "ffn_moe_slot_ids-%d", il);
-        ggml_tensor * args[5] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor,
-                                  slot_ids };
-        static_assert(ROUTE_SRC_SLOT_IDS == 4, "");
+        ggml_tensor * args[4] = { pairs, slots->route_weights ? weights : nullptr, with_input ? ffn_inp : nullptr,
+                                  slots->cpu_anchor };
+        ggml_tensor * route = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1,
+                                             1, args, 4, route_split_op, 1, (void *) L);
+        {
+            std::lock_guard<std::mutex> lk(slots->graph_mu);
+            slots->split_slot_ids[route] = slot_ids;
+        }
         slots->split_built = true;
-        return ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 2, 1, args, 5,
-                              route_op, 1, (void *) L);
+        return route;
     }
     // fixed places: 2 the input (or null), 3 the CPU anchor of device layers (or null)
     ggml_tensor * args[4] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor };
@@ -235,7 +295,15 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
     ggml_tensor * slot_w = L->slot[it->second.kind];
     if (is_split(route)) {
         if (path == 0) {
-            return ggml_mul_mat_id(ctx, slot_w, cur, route->src[ROUTE_SRC_SLOT_IDS]);
+            ggml_tensor * slot_ids = nullptr;
+            {
+                std::lock_guard<std::mutex> lk(slots->graph_mu);
+                auto sit = slots->split_slot_ids.find(route); // set by build_route of this very graph
+                slot_ids = sit == slots->split_slot_ids.end() ? nullptr : sit->second;
+            }
+            // never null: without it the caller would build the host matmul on both paths
+            GGML_ASSERT(slot_ids != nullptr && "a split route without its slot ids");
+            return ggml_mul_mat_id(ctx, slot_w, cur, slot_ids);
         }
         ggml_tensor * host_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], 0);
         return ggml_mul_mat_id(ctx, w, cur, host_ids);

@@ -141,8 +141,8 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     return LLAMA_PYSPECTER_OK;
 }
 
-// The remap tables of device layers: one [n_expert, n_layer] I32 tensor per device buffer type, every entry the
-// layer's zero slot (nothing resident).
+// The remap tables of device layers: one [2 * n_expert, n_layer] I32 tensor per device buffer type, (slot, expert)
+// per expert, every slot the layer's zero slot (nothing resident).
 static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
     std::vector<ggml_backend_buffer_type_t> bufts;
     for (int32_t il = 0; il < (int32_t) s->layers.size(); ++il) {
@@ -166,7 +166,7 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         }
         s->ctxs.push_back(ctx);
         llama_pyspecter_table tab;
-        tab.t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, s->n_expert, (int64_t) s->layers.size());
+        tab.t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 2 * (int64_t) s->n_expert, (int64_t) s->layers.size());
         ggml_format_name(tab.t, "pyspecter.remap.%zu", s->tables.size());
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
         if (!buf) {
@@ -174,13 +174,16 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         }
         s->bufs.push_back(buf);
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // get_rows runs on the device
-        tab.image.assign((size_t) s->n_expert * s->layers.size(), 0);
+        tab.image.assign((size_t) 2 * s->n_expert * s->layers.size(), 0);
         s->tables.push_back(std::move(tab));
     }
     for (auto & L : s->layers) {
         if (L && L->table >= 0) {
-            auto & img = s->tables[L->table].image;
-            std::fill_n(img.begin() + (size_t) L->table_row * s->n_expert, s->n_expert, L->miss_slot);
+            int32_t * row = s->tables[L->table].image.data() + (size_t) 2 * L->table_row * s->n_expert;
+            for (int32_t e = 0; e < s->n_expert; ++e) {
+                row[2 * e]     = L->miss_slot;
+                row[2 * e + 1] = e;
+            }
         }
     }
     for (auto & tab : s->tables) {
@@ -325,7 +328,7 @@ static void unmap_on_device(llama_pyspecter_layer * L, int32_t expert) {
         return; // not read from a table, or not again before the next fence, which pushes the change
     }
     auto & tab = s->tables[L->table];
-    const size_t i = (size_t) L->table_row * s->n_expert + expert;
+    const size_t i = 2 * ((size_t) L->table_row * s->n_expert + expert);
     if (tab.image[i] == L->miss_slot) {
         return;
     }
@@ -382,11 +385,11 @@ void llama_pyspecter_fence(llama_pyspecter_slots * s) {
             if (!L || L->table < 0 || &s->tables[L->table] != &tab) {
                 continue;
             }
-            int32_t * row = tab.image.data() + (size_t) L->table_row * s->n_expert;
+            int32_t * row = tab.image.data() + (size_t) 2 * L->table_row * s->n_expert;
             for (int32_t e = 0; e < s->n_expert; ++e) {
                 const int32_t v = L->remap[e] >= 0 ? L->remap[e] : L->miss_slot;
-                changed |= row[e] != v;
-                row[e] = v;
+                changed |= row[2 * e] != v;
+                row[2 * e] = v;
             }
         }
         if (changed) {

@@ -146,7 +146,7 @@ class ExpertCache:
                 self.hooks = Hooks(model, None, on_input=on_input)
         elif hook:
             wait = self._on_wait if self.misses.wants_wait_hook else None
-            self.hooks = Hooks(model, self._on_route, wait, on_input=on_input)
+            self.hooks = Hooks(model, self._on_route, wait, on_input=on_input, weights=False)  # it reads ids only
         self._reported_failures = 0
         self._late_lost = 0
         self._closed = False

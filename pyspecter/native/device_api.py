@@ -50,6 +50,13 @@ def llama_pyspecter_get_device_stats(model: ModelPtr, out: Any, /) -> None:
     ...
 
 
+@ctypes_function("llama_pyspecter_set_route_weights", [_model, ctypes.c_bool], None)
+def llama_pyspecter_set_route_weights(model: ModelPtr, enabled: bool, /) -> None:
+    """Whether the routing hook gets the router weights (default on; off saves a read back per layer on a device,
+    and the hook's weights are then null there); before creating a context."""
+    ...
+
+
 def device_stats(model: ModelPtr) -> DeviceStats:
     """The device remap tables' counters since the last stats_reset."""
     out = DeviceStats()

@@ -31,7 +31,9 @@ class Hooks:
     change the graph, so they must be registered before the model's context is created."""
 
     def __init__(self, model, on_route: RouteFn | None, on_wait: WaitFn | None = None, *,
-                 n_slots: int | None = None, on_input: InputFn | None = None) -> None:
+                 n_slots: int | None = None, on_input: InputFn | None = None, weights: bool = True) -> None:
+        """weights=False: on_route does not read the router weights (on a device they then stay there: one read
+        back less per layer, and on_route's weights are a null pointer)."""
         self.model = model
         self.api = slots()
         if n_slots is not None:
@@ -43,6 +45,7 @@ class Hooks:
         self._route_cb = ROUTE_CB(self._route) if on_route is not None else None
         if self._route_cb is not None:
             self.api.set_route_cb(model.ptr, self._route_cb, None)
+            self.api.set_route_weights(model.ptr, weights)
         self._wait_cb = WAIT_CB(self._wait) if on_wait is not None else None
         if self._wait_cb is not None:
             self.api.set_wait_cb(model.ptr, self._wait_cb, None)
