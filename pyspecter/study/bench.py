@@ -12,6 +12,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ DEFAULT_POLICIES = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-deman
                     "prev-token")
 DEFAULT_PROMPT_LEN = 64  # tokens of the packaged (or synthetic) prompt when no prompt file is given
 CALIBRATION_TOKENS = 512  # static-hot's profile: a short read of text the bench never measures
+Progress = Callable[[str, int, int], None]  # (what is starting, runs done, runs in all; 0 in all: preparing)
 
 
 def _prompt_tokens(model: Model, n: int, seed: int = 0) -> list[int]:
@@ -166,6 +168,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                 adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None,
                 learned_slots: int | None = None, extra: dict[int, int] | None = None,
                 plan: LayerPlan | None = None, forced: list[list[int]] | None = None,
+                progress: Progress | None = None,
                 ) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
     """Every policy ``repeat`` times, interleaved so that drift hits every policy alike. Returns the runs, the
     policies skipped (and why: e.g. the draft alone is bigger than the budget) and how each capped run was held.
@@ -176,8 +179,12 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
     caps: dict[str, dict] = {}
     cap = budget_bytes + layout.nonexpert_bytes + RUNTIME_HEADROOM
     common = {"inputs": str(inputs), "n": n, "n_threads": n_threads}
-    for _ in range(repeat):
+    done, total = 0, repeat * len(policies)
+    for i in range(repeat):
         for p in policies:
+            if progress is not None:
+                progress(f"{p}, repeat {i + 1}/{repeat}", done, total)
+            done += 1
             if p in skipped:
                 continue
             p_slots = {"surrogate": sur_slots, "learned": learned_slots or slots,
@@ -217,14 +224,15 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
               policies: list[str] | None = None, prompt_len: int | None = None, n: int = 32, repeat: int = 3,
               n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
               cutoff: bool = True, surrogate_width: float = 0.25, prompts: str | Path | None = None,
-              device: str | None = None, forced: bool | None = None) -> dict:
+              device: str | None = None, forced: bool | None = None, progress: Progress | None = None) -> dict:
     """Every policy over the same prompts, interleaved ``repeat`` times. ``prompts``: a prompt file (plain text,
     one prompt a line, or JSONL: ``prompts.load_prompts``), each prompt chat-rendered and used whole, or cut to
     ``prompt_len`` tokens when that is given; without one, a single prompt of ``prompt_len`` (64) tokens. Each
     run prefills every prompt in turn and decodes ``n`` tokens after each; figures cover all of them. ``forced``:
     each decode step fed the next token of a held-out text (``forced.py``) instead of the greedy one, identity
     checked on the logits; None: forced on the random-weight built-ins (whose greedy text cycles through two or
-    three tokens, so every cache hits), free otherwise."""
+    three tokens, so every cache hits), free otherwise. ``progress(what, done, total)``: called before each step
+    (``total`` 0 for the preparation steps)."""
     for name, value in (("--prompt-tokens", 1 if prompt_len is None else prompt_len), ("-n", n),
                         ("--repeat", repeat), ("--threads", n_threads)):
         if value < 1:
@@ -256,6 +264,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     make_tier(tier)  # validate early
     sur_slots = slots
     if "surrogate" in policies:  # the surrogates live in fast memory too: fewer slots for the same budget
+        if progress is not None:
+            progress("surrogate: choosing each expert's neurons", 0, 0)
         sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
         sur_slots = MemoryPlan.for_budget(layout, str(budget_bytes), surrogate_bytes=sur_bytes).slots
     learned_slots = slots
@@ -265,17 +275,22 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         learned_bytes = LearnedPredictor.load(path).nbytes
         learned_slots = slots_for_budget(layout, max(budget_bytes - learned_bytes, 0))
         check_slots(layout, learned_slots)
+    say = progress or (lambda *_: None)
     sets = prompt_sets(path, items, prompt_len)
     mode = default_mode(path, forced)
     texts = None
     if mode == FORCED:
         with Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
             texts = forced_tokens(m, len(sets), n)
+    if "static-hot" in policies:
+        say("static-hot: profiling the calibration prompts", 0, 0)
     hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
+    say(f"measuring the {tier} tier's link", 0, 0)
     link_gbps = measure_link(path, tier, device=dev)
     plan, plan_info = plan_for(path, layout, dev, budget_bytes) if dev is not None and "plan" in policies \
         else (None, None)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
+    say("an untimed warm-up run", 0, 0)
     run_policy("stock", path, layout, slots, tier, [sets[0][:8]], 2, n_threads)
     with tempfile.TemporaryDirectory(prefix="pyspecter-bench-") as tmp:
         # capped children read the shared inputs from a file: token lists can outgrow a command line
@@ -285,7 +300,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
                                           n_threads=n_threads, draft=draft, k=k, adaptive=adaptive, cutoff=cutoff,
                                           surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots,
-                                          extra=extra, plan=plan, forced=texts)
+                                          extra=extra, plan=plan, forced=texts, progress=progress)
+    say("done", repeat * len(policies), repeat * len(policies))
     uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
                 "cgroup": "none"}
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)

@@ -41,7 +41,7 @@ def test_generate_with_draft_equals_plain(mixtral_draft: Path) -> None:
 
 def test_generate_budget_that_cannot_hold_the_draft(mixtral_draft: Path) -> None:
     r = run_cli("generate", "tiny-mixtral", "-p", "x", "--draft", str(mixtral_draft), "--budget", "10KiB")
-    assert r.returncode == 2 and "does not fit" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "too small" in r.stderr and "+ the draft" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_chat_through_a_pipe() -> None:
