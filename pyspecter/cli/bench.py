@@ -47,7 +47,8 @@ def bench(
                                                       "used, first-in first-out otherwise, misses waited for; "
                                                       "learned-evict evicts by the learned reuse maps, learned "
                                                       "adds the prefetch plan, always on; engine is what "
-                                                      "generate runs). "
+                                                      "generate runs at this budget; default is what it runs "
+                                                      "given no flags: stock llama.cpp when the model fits). "
                                                       "Default: " +
                                                       ", ".join(BENCH_DEFAULTS) + " (+ specter, specter-equal-slots "
                                                       "with --draft)", show_default=False)] = None,

@@ -38,7 +38,8 @@ from pyspecter.tiers import make_tier
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
-            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine", "plan")
+            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine", "plan",
+            "default")
 # need --device; "plan": the layer plan (full, host and slot layers) the cost model chooses at the budget
 DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "plan")
 # with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
@@ -190,7 +191,8 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
             p_slots = {"surrogate": sur_slots, "learned": learned_slots or slots,
                        "learned-evict": learned_slots or slots}.get(p, slots)
             try:
-                if tier == "disk" and p != "all-resident":  # all-resident is the no-stall limit: no cap
+                # all-resident is the no-stall limit, default places itself: no cap
+                if tier == "disk" and p not in ("all-resident", "default"):
                     if p.startswith("specter") or p == "engine":
                         on_top = 0 if p != "specter-equal-slots" else Path(draft).stat().st_size
                         call = {"fn": "specter", "draft": str(draft) if p != "engine" else None,
@@ -202,6 +204,8 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                                                     "surrogate_width": surrogate_width, "extra": extra or {},
                                                     "budget_bytes": budget_bytes, **common}, path, cap)
                     runs[p].append(run)
+                elif p == "default":  # generate with no flags: placed as the CLI places it (stock when it fits)
+                    runs[p].append(run_specter(path, None, None, True, None, sets, n, n_threads, k, forced=forced))
                 elif p == "engine":  # what generate and chat run by default: no draft, the learned plan if fitted
                     runs[p].append(run_specter(path, None, budget_bytes, True, tier, sets, n, n_threads, k,
                                                device=device.spec if device else None, forced=forced))
