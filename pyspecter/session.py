@@ -170,6 +170,10 @@ class Session:
         cfg = self.cfg
         if not self.stock:
             self._build_cache()
+        elif cfg.profile is not None:  # nothing to warm with every expert resident, but a wrong file is refused
+            from pyspecter.predict import routing_profile
+
+            routing_profile(cfg.profile, self.layout)
         self.tctx = native.Context(self.target, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
         self.target_splits = native.graph_splits()  # host round trips of the target's graphs (bench reports them)
         if dlay is not None:
