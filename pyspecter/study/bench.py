@@ -30,6 +30,7 @@ from pyspecter.native.devices import Device, open_device
 from pyspecter.native.hooks import Hooks
 from pyspecter.prompts import load_prompts, render_prompt
 from pyspecter.study.analyze import simulate_cache
+from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
@@ -405,32 +406,3 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             if ref in out["policies"] and "tpot_ms" in r and "tpot_ms" in out["policies"][ref]:
                 r["vs_" + ref.replace("-", "_")] = out["policies"][ref]["tpot_ms"] / r["tpot_ms"]
     return out
-
-
-# every row carries its whole setting: a CSV line read alone says what was run, on what, under which cap
-RUN_FIELDS = ("model", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer", "link_gbps",
-              "n_threads", "prompts", "n_prompts", "prompt_tokens", "decode_tokens", "repeat", "build", "decode")
-CSV_FIELDS = ("model", "draft", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer",
-              "memory_cap", "cap_bytes", "capped", "cgroup", "link_gbps", "n_threads", "prompts", "n_prompts",
-              "prompt_tokens", "decode_tokens", "repeat", "build", "policy", "decode", "same_logits_as_stock",
-              "same_tokens_as_stock", "tpot_ms",
-              "tpot_p10_ms", "tpot_p90_ms", "tpot_mean_ms", "decode_tok_s", "prefill_tok_s", "load_s", "cold_ttft_s",
-              "hit_rate", "coverage",
-              "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "draft_off",
-              "vs_on_demand_lru", "vs_all_resident", "vs_oracle_bound")
-
-
-def to_csv_rows(result: dict) -> list[dict]:
-    """One flat row per policy, for spreadsheets and tools/bench.sh."""
-    rows = []
-    for name, p in result["policies"].items():
-        if "skipped" in p:
-            continue
-        row = {k: result.get(k) for k in RUN_FIELDS}
-        row["model"] = Path(row["model"]).name
-        row["prompts"] = Path(row["prompts"]).name if row["prompts"] else ""
-        row["draft"] = Path(result["draft"]).name if result.get("draft") and name.startswith("specter") else ""
-        row["policy"] = name
-        row.update({k: p.get(k) for k in CSV_FIELDS if k in p})
-        rows.append({k: row.get(k, "") for k in CSV_FIELDS})
-    return rows
