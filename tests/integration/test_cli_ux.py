@@ -97,10 +97,12 @@ def test_no_flags_peak_rss_is_stocks() -> None:
     stock = _peak_rss([sys.executable, "-c", STOCK, path, threads, QUESTION, n])
     ours = _peak_rss([sys.executable, "-m", "pyspecter", "generate", "smol-moe", "-p", QUESTION, "-n", n,
                       "-t", threads])
+    print(f"peak RSS: stock {stock / 2**20:.1f} MiB, generate with no flags {ours / 2**20:.1f} MiB")
     assert abs(ours - stock) <= 0.05 * stock, (ours / 2**20, stock / 2**20)
     # the slot path with every expert resident holds a second copy of the experts: the check can fail
     slotted = _peak_rss([sys.executable, "-m", "pyspecter", "generate", "smol-moe", "-p", QUESTION, "-n", n,
                          "-t", threads, "--budget", "100%"])
+    print(f"peak RSS: --budget 100% (every expert in slots) {slotted / 2**20:.1f} MiB")
     assert slotted > 1.05 * stock, (slotted / 2**20, stock / 2**20)
 
 
