@@ -163,6 +163,31 @@ def check_slots(layout: ModelLayout, n_slots: int, *, reserved: int = 0, held: i
         raise SpecterError("held slots need a usable top-k without them, and no surrogates")
 
 
+def smallest_budget(layout: ModelLayout, budget: str, budget_bytes: int, *, draft_bytes: int = 0,
+                    surrogate_bytes: int = 0, predictor_bytes: int = 0) -> None:
+    """Refuse a budget below the smallest that works, naming that smallest and what it is made of: top-k slots in
+    every layer (twice that with surrogates), and whatever else lives in fast memory (a counted draft, the learned
+    predictor, the surrogates)."""
+    from pyspecter.units import family, fmt_budget_arg, fmt_size
+
+    k = layout.n_expert_used
+    row = sum(L.expert_bytes for L in layout.layers)
+    slots = 2 * k if surrogate_bytes else k
+    what = (f"{slots} slots per layer (top-{k} for full experts, as many for surrogates)" if surrogate_bytes
+            else f"top-{k} slots per layer")
+    parts = [(what, slots * row), ("the draft", draft_bytes), ("the learned predictor", predictor_bytes),
+             ("the surrogates", surrogate_bytes)]
+    parts = [(w, n) for w, n in parts if n]
+    need = sum(n for _, n in parts)
+    if budget_bytes >= need:
+        return
+    fam = family(budget, default="binary")
+    made = " + ".join(f"{w} ({fmt_size(n, fam)})" for w, n in parts)
+    given = budget if family(budget, default="") else f"{budget} ({fmt_size(budget_bytes, fam)})"
+    raise SpecterError(f"budget {given} is too small: the smallest that works is {fmt_size(need, fam)} = {made}; "
+                       f"give --budget {fmt_budget_arg(need, fam, up=True)} or more")
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Slots per layer for a budget: ``slots`` allocated in all, of which ``held`` wait for the draft's memory
@@ -200,6 +225,8 @@ class MemoryPlan:
             check_slots(layout, plan.slots, reserved=reserved)
             return plan
         full = parse_budget(budget, layout.expert_total_bytes)
+        smallest_budget(layout, budget, full, draft_bytes=draft_bytes if count_draft else 0,
+                        surrogate_bytes=surrogate_bytes, predictor_bytes=predictor_bytes)
         left = full
         if draft_bytes and count_draft:
             left -= draft_bytes

@@ -38,12 +38,13 @@ _interrupted = [False]
 def stop_check(stream: Callable[[int], None]) -> Callable[[int], None]:
     """Wrap the token callback: it runs in plain Python between decodes, the one place a stop can be raised.
     (The routing hook runs inside llama_decode on this same thread, where a KeyboardInterrupt would only be
-    printed and swallowed by ctypes.)"""
+    printed and swallowed by ctypes.) A token decided after Ctrl-C is not shown: the answer ends where the user
+    stopped it."""
 
     def on_token(tok: int) -> None:
-        stream(tok)
         if _interrupted[0]:
             raise Stopped
+        stream(tok)
 
     return on_token
 
@@ -78,13 +79,28 @@ def fit_history(s: Session, history: list[dict[str, str]], room: int) -> tuple[l
         dropped += 1
 
 
+COMMANDS = {
+    "/help": "this list",
+    "/stats": "speed and cache figures of the answers so far",
+    "/reset": "forget the conversation (and the figures)",
+    "/quit": "leave (also /exit, or Ctrl-D)",
+}
+
+
+def help_text() -> str:
+    return "\n".join([*(f"{c:<8}{what}" for c, what in COMMANDS.items()),
+                      "Ctrl-C stops the answer being written; a line starting with / is a command, never sent "
+                      "to the model (//text sends /text)"])
+
+
 def repl(s: Session, *, n: int, system: str | None, stats_line: Callable[[dict], str]) -> None:
-    """Read lines until EOF or /quit. /stats shows speed and cache figures, /reset forgets the conversation.
-    When the context fills, the oldest turns are dropped with a notice; an error ends the turn, not the chat."""
+    """Read lines until EOF or /quit. /help lists the commands; /stats shows speed and cache figures, /reset
+    forgets the conversation. A line starting with "/" is a command: an unknown one is answered, not sent. When
+    the context fills, the oldest turns are dropped with a notice; an error ends the turn, not the chat."""
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     room = min(n, s.cfg.n_ctx // 2)  # an answer may not take the whole context: the question needs some
     interactive = sys.stdin.isatty()
-    print(f"pyspecter chat: {s.layout.name} — /stats /reset /quit", file=sys.stderr)
+    print(f"pyspecter chat: {s.layout.name} — /help for commands, Ctrl-C stops an answer", file=sys.stderr)
     while True:
         try:
             line = input("> " if interactive else "")
@@ -106,6 +122,14 @@ def repl(s: Session, *, n: int, system: str | None, stats_line: Callable[[dict],
             s.reset_stats()
             print("(conversation cleared)")
             continue
+        if line == "/help":
+            print(help_text())
+            continue
+        if line.startswith("//"):
+            line = line[1:]
+        elif line.startswith("/"):
+            print(f"unknown command {line.split()[0]} (/help lists them); nothing was sent to the model")
+            continue
         turn = [*history, {"role": "user", "content": line}]
         stream = Streamer(s.target)
         try:
@@ -114,9 +138,8 @@ def repl(s: Session, *, n: int, system: str | None, stats_line: Callable[[dict],
                 print(f"(context full: dropped the {dropped} oldest message(s))", file=sys.stderr)
             # the KV cache keeps the conversation: only the new turn (and whatever the template changed) is read
             out = interruptible(s.generate, prompt, room, on_token=stop_check(stream), reuse=True)
-        except Stopped:
+        except Stopped:  # nothing more is printed: the answer is what was shown when Ctrl-C came
             out = stream.tokens
-            print(" [stopped]", end="")
         except Exception as e:  # noqa: BLE001 - the conversation so far is kept; only this turn is lost
             print(f"\npyspecter: error: {e if isinstance(e, SpecterError) else repr(e)}", file=sys.stderr)
             continue

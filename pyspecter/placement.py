@@ -17,6 +17,7 @@ import psutil
 from pyspecter.budget import check_budget_fits, fit_to_memory, parse_budget, slots_for_budget, usable_memory
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.tiers import make_tier
 from pyspecter.units import fmt_bytes
 
 
@@ -93,6 +94,8 @@ def place(model: ModelLayout | str | os.PathLike, *, tier: str | None = None, bu
     otherwise have nothing to do). ``available``: the memory available (default: psutil's figure now)."""
     layout = model if isinstance(model, ModelLayout) else read_layout(model)
     layout.require_moe()
+    if tier is not None:
+        make_tier(tier)  # a bad tier is refused before anything is fitted or said
     if not is_host(device):
         assert device is not None
         budget = budget if budget is not None else partial
@@ -114,9 +117,7 @@ def place(model: ModelLayout | str | os.PathLike, *, tier: str | None = None, bu
     if tier is None:  # a budget alone: the rest of the experts stay in RAM if the file fits there, else on disk
         tier = "ram" if layout.file_bytes <= usable_memory(available) else "disk"
     budget = budget if budget is not None else partial
-    # slots of the host tiers are RAM (a device's budget is its own memory, checked by the session)
-    host_tier = tier in ("ram", "disk") or tier.startswith("emulated:")
-    if budget is not None and host_tier and not force:
+    if budget is not None and not force:  # slots of the host tiers are RAM
         check_budget_fits(layout, parse_budget(budget, layout.expert_total_bytes), available, given=budget)
     return Placement(tier, budget)
 

@@ -23,7 +23,7 @@ from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import LearnedPredictor
 from pyspecter.native.devices import Device, open_device
-from pyspecter.placement import Placement, place
+from pyspecter.placement import Placement, SlotCount, place, slot_count
 from pyspecter.plan import LayerAhead, PlanGovernor, PrefetchPlan
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
@@ -150,8 +150,12 @@ class Session:
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
         if self.device is not None:
             check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)
+        # every expert resident in RAM: llama.cpp as users run it (its repacked weights where the CPU has kernels
+        # for them), with no slots, no routing hook and no second copy of the experts
+        self.stock = p.stock and self.surrogates is None
         # on the disk tier the experts live in the file: loading must not read them all (patch 0005)
-        self.target = native.Model(cfg.model, device=self.device, lazy_experts=self.tier.name == "disk")
+        self.target = native.Model(cfg.model, device=self.device, lazy_experts=self.tier.name == "disk",
+                                   extra_bufts=self.stock)
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
         self.target_splits: tuple[int, int] | None = None
         self.prefetch_plan = self.ahead = self.plan_governor = None
@@ -165,6 +169,35 @@ class Session:
         self.sampler = Sampler(self.sampling, cfg.seed)
 
     def _build(self, dlay: ModelLayout | None) -> None:
+        cfg = self.cfg
+        if not self.stock:
+            self._build_cache()
+        elif cfg.profile is not None:  # nothing to warm with every expert resident, but a wrong file is refused
+            from pyspecter.predict import routing_profile
+
+            routing_profile(cfg.profile, self.layout)
+        self.tctx = native.Context(self.target, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
+        self.target_splits = native.graph_splits()  # host round trips of the target's graphs (bench reports them)
+        if dlay is not None:
+            # a draft lives whole on the device (its bytes are in the budget)
+            self.draft = native.Model(cfg.draft, device=self.device, n_cpu_moe=0 if self.device else None)
+            if self.draft.n_vocab != self.target.n_vocab:
+                raise SpecterError(f"{cfg.draft}: draft vocabulary ({self.draft.n_vocab}) differs from the target's")
+            # its routing predicts what to prefetch into the slots: nothing to do without them
+            self.routing = DraftRouting(self.draft, dlay) if dlay.is_moe and self.cache is not None else None
+            self.dctx = native.Context(self.draft, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
+            pf = Prefetcher(self.cache, cfg.min_confidence, cutoff=cfg.prefetch_cutoff) if self.routing else None
+            self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
+                                              routing=self.routing, prefetcher=pf, temperature=self.sampling,
+                                              seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert,
+                                              drop_draft=self._drop_draft if self.held else None)
+            if self.cache is not None:
+                self.decoder.check = self.cache.check
+        self.tctx.warmup()
+        if self.dctx is not None:
+            self.dctx.warmup()
+
+    def _build_cache(self) -> None:
         cfg = self.cfg
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
         # the disk tier, level at 50%; exact either way)
@@ -190,24 +223,6 @@ class Session:
             from pyspecter.predict import routing_profile
 
             self.cache.warm(routing_profile(cfg.profile, self.layout))
-        self.tctx = native.Context(self.target, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
-        self.target_splits = native.graph_splits()  # host round trips of the target's graphs (bench reports them)
-        if dlay is not None:
-            # a draft lives whole on the device (its bytes are in the budget)
-            self.draft = native.Model(cfg.draft, device=self.device, n_cpu_moe=0 if self.device else None)
-            if self.draft.n_vocab != self.target.n_vocab:
-                raise SpecterError(f"{cfg.draft}: draft vocabulary ({self.draft.n_vocab}) differs from the target's")
-            self.routing = DraftRouting(self.draft, dlay) if dlay.is_moe else None
-            self.dctx = native.Context(self.draft, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
-            pf = Prefetcher(self.cache, cfg.min_confidence, cutoff=cfg.prefetch_cutoff) if self.routing else None
-            self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
-                                              routing=self.routing, prefetcher=pf, temperature=self.sampling,
-                                              seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert,
-                                              drop_draft=self._drop_draft if self.held else None)
-            self.decoder.check = self.cache.check
-        self.tctx.warmup()
-        if self.dctx is not None:
-            self.dctx.warmup()
 
     def _drop_draft(self) -> None:
         """The engine measured that the draft does not pay: free it, and give its memory to the slots."""
@@ -246,7 +261,8 @@ class Session:
         t = time.perf_counter()
         prompt_pass = True
         for tok, _ in generate_step(self.tctx, todo, self.sampler, history=prompt):
-            self.cache.check()
+            if self.cache is not None:
+                self.cache.check()
             now = time.perf_counter()
             if self.plan_governor is not None:
                 # the first token comes from the prompt's pass, which the governor must not time as decode
@@ -286,16 +302,37 @@ class Session:
                             break
                 finally:
                     gen.close()
-            self.cache.check()
+            if self.cache is not None:
+                self.cache.check()
         finally:  # an answer stopped early (Ctrl-C) still counts in /stats
             self.decode_s += time.perf_counter() - t0
             self.tokens_out += len(out)
         return out
 
+    def slot_count(self) -> SlotCount | None:
+        """The slots as every command says them, with what else takes the budget (None: stock, no slots)."""
+        if self.cache is None:
+            return None
+        others = [("the learned predictor", self.predictor.nbytes)] if self.predictor else []
+        if self.held:
+            others.append(("the draft (its slots held until it is dropped)", self.draft_bytes))
+        elif self.draft_bytes and self.cfg.draft_counts_in_budget:
+            others.append(("the draft", self.draft_bytes))
+        if self.surrogates is not None:
+            others.append(("the surrogates", self.surrogates.nbytes))
+        return slot_count(self.layout, self.plan, tuple(others))
+
     def stats(self) -> dict:
-        c = self.cache.counters()
-        out = {"tokens": self.tokens_out, "tok_s": self.tokens_out / self.decode_s if self.decode_s else 0.0,
-               "slots_per_layer": self.n_slots, "slots_mean": self.cache.usable_mean(),
+        if self.cache is None:  # stock: every expert resident, nothing moves
+            c = {"hit_rate": 1.0, "slot_row_rate": 1.0, "uploads": 0, "upload_bytes": 0, "prefetches": 0,
+                 "hook_ms": 0.0, "surrogate_uses": 0, "failed_uploads": 0}
+        else:
+            c = self.cache.counters()
+        count = self.slot_count()
+        out = {"stock": self.cache is None, "slots_text": str(count) if count else "stock: no slots",
+               "tokens": self.tokens_out, "tok_s": self.tokens_out / self.decode_s if self.decode_s else 0.0,
+               "slots_per_layer": self.n_slots,
+               "slots_mean": self.cache.usable_mean() if self.cache is not None else float(self.n_slots),
                "n_expert": self.layout.n_expert, "tier": self.tier.name,
                "miss": self.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
@@ -323,7 +360,8 @@ class Session:
         return out
 
     def reset_stats(self) -> None:
-        self.cache.reset_counters()
+        if self.cache is not None:
+            self.cache.reset_counters()
         self.tokens_out, self.decode_s = 0, 0.0
 
     def close(self) -> None:

@@ -47,7 +47,8 @@ def bench(
                                                       "used, first-in first-out otherwise, misses waited for; "
                                                       "learned-evict evicts by the learned reuse maps, learned "
                                                       "adds the prefetch plan, always on; engine is what "
-                                                      "generate runs). "
+                                                      "generate runs at this budget; default is what it runs "
+                                                      "given no flags: stock llama.cpp when the model fits). "
                                                       "Default: " +
                                                       ", ".join(BENCH_DEFAULTS) + " (+ specter, specter-equal-slots "
                                                       "with --draft)", show_default=False)] = None,
@@ -117,7 +118,8 @@ def bench(
         results.append(run_bench(path, tier=p.tier, budget=p.budget, policies=split(policies or "") or None,
                                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=th, draft=dpath, k=k,
                                  adaptive=not fixed_k, cutoff=not no_cutoff, surrogate_width=surrogate_width,
-                                 prompts=prompts, device=p.device, forced=forced))
+                                 prompts=prompts, device=p.device, forced=forced,
+                                 progress=progress_printer()))
         if not (json_out or csv_out):
             _print_bench(results[-1])
     if json_out:
@@ -129,6 +131,45 @@ def bench(
         w.writeheader()
         for r in results:
             w.writerows(to_csv_rows(r))
+
+
+def progress_printer(stream=None, width: int = 24):
+    """Progress on stderr: a bar rewritten in place on a terminal, a plain line per step when piped."""
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+
+    def show(what: str, done: int, total: int) -> None:
+        if total == 0:
+            line = f"bench: {what} ..."
+        else:
+            fill = width * done // total
+            line = f"bench: [{'#' * fill}{'.' * (width - fill)}] {done}/{total} " + (
+                "runs done" if done == total else f"running {what}")
+        if tty:
+            end = "\n" if total and done == total else ""
+            stream.write("\r\033[K" + line + end)
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+    return show
+
+
+_COLUMNS = {"tpot_mean_ms": "mean ms", "prefill_tok_s": "prefill/s", "cold_ttft_s": "ttft s", "hit_rate": "hit%",
+            "vs_on_demand_lru": "vs lru", "vs_all_resident": "vs all", "slots_mean": "slots"}
+
+
+def _why_na(name: str, p: dict, key: str) -> str:
+    col = _COLUMNS.get(key, key)
+    if p.get("computed"):
+        return f"{name}: {col} — a bound computed from the recorded routing, not a run"
+    if key == "vs_on_demand_lru":
+        return "vs lru — on-demand-lru was not among the policies"
+    if key == "vs_all_resident":
+        return "vs all — all-resident was not among the policies (--policies ...,all-resident)"
+    if key == "slots_mean" and name.startswith("stock"):
+        return "slots — stock llama.cpp runs without slots"
+    return f"{name}: {col} — not measured by this policy"
 
 
 def _prompt_desc(r: dict) -> str:
@@ -155,17 +196,26 @@ def _print_bench(r: dict) -> None:
           f"memory: {r['memory_cap']}")
     print(f"{'policy':<22}{'TPOT ms':>9}{'mean ms':>9}{'tok/s':>9}{'prefill/s':>10}{'ttft s':>8}{'hit%':>7}"
           f"{'KiB/tok':>9}{'stall ms':>9}{'hook us':>8}{'vs lru':>8}{'vs all':>8}{'slots':>7}  decode")
+    notes: dict[str, str] = {}
+
+    def cell(name: str, p: dict, key: str, fmt: str, width: int, scale: float = 1.0) -> str:
+        v = p.get(key)
+        if v is None or v != v:  # missing, or NaN: say n/a, and why under the table
+            notes.setdefault(key, _why_na(name, p, key))
+            return f"{'n/a':>{width}}"
+        return f"{scale * v:>{width}{fmt}}"
+
     for name, p in r["policies"].items():
         if "skipped" in p:
             print(f"{name:<22} skipped: {p['skipped']}")
             continue
-        print(f"{name:<22}{p['tpot_ms']:>9.2f}{p.get('tpot_mean_ms', float('nan')):>9.2f}{p['decode_tok_s']:>9.1f}"
-              f"{p.get('prefill_tok_s', float('nan')):>10.1f}"
-              f"{p.get('cold_ttft_s', float('nan')):>8.2f}"
-              f"{100 * p.get('hit_rate', 1):>7.1f}{p['bytes_per_token'] / 1024:>9.1f}"
-              f"{p.get('stall_ms_per_token', 0):>9.2f}{p.get('hook_us_per_call', 0):>8.1f}"
-              f"{p.get('vs_on_demand_lru', float('nan')):>8.2f}{p.get('vs_all_resident', float('nan')):>8.2f}"
-              f"{p['slots_mean'] if p.get('slots_mean') is not None else float('nan'):>7.2f}  {_mode(p)}")
+        print(f"{name:<22}" + "".join(cell(name, p, *c) for c in (
+            ("tpot_ms", ".2f", 9), ("tpot_mean_ms", ".2f", 9), ("decode_tok_s", ".1f", 9),
+            ("prefill_tok_s", ".1f", 10), ("cold_ttft_s", ".2f", 8), ("hit_rate", ".1f", 7, 100),
+            ("bytes_per_token", ".1f", 9, 1 / 1024), ("stall_ms_per_token", ".2f", 9), ("hook_us_per_call", ".1f", 8),
+            ("vs_on_demand_lru", ".2f", 8), ("vs_all_resident", ".2f", 8), ("slots_mean", ".2f", 7))) + f"  {_mode(p)}")
+    for why in dict.fromkeys(notes.values()):
+        print(f"  n/a: {why}")
     if "round_trip_us_per_layer" in r:
         print(f"routing round trip (all-resident vs stock-device, per MoE layer): "
               f"{r['round_trip_us_per_layer']:.1f} us")

@@ -127,6 +127,7 @@ def demo(
     print(f"{'':<42}{'first token':>12}{'tok/s':>9}")
     for name, run, extra in rows:
         print(f"{name:<42}{run['ttft_s']:>10.2f} s{tok_s(run):>9.1f}   {extra}".rstrip())
+    print(f"pyspecter's slots: {s['slots_text']}")
     print(f"pyspecter decodes {tok_s(ours) / tok_s(st):.1f}x as fast as stock llama.cpp in the same memory")
     if r["identical"]:
         print(f"greedy tokens identical ({len(ours['tokens'])} tokens)")

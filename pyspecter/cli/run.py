@@ -61,6 +61,10 @@ def open_session(model: str, *, draft: str | None = None, budget: str | None = N
         raise SpecterError(f"{profile}: no such file")
     if n_ctx < 1:
         raise SpecterError(f"--ctx-size must be at least 1, got {n_ctx}")
+    from pyspecter.misses import MISS_MODES
+
+    if miss is not None and miss not in MISS_MODES:
+        raise SpecterError(f"unknown miss mode {miss!r}: use one of {', '.join(MISS_MODES)}")
     path = resolve_model(model)
     dpath = resolve_model(draft) if draft else None
     if not is_host(device):

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -75,6 +75,25 @@ ANSWER_PROMPTS = (
     "What is 12 plus 30?",
     "Describe a sunset over the sea in one sentence.",
 )
+
+
+def _steps(progress: bool, say: Callable[[int, int], str]) -> Callable[[int, int], None] | None:
+    """A progress callback for a loop of n steps; the line ends after step n (or at progress_done())."""
+    if not progress:
+        return None
+
+    def on_step(i: int, n: int) -> None:
+        progress_step(say(i, n), i, n)
+        if i == n:
+            progress_done()
+
+    return on_step
+
+
+def _end(progress: bool, last: tuple[int, int] | None) -> None:
+    """End a step line that stopped short of its last step (greedy replies all ending early)."""
+    if progress and last is not None and last[0] < last[1]:
+        progress_done()
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -244,7 +263,18 @@ def _calibration_tokens(src: Path, ref: DenseReference, prompts: list[str], prog
         chats = [model.tokenize(chat_prompt(src, p), add_special=True, parse_special=True) for p in prompts]
         bare = [model.tokenize(p, add_special=True, parse_special=False) for p in prompts]
         # one batch: chat turns get replies, bare prompts get plain-text continuations
-        replies = ref.generate(chats + bare, CALIB_GEN_TOKENS, eog)
+        batch, last = len(chats + bare), [(0, 0)]
+
+        def say(i: int, n: int) -> str:
+            last[0] = (i, n)
+            return f"smol-moe: calibration text, {batch} prompts at once: reply token {i}/{n}"
+
+        replies = ref.generate(
+            chats + bare, CALIB_GEN_TOKENS, eog,
+            on_prefill=_steps(progress, lambda i, n: f"smol-moe: calibration text, {batch} prompts at once: "
+                                                     f"prefill layer {i}/{n}"),
+            on_step=_steps(progress, say))
+        _end(progress, last[0])
         texts = [model.detokenize(r) for r in replies]
     seqs = [p + r for p, r in zip(chats + bare, replies, strict=True)]
     _log(progress, f"smol-moe: generated {sum(map(len, replies))} calibration tokens "
@@ -437,14 +467,17 @@ def _build(path: Path, n_expert: int, top_k: int, progress: bool) -> Path:
     t_start = time.monotonic()
     src = fetch_smollm2()
     check_free(path, _moe_bytes(src, n_expert))  # before minutes of calibration, not after
-    _log(progress, f"smol-moe: building {path.name} from {src.name} ({n_expert} experts, top-{top_k})")
+    _log(progress, f"smol-moe: building {path.name} from {src.name} ({n_expert} experts, top-{top_k}); "
+                   "reading the dense model")
     prompts = calibration_prompts()
     with single_threaded_blas():
-        ref = DenseReference(src)
+        ref = DenseReference(src, on_layer=_steps(progress, lambda i, n: f"smol-moe: dense model layer {i}/{n} "
+                                                                          "read"))
         seqs = _calibration_tokens(src, ref, prompts, progress)
         t_gen = time.monotonic() - t_start
 
-        X = _ffn_inputs(ref, seqs)
+        X = _ffn_inputs(ref, seqs, on_layer=_steps(
+            progress, lambda i, n: f"smol-moe: hidden states of the calibration text, layer {i}/{n}"))
         del ref
         t_fwd = time.monotonic() - t_start - t_gen
         _log(progress, f"smol-moe: {X.shape[1]} calibration positions from {len(prompts)} prompts "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -52,7 +53,8 @@ class DenseReference:
     input (the ``ffn_norm`` output the router sees) directly. It is validated against llama.cpp's logits.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, on_layer: Callable[[int, int], None] | None = None) -> None:
+        """``on_layer(i, n)``: called as layer i of n is dequantized (progress)."""
         r = gguf.GGUFReader(path)
         arch = _field(r, "general.architecture")
         if arch != "llama":
@@ -75,6 +77,8 @@ class DenseReference:
             self.layers.append(_Layer(*(_dequant(t[p + n + ".weight"]) for n in (
                 "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                 "ffn_down"))))
+            if on_layer is not None:
+                on_layer(il + 1, self.n_layer)
 
     def _rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
@@ -92,10 +96,12 @@ class DenseReference:
         return out
 
     def forward(self, seqs: list[list[int]], *, logits: bool = True, ffn_inputs: list[np.ndarray] | None = None,
-                kv_out: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray | None:
+                kv_out: list[tuple[np.ndarray, np.ndarray]] | None = None,
+                on_layer: Callable[[int, int], None] | None = None) -> np.ndarray | None:
         """Run independent sequences, each from position 0, as one batch (all rows concatenated, so every matmul
         is one large call). Appends each layer's FFN input ([sum T, n_embd]) to ffn_inputs and its roped K and V
-        ([sum T, n_head_kv, head_dim]) to kv_out if given; returns the logits ([sum T, n_vocab]) if asked."""
+        ([sum T, n_head_kv, head_dim]) to kv_out if given; returns the logits ([sum T, n_vocab]) if asked.
+        ``on_layer(i, n)``: called as layer i of n is done (progress)."""
         hd, nh, nkv = self.head_dim, self.n_head, self.n_head_kv
         lens = [len(s) for s in seqs]
         bounds = np.cumsum([0, *lens])
@@ -104,7 +110,7 @@ class DenseReference:
         scale = np.float32(1.0 / math.sqrt(hd))
         h = self.tok_embd[np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])]
         N = len(h)
-        for L in self.layers:
+        for il, L in enumerate(self.layers):
             x = self._rms(h, L.attn_norm)
             q = self._rope((x @ L.wq.T).reshape(N, nh, hd), pos)
             k = self._rope((x @ L.wk.T).reshape(N, nkv, hd), pos)
@@ -123,6 +129,8 @@ class DenseReference:
                 a[sl] = np.einsum("hqk,khd->qhd", sc, v[sl])
             h = h + a.reshape(N, nh * hd) @ L.wo.T
             h = h + self._ffn(L, h, ffn_inputs)
+            if on_layer is not None:
+                on_layer(il + 1, len(self.layers))
         if not logits:
             return None
         return self._rms(h, self.output_norm) @ self.output.T
@@ -134,9 +142,12 @@ class DenseReference:
         g = x @ L.gate.T
         return ((g / (1.0 + np.exp(-g))) * (x @ L.up.T)) @ L.down.T
 
-    def generate(self, prompts: list[list[int]], n: int, eog: set[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], n: int, eog: set[int],
+                 on_prefill: Callable[[int, int], None] | None = None,
+                 on_step: Callable[[int, int], None] | None = None) -> list[list[int]]:
         """Greedy continuations (up to n tokens each, stopping after an end-of-generation token) of all prompts at
-        once: one batched prefill, then one batched step per token over a padded KV cache."""
+        once: one batched prefill, then one batched step per token over a padded KV cache. Progress: the
+        prefill's layer i of n (``on_prefill(i, n)``), then step i of n (``on_step(i, n)``)."""
         hd, nh, nkv = self.head_dim, self.n_head, self.n_head_kv
         B = len(prompts)
         lens = np.array([len(p) for p in prompts])
@@ -148,7 +159,7 @@ class DenseReference:
         ctx = [b for b in range(B) if lens[b] > 1]
         if ctx:
             kv: list[tuple[np.ndarray, np.ndarray]] = []
-            self.forward([prompts[b][:-1] for b in ctx], logits=False, kv_out=kv)
+            self.forward([prompts[b][:-1] for b in ctx], logits=False, kv_out=kv, on_layer=on_prefill)
             starts = np.cumsum([0, *(lens[b] - 1 for b in ctx)])
             for il, (k, v) in enumerate(kv):
                 for i, b in enumerate(ctx):
@@ -162,7 +173,7 @@ class DenseReference:
         scale = np.float32(1.0 / math.sqrt(hd))
         rows = np.arange(B)
         causal = np.arange(T)[None, None, None, :]
-        for _ in range(n):
+        for step in range(n):
             h = self.tok_embd[tok]
             for il, L in enumerate(self.layers):
                 x = self._rms(h, L.attn_norm)
@@ -180,6 +191,8 @@ class DenseReference:
             for b in np.flatnonzero(~done):
                 out[b].append(int(tok[b]))
                 done[b] = int(tok[b]) in eog
+            if on_step is not None:
+                on_step(step + 1, n)
             if done.all():
                 break
             pos = pos + 1
@@ -188,7 +201,8 @@ class DenseReference:
 
 # --- calibration: real text and the hidden states it produces -----------------------------------------------
 
-def _ffn_inputs(ref: DenseReference, seqs: list[list[int]]) -> np.ndarray:
+def _ffn_inputs(ref: DenseReference, seqs: list[list[int]],
+                on_layer: Callable[[int, int], None] | None = None) -> np.ndarray:
     """[n_layer, N, n_embd]: every layer's FFN input (ffn_norm output) at every calibration position, except that
     a prefix shared by several sequences (the chat template's system prompt) counts once: identical contexts give
     identical states, and dozens of copies would pull the k-means towards them."""
@@ -199,7 +213,7 @@ def _ffn_inputs(ref: DenseReference, seqs: list[list[int]]) -> np.ndarray:
         keep.append(np.array([p not in seen for p in prefixes]))
         seen.update(prefixes)
     states: list[np.ndarray] = []
-    ref.forward(seqs, logits=False, ffn_inputs=states)
+    ref.forward(seqs, logits=False, ffn_inputs=states, on_layer=on_layer)
     rows = np.concatenate(keep)
     return np.stack([x[rows] for x in states])
 

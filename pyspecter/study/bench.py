@@ -12,6 +12,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from pyspecter.native.devices import Device, open_device
 from pyspecter.native.hooks import Hooks
 from pyspecter.prompts import load_prompts, render_prompt
 from pyspecter.study.analyze import simulate_cache
+from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
@@ -37,7 +39,8 @@ from pyspecter.tiers import make_tier
 
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
-            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine", "plan")
+            "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine", "plan",
+            "default")
 # need --device; "plan": the layer plan (full, host and slot layers) the cost model chooses at the budget
 DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "plan")
 # with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
@@ -48,6 +51,7 @@ DEFAULT_POLICIES = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-deman
                     "prev-token")
 DEFAULT_PROMPT_LEN = 64  # tokens of the packaged (or synthetic) prompt when no prompt file is given
 CALIBRATION_TOKENS = 512  # static-hot's profile: a short read of text the bench never measures
+Progress = Callable[[str, int, int], None]  # (what is starting, runs done, runs in all; 0 in all: preparing)
 
 
 def _prompt_tokens(model: Model, n: int, seed: int = 0) -> list[int]:
@@ -166,6 +170,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                 adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None,
                 learned_slots: int | None = None, extra: dict[int, int] | None = None,
                 plan: LayerPlan | None = None, forced: list[list[int]] | None = None,
+                progress: Progress | None = None,
                 ) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
     """Every policy ``repeat`` times, interleaved so that drift hits every policy alike. Returns the runs, the
     policies skipped (and why: e.g. the draft alone is bigger than the budget) and how each capped run was held.
@@ -176,14 +181,19 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
     caps: dict[str, dict] = {}
     cap = budget_bytes + layout.nonexpert_bytes + RUNTIME_HEADROOM
     common = {"inputs": str(inputs), "n": n, "n_threads": n_threads}
-    for _ in range(repeat):
+    done, total = 0, repeat * len(policies)
+    for i in range(repeat):
         for p in policies:
+            if progress is not None:
+                progress(f"{p}, repeat {i + 1}/{repeat}", done, total)
+            done += 1
             if p in skipped:
                 continue
             p_slots = {"surrogate": sur_slots, "learned": learned_slots or slots,
                        "learned-evict": learned_slots or slots}.get(p, slots)
             try:
-                if tier == "disk" and p != "all-resident":  # all-resident is the no-stall limit: no cap
+                # all-resident is the no-stall limit, default places itself: no cap
+                if tier == "disk" and p not in ("all-resident", "default"):
                     if p.startswith("specter") or p == "engine":
                         on_top = 0 if p != "specter-equal-slots" else Path(draft).stat().st_size
                         call = {"fn": "specter", "draft": str(draft) if p != "engine" else None,
@@ -195,6 +205,8 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                                                     "surrogate_width": surrogate_width, "extra": extra or {},
                                                     "budget_bytes": budget_bytes, **common}, path, cap)
                     runs[p].append(run)
+                elif p == "default":  # generate with no flags: placed as the CLI places it (stock when it fits)
+                    runs[p].append(run_specter(path, None, None, True, None, sets, n, n_threads, k, forced=forced))
                 elif p == "engine":  # what generate and chat run by default: no draft, the learned plan if fitted
                     runs[p].append(run_specter(path, None, budget_bytes, True, tier, sets, n, n_threads, k,
                                                device=device.spec if device else None, forced=forced))
@@ -217,14 +229,15 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
               policies: list[str] | None = None, prompt_len: int | None = None, n: int = 32, repeat: int = 3,
               n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
               cutoff: bool = True, surrogate_width: float = 0.25, prompts: str | Path | None = None,
-              device: str | None = None, forced: bool | None = None) -> dict:
+              device: str | None = None, forced: bool | None = None, progress: Progress | None = None) -> dict:
     """Every policy over the same prompts, interleaved ``repeat`` times. ``prompts``: a prompt file (plain text,
     one prompt a line, or JSONL: ``prompts.load_prompts``), each prompt chat-rendered and used whole, or cut to
     ``prompt_len`` tokens when that is given; without one, a single prompt of ``prompt_len`` (64) tokens. Each
     run prefills every prompt in turn and decodes ``n`` tokens after each; figures cover all of them. ``forced``:
     each decode step fed the next token of a held-out text (``forced.py``) instead of the greedy one, identity
     checked on the logits; None: forced on the random-weight built-ins (whose greedy text cycles through two or
-    three tokens, so every cache hits), free otherwise."""
+    three tokens, so every cache hits), free otherwise. ``progress(what, done, total)``: called before each step
+    (``total`` 0 for the preparation steps)."""
     for name, value in (("--prompt-tokens", 1 if prompt_len is None else prompt_len), ("-n", n),
                         ("--repeat", repeat), ("--threads", n_threads)):
         if value < 1:
@@ -256,6 +269,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     make_tier(tier)  # validate early
     sur_slots = slots
     if "surrogate" in policies:  # the surrogates live in fast memory too: fewer slots for the same budget
+        if progress is not None:
+            progress("surrogate: choosing each expert's neurons", 0, 0)
         sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
         sur_slots = MemoryPlan.for_budget(layout, str(budget_bytes), surrogate_bytes=sur_bytes).slots
     learned_slots = slots
@@ -265,17 +280,22 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         learned_bytes = LearnedPredictor.load(path).nbytes
         learned_slots = slots_for_budget(layout, max(budget_bytes - learned_bytes, 0))
         check_slots(layout, learned_slots)
+    say = progress or (lambda *_: None)
     sets = prompt_sets(path, items, prompt_len)
     mode = default_mode(path, forced)
     texts = None
     if mode == FORCED:
         with Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
             texts = forced_tokens(m, len(sets), n)
+    if "static-hot" in policies:
+        say("static-hot: profiling the calibration prompts", 0, 0)
     hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
+    say(f"measuring the {tier} tier's link", 0, 0)
     link_gbps = measure_link(path, tier, device=dev)
     plan, plan_info = plan_for(path, layout, dev, budget_bytes) if dev is not None and "plan" in policies \
         else (None, None)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
+    say("an untimed warm-up run", 0, 0)
     run_policy("stock", path, layout, slots, tier, [sets[0][:8]], 2, n_threads)
     with tempfile.TemporaryDirectory(prefix="pyspecter-bench-") as tmp:
         # capped children read the shared inputs from a file: token lists can outgrow a command line
@@ -285,7 +305,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
                                           n_threads=n_threads, draft=draft, k=k, adaptive=adaptive, cutoff=cutoff,
                                           surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots,
-                                          extra=extra, plan=plan, forced=texts)
+                                          extra=extra, plan=plan, forced=texts, progress=progress)
+    say("done", repeat * len(policies), repeat * len(policies))
     uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
                 "cgroup": "none"}
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)
@@ -388,32 +409,3 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             if ref in out["policies"] and "tpot_ms" in r and "tpot_ms" in out["policies"][ref]:
                 r["vs_" + ref.replace("-", "_")] = out["policies"][ref]["tpot_ms"] / r["tpot_ms"]
     return out
-
-
-# every row carries its whole setting: a CSV line read alone says what was run, on what, under which cap
-RUN_FIELDS = ("model", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer", "link_gbps",
-              "n_threads", "prompts", "n_prompts", "prompt_tokens", "decode_tokens", "repeat", "build", "decode")
-CSV_FIELDS = ("model", "draft", "tier", "emulated", "budget", "budget_bytes", "budget_pct", "slots_per_layer",
-              "memory_cap", "cap_bytes", "capped", "cgroup", "link_gbps", "n_threads", "prompts", "n_prompts",
-              "prompt_tokens", "decode_tokens", "repeat", "build", "policy", "decode", "same_logits_as_stock",
-              "same_tokens_as_stock", "tpot_ms",
-              "tpot_p10_ms", "tpot_p90_ms", "tpot_mean_ms", "decode_tok_s", "prefill_tok_s", "load_s", "cold_ttft_s",
-              "hit_rate", "coverage",
-              "bytes_per_token", "stall_ms_per_token", "peak_rss_mb", "acceptance", "mean_k", "draft_off",
-              "vs_on_demand_lru", "vs_all_resident", "vs_oracle_bound")
-
-
-def to_csv_rows(result: dict) -> list[dict]:
-    """One flat row per policy, for spreadsheets and tools/bench.sh."""
-    rows = []
-    for name, p in result["policies"].items():
-        if "skipped" in p:
-            continue
-        row = {k: result.get(k) for k in RUN_FIELDS}
-        row["model"] = Path(row["model"]).name
-        row["prompts"] = Path(row["prompts"]).name if row["prompts"] else ""
-        row["draft"] = Path(result["draft"]).name if result.get("draft") and name.startswith("specter") else ""
-        row["policy"] = name
-        row.update({k: p.get(k) for k in CSV_FIELDS if k in p})
-        rows.append({k: row.get(k, "") for k in CSV_FIELDS})
-    return rows

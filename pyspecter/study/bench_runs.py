@@ -227,19 +227,21 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         model.close()
 
 
-def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: bool, tier: str,
+def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_draft: bool, tier: str | None,
                 prompts: list[list[int]], n: int, n_threads: int, k: int, adaptive: bool = True,
                 cutoff: bool = True, device: str | None = None, forced: list[list[int]] | None = None) -> Run:
     """One run of the engine over every prompt, as generate and chat run it; the session and its slots persist.
     With a draft: speculative decoding with draft-driven prefetch and the K governor; without one ("engine"): the
-    learned predictor's prefetch plan (when one is fitted for the model) under its governor. ``forced`` (no
+    learned predictor's prefetch plan (when one is fitted for the model) under its governor. ``budget_bytes`` and
+    ``tier`` None: placed as generate places a model given no flags (stock llama.cpp when it fits). ``forced`` (no
     draft only): the session's sampler picks the held-out text's tokens (``forced.ForcedSampler``)."""
     if forced is not None and draft is not None:
         raise SpecterError("teacher-forced decoding runs without a draft (the speculative decoder drafts its own)")
     proc = psutil.Process()
     t_load = time.perf_counter()
     # force: the bench placed its budget, and its capped children see the host's memory, not their cap
-    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget_bytes), tier=tier, force=True, k=k,
+    budget = str(budget_bytes) if budget_bytes is not None else None
+    s = Session(SessionConfig(model=path, draft=draft, budget=budget, tier=tier, force=budget is not None, k=k,
                               adaptive=adaptive, n_ctx=max(map(len, prompts)) + n + 16, n_threads=n_threads,
                               draft_counts_in_budget=count_draft, prefetch_cutoff=cutoff, device=device))
     load_s = time.perf_counter() - t_load  # the session warms its contexts up
@@ -254,7 +256,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
             def on_token(_t: int, stamps: list[float] = stamps) -> None:
                 stamps.append(time.perf_counter())
                 if len(stamps) == 1:  # decode counters only, as for the other policies
-                    s.cache.reset_counters()
+                    s.reset_stats()
 
             t0 = time.perf_counter()
             # the first token comes straight from the target's prefill; the rest are decode
@@ -265,13 +267,13 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int, count_draft: 
                 tpots += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
             else:  # accepted drafts come out in bursts: a token's own time means nothing, only the step's mean
                 tpots += [(stamps[-1] - stamps[0]) / max(len(out) - 1, 1)] * (len(out) - 1)
-            parts.append(s.cache.counters())
+            parts.append(s.cache.counters() if s.cache is not None else {})
             tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
             if forced is not None:
                 digests += s.sampler.digests()[:n]
-        c = merge_counters(parts)
+        c = merge_counters(parts) if s.cache is not None else {}
         c["slots"] = s.n_slots
-        c["slots_mean"] = s.cache.usable_mean()
+        c["slots_mean"] = s.cache.usable_mean() if s.cache is not None else None
         if s.decoder is not None:
             ds = s.decoder.stats
             c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off,

@@ -41,7 +41,7 @@ def test_generate_with_draft_equals_plain(mixtral_draft: Path) -> None:
 
 def test_generate_budget_that_cannot_hold_the_draft(mixtral_draft: Path) -> None:
     r = run_cli("generate", "tiny-mixtral", "-p", "x", "--draft", str(mixtral_draft), "--budget", "10KiB")
-    assert r.returncode == 2 and "does not fit" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "too small" in r.stderr and "+ the draft" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_chat_through_a_pipe() -> None:
@@ -78,7 +78,7 @@ def test_ctrl_c_stops_the_answer_not_the_repl() -> None:
 
     with pytest.raises(_Stopped):
         _interruptible(fake_generate)
-    assert seen == [1, 2]
+    assert seen == [1]  # the token decided after Ctrl-C is not shown
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 

@@ -99,3 +99,71 @@ def test_dash_m_through_the_real_entry_point() -> None:
 
     r = run_cli("inspect", "-m", "nonexistent-model.gguf")
     assert r.returncode == 2 and "nonexistent-model.gguf: no such file" in r.stderr, r.stderr
+
+
+def _bench_result() -> dict:
+    row = {"tpot_ms": 10.0, "tpot_mean_ms": 11.0, "decode_tok_s": 100.0, "prefill_tok_s": 500.0, "cold_ttft_s": 0.5,
+           "hit_rate": 1.0, "bytes_per_token": 0.0, "stall_ms_per_token": 0.0, "hook_us_per_call": 0.0,
+           "vs_on_demand_lru": 1.2, "slots_mean": None}
+    return {"model": "m.gguf", "arch": "qwen3moe", "tier": "ram", "emulated": False, "budget": "50%",
+            "slots_per_layer": 8, "n_expert": 16, "link_gbps": 10.0, "n_threads": 2, "prompts": None,
+            "prompt_tokens": 64, "decode_tokens": 8, "repeat": 1, "memory_cap": "not capped",
+            "policies": {"stock": row, "on-demand-lru": {**row, "slots_mean": 8.0, "vs_on_demand_lru": 1.0},
+                         "oracle-bound": {"tpot_ms": 5.0, "tpot_mean_ms": 5.0, "decode_tok_s": 200.0,
+                                          "bytes_per_token": 10.0, "computed": True, "vs_on_demand_lru": 2.0}}}
+
+
+def test_bench_tables_say_na_and_why(capsys) -> None:
+    from pyspecter.cli.bench import _print_bench
+
+    _print_bench(_bench_result())
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower() and "n/a" in out
+    notes = [line.strip() for line in out.splitlines() if line.strip().startswith("n/a:")]
+    assert "n/a: slots — stock llama.cpp runs without slots" in notes
+    assert any("all-resident was not among the policies" in n for n in notes)
+    assert any(n.startswith("n/a: oracle-bound:") and "computed" in n for n in notes)
+
+
+def test_bench_progress_is_a_line_per_run_when_piped() -> None:
+    import io
+
+    from pyspecter.cli.bench import progress_printer
+
+    buf = io.StringIO()  # not a terminal: plain lines, no carriage returns
+    show = progress_printer(buf)
+    show("measuring the ram tier's link", 0, 0)
+    for i, p in enumerate(["stock", "on-demand-lru"] * 2):
+        show(f"{p}, repeat {i // 2 + 1}/2", i, 4)
+    show("done", 4, 4)
+    lines = buf.getvalue().splitlines()
+    assert "\r" not in buf.getvalue() and len(lines) == 6
+    assert lines[2] == "bench: [######..................] 1/4 running on-demand-lru, repeat 1/2"
+    assert lines[-1].endswith("4/4 runs done")
+
+
+def test_a_token_after_ctrl_c_is_not_shown() -> None:
+    import pytest
+
+    from pyspecter import chat
+
+    shown: list[int] = []
+    on_token = chat.stop_check(shown.append)
+    chat._interrupted[0] = False
+    on_token(1)
+    chat._interrupted[0] = True
+    try:
+        with pytest.raises(chat.Stopped):
+            on_token(2)
+    finally:
+        chat._interrupted[0] = False
+    assert shown == [1]
+
+
+def test_one_slot_count_says_what_takes_the_rest() -> None:
+    from pyspecter.placement import SlotCount
+
+    s = SlotCount(7, 16, 12, 30, (("the learned predictor", 5 * 2**20),))
+    assert str(s) == "7/16 slots per layer (8 in 12 of 30 layers); the rest of the budget: the learned predictor " \
+                     "5.00 MiB"
+    assert str(SlotCount(8, 16, 0, 30)) == "8/16 slots per layer"

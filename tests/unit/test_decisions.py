@@ -131,10 +131,26 @@ def test_memory_plan() -> None:
     assert MemoryPlan.for_budget(lay, "10000", draft_bytes=4000, count_draft=False).held == 0
     p = MemoryPlan.for_budget(lay, "12000", surrogate_bytes=2000)
     assert (p.slots, p.reserved, p.usable) == (5, 2, 3)
-    with pytest.raises(SpecterError, match="does not fit"):
+    with pytest.raises(SpecterError, match="too small"):
         MemoryPlan.for_budget(lay, "3000", draft_bytes=4000)
-    with pytest.raises(SpecterError, match="below top-2"):
+    with pytest.raises(SpecterError, match="too small"):
         MemoryPlan.for_budget(lay, "3000")
+
+
+def test_a_budget_too_small_names_the_smallest_that_works() -> None:
+    lay = _layout()  # one slot in every layer: 2000 bytes, top-2
+    with pytest.raises(SpecterError) as e:
+        MemoryPlan.for_budget(lay, "1KiB", predictor_bytes=5 * 2**20, spread=True)
+    msg = str(e.value)
+    assert msg == ("budget 1KiB is too small: the smallest that works is 5.0 MiB = top-2 slots per layer (3.9 KiB) "
+                   "+ the learned predictor (5.0 MiB); give --budget 5.1MiB or more"), msg
+    MemoryPlan.for_budget(lay, "5.1MiB", predictor_bytes=5 * 2**20, spread=True)  # the figure given works
+    with pytest.raises(SpecterError, match=r"budget 3000 \(2.9 KiB\) is too small: the smallest that works is "
+                                           r"7.8 KiB = top-2 slots per layer \(3.9 KiB\) \+ the draft \(3.9 KiB\)"):
+        MemoryPlan.for_budget(lay, "3000", draft_bytes=4000)
+    with pytest.raises(SpecterError, match=r"smallest that works is 11.9 KB = 4 slots per layer \(top-2 for full "
+                                           r"experts, as many for surrogates\) \(8.0 KB\) \+ the surrogates"):
+        MemoryPlan.for_budget(lay, "5KB", surrogate_bytes=3900)
     with pytest.raises(SpecterError, match="surrogate mode needs 4"):
         check_slots(lay, 3, reserved=2)
 

@@ -86,13 +86,14 @@ def test_a_budget_alone_picks_the_tier(machine) -> None:
     assert place("model.gguf", budget="10%") == Placement("ram", "10%")
 
 
-def test_force_and_device_budgets(machine) -> None:
+def test_force_and_bad_tiers(machine) -> None:
     with pytest.raises(SpecterError, match="or --force"):
         place("model.gguf", tier="disk", budget="60%")
     assert _where(tier="disk", budget="60%", force=True) == ("disk", "60%")
     with pytest.raises(SpecterError, match="budget 27.7 GB"):
         place("model.gguf", tier="ram", budget="90%")
-    assert _where(tier="gpu", budget="90%") == ("gpu", "90%")  # a device's own memory, not RAM
+    with pytest.raises(SpecterError, match="is now --device"):  # refused before any fitting
+        place("model.gguf", tier="gpu", budget="90%")
 
 
 def test_sizes_keep_the_unit_family_given(machine) -> None:
