@@ -74,7 +74,7 @@ class LayerPlan:
     def describe(self, layout: ModelLayout) -> str:
         n = {k: len(self.layers(k)) for k in KINDS}
         parts = [f"{n['full']} full", f"{n['slots']} slots ({self.n_slots}/{layout.n_expert})", f"{n['host']} host"]
-        return ", ".join(p for p, k in zip(parts, KINDS, strict=True) if n[k])
+        return ", ".join(p for p, k in zip(parts, ("full", "slots", "host"), strict=True) if n[k])
 
 
 def n_cpu_moe_for(layout: ModelLayout, budget_bytes: int) -> int:

@@ -64,6 +64,7 @@ def test_bad_plans_are_refused() -> None:
         LayerPlan({0: "slots"}, 0)
     assert LayerPlan({0: "full", 1: "slots", 2: "host"}, 4).describe(_layout(n_layers=3)) == \
         "1 full, 1 slots (4/16), 1 host"
+    assert stock_plan(_layout(n_layers=4), 2).describe(_layout(n_layers=4)) == "2 full, 2 host"
 
 
 def test_the_split_counts_are_read_from_llama_cpps_line() -> None:
