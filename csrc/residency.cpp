@@ -203,6 +203,7 @@ struct pyspecter_residency {
 
     // mu held (the caller's pending table); queues the tasks of r
     void push(const std::shared_ptr<pyspecter_read> & r, bool advise = false) {
+        size_t n_tasks = 0;
         {
             std::lock_guard<std::mutex> lk(qmu);
             r->seq = seq++;
@@ -226,8 +227,13 @@ struct pyspecter_residency {
                 queue.push_back({ r, -1 });
                 r->tasks_left = 1;
             }
+            n_tasks = (size_t) r->tasks_left;
         }
-        cv_work.notify_all();
+        // one reader per task: waking them all would have the idle ones compete with the compute threads for the
+        // cores, inside the routing op's time
+        for (size_t i = 0; i < n_tasks; ++i) {
+            cv_work.notify_one();
+        }
     }
 
     // A queued read taken back whole (true: none of it started, the slot was never touched), or moved ahead of
