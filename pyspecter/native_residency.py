@@ -57,6 +57,11 @@ class NativeLayer:
     def owner(self) -> list[int]:
         return [self.api.expert_in(self.model.ptr, self.il, s) for s in range(self.n_slots)]
 
+    @property
+    def pending(self) -> dict:
+        """Slots being filled are C's alone (not mirrored): none visible here, their experts read as misses."""
+        return {}
+
 
 class NativeResidency:
     """Residency owned by the routing op. Enable before the model's context exists (or between decodes: the graphs

@@ -38,7 +38,8 @@ def test_session_with_the_plan_decodes_stocks_tokens(tier: str, fitted_cache: No
     with native.Model(model) as m, native.Context(m) as ctx:
         toks = m.tokenize("the plan never changes the output, only how fast it comes")
         ref = greedy(ctx, toks, 40)[0]
-    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1)) as s:
+    # the layer-ahead plan runs on the Python hook (native=False); natively the session evicts by the reuse maps
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, native=False)) as s:
         assert s.predictor is not None and s.prefetch_plan is not None
         # explore even where the hooks take most of a token (the disk tier may look link-bound): the plan's
         # uploads must run for this test to show they leave the output alone
@@ -52,6 +53,10 @@ def test_session_with_the_plan_decodes_stocks_tokens(tier: str, fitted_cache: No
         spent = sum(s.cache.usable(L.index) * L.expert_bytes for L in lay.layers) + s.predictor.nbytes
         assert parse_budget("25%", lay.expert_total_bytes) - max(L.expert_bytes for L in lay.layers) < spent
         assert spent <= parse_budget("25%", lay.expert_total_bytes)
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1)) as s:
+        assert s.prefetch_plan is None and s.cache.native  # the reuse maps in C
+        assert s.generate(toks, 40, stop_at_eog=False) == ref
+        assert s.stats()["evict"] in ("learned", "lru")
     with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, predictor="off")) as s:
         assert s.prefetch_plan is None
 

@@ -236,7 +236,9 @@ def test_fit_router_balances_synthetic_clusters() -> None:
     W, st = smol.fit_router(X, 8, 2, seed=1)
     assert W.shape == (8, 32) and W.dtype == np.float32
     assert 0.9 <= st["topk_load_min"] <= st["topk_load_max"] <= 1.1
-    assert abs(st["median_top1_prob"] - smol.TARGET_TOP1_PROB) < 0.01
+    from pyspecter.models.smol_router import TARGET_TOP1_PROB
+
+    assert abs(st["median_top1_prob"] - TARGET_TOP1_PROB) < 0.01
 
 
 # --- the draft ------------------------------------------------------------------------------------------------------
