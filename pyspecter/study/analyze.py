@@ -26,7 +26,7 @@ Definitions used throughout (``N(t, l)``: the experts the target selected for ro
   resident at once. hit_rate counts first-touch (compulsory) misses; hit_rate_warm leaves them out of both sides,
   so every policy reaches 1.0 at slots = n_expert. LRU is computed exactly for all slot counts from LRU stack
   positions; LFU (counts kept across evictions, ties by recency) and Belady MIN (evict the resident expert
-  used farthest in the future, never one the step needs) are simulated.
+  used farthest in the future, never one the step needs) are simulated (``simulate.py``, the one simulator).
 - Upload bytes per token at a confidence threshold: the bytes of the distinct predicted experts kept (router weight
   >= threshold) for one token, summed over MoE layers; wasted = kept but not needed, missed = needed, not kept.
 
@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter.study.analyze_report import dumps, format_analysis, plot
+from pyspecter.study.simulate import lru_stack_positions, simulate_cache
 from pyspecter.tracefile import Trace, load_trace
 
 __all__ = ["analyze", "dumps", "format_analysis", "plot"]
@@ -108,67 +109,6 @@ def top_by_count(counts: np.ndarray, k: int) -> np.ndarray:
 
 
 # --- caches ----------------------------------------------------------------------------------------------------
-
-def lru_stack_positions(steps: np.ndarray) -> np.ndarray:
-    """For a stream of expert sets [T, U] (one layer), each access's position in the LRU stack before its step
-    (-1: first touch). A cache of s slots that keeps each step's set resident (set-LRU) holds exactly the top s of
-    this stack, so an access hits with s slots iff 0 <= position < s: one pass gives every slot count."""
-    stack: list[int] = []  # most recent first
-    pos = np.full(steps.shape, -1, np.int64)
-    for s, row in enumerate(steps):
-        need = [int(e) for e in row if e >= 0]
-        where = {e: i for i, e in enumerate(stack)}
-        for u, e in enumerate(row):
-            if e >= 0 and int(e) in where:
-                pos[s, u] = where[int(e)]
-        # the step's experts move to the front in router order (ties need a rule; any that ignores cache size
-        # keeps the one-stack property)
-        gone = set(need)
-        stack = need + [e for e in stack if e not in gone]
-    return pos
-
-
-def simulate_cache(steps: np.ndarray, slots: int, policy: str) -> int:
-    """Hits of an LFU or Belady (MIN) cache of `slots` on a stream of expert sets [T, U] (one layer)."""
-    T = len(steps)
-    resident: set[int] = set()
-    hits = 0
-    if policy == "belady":
-        occ: dict[int, list[int]] = {}
-        for s, row in enumerate(steps):
-            for e in row:
-                if e >= 0:
-                    occ.setdefault(int(e), []).append(s)
-        ptr = dict.fromkeys(occ, 0)
-
-        def key(e: int) -> float:
-            o, p = occ[e], ptr[e]
-            return o[p] if p < len(o) else math.inf
-    else:
-        freq: dict[int, int] = {}
-        last: dict[int, int] = {}
-
-        def key(e: int) -> float:  # LFU victim has the smallest (freq, last use); negated for max()
-            return -(freq[e] * (T + 1) + last[e])
-    for s, row in enumerate(steps):
-        need = {int(e) for e in row if e >= 0}
-        if policy == "belady":
-            for e in need:
-                ptr[e] += 1  # next use now points past this step
-        for e in need:
-            if e in resident:
-                hits += 1
-                continue
-            if len(resident) >= slots:
-                victims = resident - need
-                resident.remove(max(victims, key=key) if victims else next(iter(resident)))
-            resident.add(e)
-        if policy != "belady":
-            for e in need:
-                freq[e] = freq.get(e, 0) + 1
-                last[e] = s
-    return hits
-
 
 def default_slot_counts(n_used: int, n_expert: int) -> list[int]:
     if n_expert - n_used + 1 <= 33:

@@ -303,7 +303,8 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
     bar = Progress("fitting", L, "layers") if progress else None
     fitted = fit_maps(fit["X"], routers, H, validation_rows(fit["lengths"]),
                       progress=bar.update if bar else None, rank=rank)
-    from pyspecter.study.reuse_fit import REUSE_HORIZON, evaluate_reuse, fit_reuse, lru_miss_curve
+    from pyspecter.study.reuse_fit import REUSE_HORIZON, evaluate_reuse, fit_reuse
+    from pyspecter.study.simulate import lru_miss_curve
 
     if bar:
         bar.close()

@@ -1,8 +1,8 @@
 """Reuse maps for eviction, fitted beside the learned routing predictors (study/predictor_fit.py) on the same
 recorded router inputs and routing: ridge from x_j to which experts of layer j the next REUSE_HORIZON tokens of
 the same sequence use (multi-hot), the penalty chosen by validation error. Held-out, an eviction simulation
-compares them with LRU and Belady's MIN at the same slots. Also each layer's LRU miss curve (one stack-distance
-pass), which the budget's slot allocation reads (budget.allocate_slots).
+compares them with LRU and Belady's MIN at the same slots (``simulate.py``). Also each layer's LRU miss curve
+(``simulate.lru_miss_curve``), which the budget's slot allocation reads (budget.allocate_slots).
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from pyspecter.learned import LearnedPredictor, Recency
-from pyspecter.policies import ghost_step
-from pyspecter.study.analyze import lru_stack_positions, simulate_cache
 from pyspecter.study.predictor_fit import Ridge
+from pyspecter.study.simulate import eviction_misses, oracle_scores, simulate_cache
 
 # Tokens ahead whose use keeps an expert, and how much a later use counts: the target of expert e is
 # decay^(h-1) for its soonest use h within the horizon (0 if none), so the score orders experts by how soon they
@@ -94,44 +93,6 @@ def _fit_blend(scores: np.ndarray, recency: np.ndarray, Y: np.ndarray) -> np.nda
     unknowns over n * E equations: well determined)."""
     A = np.concatenate([scores[..., None], recency, np.ones(scores.shape + (1,))], axis=-1).reshape(-1, 6)
     return np.linalg.solve(A.T @ A + 1e-3 * np.eye(6), A.T @ Y.reshape(-1))
-
-
-def lru_miss_curve(ids: np.ndarray, n_expert: int) -> np.ndarray:
-    """Misses per token of an LRU cache of s = 0..E slots on one layer's routing ids [n, k], from one
-    stack-distance pass (``analyze.lru_stack_positions``: a hit with s slots is a hit with more). Below k slots
-    every access misses."""
-    n, k = ids.shape
-    pos = lru_stack_positions(ids)[ids >= 0]
-    misses = np.array([np.sum((pos < 0) | (pos >= s)) for s in range(n_expert + 1)], np.float64)
-    misses[:k] = len(pos)
-    return (misses / max(n, 1)).astype(np.float32)
-
-
-def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = None) -> int:
-    """Misses of one layer's cache of ``slots`` over routing ids [n, k]: LRU, or (scores [n, E], each row's
-    prediction made at that row) evicting the resident expert with the lowest predicted reuse, LRU among equals
-    (the engine's own bookkeeping step, ``policies.ghost_step``)."""
-    resident: dict[int, int] = {}  # expert -> last use
-    misses = 0
-    for t, row in enumerate(ids):
-        need = {int(e) for e in row if e >= 0}
-        misses += ghost_step(resident, need, slots, t, None if scores is None else scores[t])
-    return misses
-
-
-def oracle_scores(ids: np.ndarray, n_expert: int, k: int) -> np.ndarray:
-    """Scores [n, E] of a predictor that knows the next ``k`` rows of one layer's routing ids [n, u] exactly:
-    k + 1 - d for an expert next used d rows ahead (d <= k), else 0. Evicting by them (``eviction_misses``) is
-    the best any predictor of the next k tokens can do; k -> inf is Belady's MIN."""
-    nxt = np.full(n_expert, np.inf)  # row of each expert's next use after the current row
-    out = np.zeros((len(ids), n_expert), np.float32)
-    for t in range(len(ids) - 1, -1, -1):
-        d = nxt - t
-        out[t] = np.where(d <= k, k + 1 - d, 0.0)
-        for e in ids[t]:
-            if e >= 0:
-                nxt[e] = t
-    return out
 
 
 # Lookaheads of the exact-future eviction rows in ``evaluate_reuse``: a draft drafts about 4 tokens

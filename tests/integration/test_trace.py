@@ -21,12 +21,11 @@ from pyspecter.study.analyze import (
     analyze,
     cache_curves,
     format_analysis,
-    lru_stack_positions,
     onehot,
     prev_token_prediction,
     set_scores,
-    simulate_cache,
 )
+from pyspecter.study.simulate import lru_stack_positions, simulate_cache
 from pyspecter.study.trace import record_trace
 from pyspecter.tracefile import load_trace
 
@@ -220,23 +219,6 @@ def test_prev_token_recall_by_hand() -> None:
     assert set_scores(onehot(pred, 4), onehot(ids, 4), valid)["recall"] == 0.0
 
 
-def _set_lru_hits(steps: np.ndarray, slots: int) -> int:
-    # the textbook way: keep the step's experts, evict the least recently used other one (within a step, the
-    # router's first choice counts as the most recent)
-    last: dict[int, tuple[int, int]] = {}
-    hits = 0
-    for s, row in enumerate(steps):
-        need = [int(e) for e in row]
-        hits += sum(e in last for e in need)
-        for e in need:
-            if e not in last and len(last) >= slots:
-                del last[min((x for x in last if x not in need), key=last.__getitem__)]
-            last[e] = (s, 0)
-        for u, e in enumerate(need):
-            last[e] = (s, -u)
-    return hits
-
-
 def test_cache_curves_on_random_stream() -> None:
     rng = np.random.default_rng(7)
     E, U, T = 12, 3, 200
@@ -253,7 +235,7 @@ def test_cache_curves_on_random_stream() -> None:
     # the one-pass LRU (stack positions) is the same cache as an explicit set-LRU simulation
     pos = lru_stack_positions(ids[:, 0])
     for s in (U, 5, 8, E):
-        assert int(((pos >= 0) & (pos < s)).sum()) == _set_lru_hits(ids[:, 0], s)
+        assert int(((pos >= 0) & (pos < s)).sum()) == simulate_cache(ids[:, 0], s, "lru")
     cold = c["compulsory_misses"]
     assert cold == len(np.unique(ids))
     assert simulate_cache(ids[:, 0], E, "belady") == c["accesses"] - cold

@@ -1,5 +1,5 @@
-"""The control plane's decisions, without llama.cpp: the K governor, speculative sampling, Belady MIN, budgets,
-eviction policies, the ghost LRU, and the slot table's handling of uploads that fail."""
+"""The control plane's decisions, without llama.cpp: the K governor, speculative sampling, budgets, eviction
+policies, the ghost LRU, and the slot table's handling of uploads that fail."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
 from pyspecter.policies import LFU, LRU, GhostLRU, make_policy
 from pyspecter.residency import Residency
 from pyspecter.sampling import Sampler, SamplingParams
-from pyspecter.study.bench import belady_misses
+from pyspecter.study.simulate import lru_stack_positions
 
 
 def test_governor_turns_speculation_off_when_it_does_not_pay() -> None:
@@ -87,22 +87,6 @@ def test_speculative_sampling_preserves_target_distribution() -> None:
     assert np.abs(freq - p0).max() < 0.01, (freq, p0)
 
 
-def test_belady_is_optimal_on_a_known_trace() -> None:
-    # one layer, 2 slots: a b c a b c ... LRU misses every time; MIN keeps one of the pair and misses 1 in 2.
-    # The cache starts holding the best it could (the first `slots` experts used), so those loads are free.
-    trace = [(0, (x,)) for x in "abcabcabc"]
-    trace = [(il, tuple(ord(c) for c in t)) for il, t in trace]
-    assert belady_misses(trace, 3) == 3 - 3
-    assert belady_misses(trace, 2) == 6 - 2
-    assert belady_misses(trace, 1) == 9 - 1
-
-
-def test_belady_per_layer_and_multi_expert_steps() -> None:
-    trace = [(0, (1, 2)), (1, (1, 2)), (0, (1, 2)), (1, (3, 4))]
-    # from the best start: layer 0 holds 1 and 2 already, layer 1 starts with 1 and 2 and must load 3 and 4
-    assert belady_misses(trace, 2) == 0 + 2
-
-
 def _layout(n_expert: int = 8, n_used: int = 2, n_layers: int = 2, expert_bytes: int = 1000) -> ModelLayout:
     layers = [MoELayer(i, {"up": ExpertTensor(f"blk.{i}.ffn_up_exps.weight", "up", "F16", (n_expert, 4, 4),
                                               0, expert_bytes)}) for i in range(n_layers)]
@@ -165,19 +149,17 @@ def test_policies_rank() -> None:
         make_policy("fifo")
 
 
-def test_ghost_lru_matches_a_simulated_lru() -> None:
+def test_ghost_lru_matches_the_reference_lru() -> None:
+    """The held slots' ghost is set-LRU (study/simulate.py) where the last expert of a call counts as the most
+    recent: the reference's stack, fed each call's experts in reverse."""
     rng = np.random.default_rng(0)
-    ghost, order, expect, got = GhostLRU(4), [], 0, 0
+    ghost, got, calls = GhostLRU(4), 0, []
     for _ in range(200):
         needed = sorted({int(x) for x in rng.integers(0, 10, size=2)})
         got += ghost.observe(needed)
-        expect += sum(1 for e in needed if e not in order)
-        for e in needed:
-            if e in order:
-                order.remove(e)
-            order.append(e)
-        del order[: max(0, len(order) - 4)]
-    assert got == expect > 0
+        calls.append((needed[::-1] + [-1])[:2])
+    pos = lru_stack_positions(np.array(calls))
+    assert got == int(((pos < 0) | (pos >= 4))[np.array(calls) >= 0].sum()) > 0
 
 
 class _Api:

@@ -16,6 +16,7 @@ from pyspecter.errors import SpecterError
 from pyspecter.learned import LearnedPredictor, model_key, selection_scores, sidecar_path
 from pyspecter.study import predictor_fit as pf
 from pyspecter.study import reuse_fit as rf
+from pyspecter.study import simulate as sim
 
 
 def _chain(n: int, L: int = 5, d: int = 24, E: int = 8, noise: float = 0.3, seed: int = 0):
@@ -262,32 +263,30 @@ def test_reuse_targets_look_ahead_within_a_sequence_only() -> None:
 def test_lru_miss_curve_is_a_direct_lru_simulation_for_every_size() -> None:
     rng = np.random.default_rng(3)
     ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(400)])
-    curve = rf.lru_miss_curve(ids, 8)
+    curve = sim.lru_miss_curve(ids, 8)
     assert curve[0] == curve[1] == pytest.approx(2.0)  # below top-k every access misses
     for s in range(2, 9):  # one token's experts are placed as a set: the stack model is off by a few at most
-        assert curve[s] * len(ids) == pytest.approx(rf.eviction_misses(ids, s), rel=0.02)
+        assert curve[s] * len(ids) == pytest.approx(sim.eviction_misses(ids, s), rel=0.02)
     assert np.all(np.diff(curve) <= 1e-6)  # more slots never miss more (LRU's inclusion property)
     assert curve[8] * len(ids) == 8  # all slots: first uses only
 
 
 def test_oracle_scores_rank_by_the_next_use_within_k_rows() -> None:
     ids = np.array([[0, 1], [2, 3], [0, 4], [5, 2]])
-    sc = rf.oracle_scores(ids, 6, k=2)
+    sc = sim.oracle_scores(ids, 6, k=2)
     assert sc[0].tolist() == [1, 0, 2, 2, 1, 0]  # k + 1 - d: experts 2 and 3 come back 1 row ahead, 0 and 4 in 2
     assert sc[1].tolist() == [2, 0, 1, 0, 2, 1]
     assert not sc[3].any()  # nothing comes after the last row
-    assert not rf.oracle_scores(ids, 6, k=0).any()
+    assert not sim.oracle_scores(ids, 6, k=0).any()
 
 
 def test_knowing_more_of_the_future_never_evicts_worse_and_ends_at_belady() -> None:
-    from pyspecter.study.analyze import simulate_cache
-
     rng = np.random.default_rng(5)
     ids = np.stack([rng.choice(8, 2, replace=False, p=np.linspace(2, 1, 8) / 12) for _ in range(600)])
     distinct = 2 * len(ids)
-    belady = distinct - simulate_cache(ids, 4, "belady")
-    by_k = [rf.eviction_misses(ids, 4, rf.oracle_scores(ids, 8, k)) for k in (1, 2, 4, 8, 64)]
-    assert by_k[0] < rf.eviction_misses(ids, 4)  # even one token of the future beats recency
+    belady = distinct - sim.simulate_cache(ids, 4, "belady")
+    by_k = [sim.eviction_misses(ids, 4, sim.oracle_scores(ids, 8, k)) for k in (1, 2, 4, 8, 64)]
+    assert by_k[0] < sim.eviction_misses(ids, 4)  # even one token of the future beats recency
     assert all(a >= b - 2 for a, b in zip(by_k, by_k[1:], strict=False))  # ties may differ by a miss or two
     assert by_k[-1] == pytest.approx(belady, abs=3)
 
@@ -308,8 +307,8 @@ def test_reuse_maps_evict_what_the_next_tokens_do_not_need() -> None:
     assert R[0].shape == (16, 8) and rb[0].shape == (8,) and alphas[0] in rf.REUSE_ALPHAS
     Xe, ide = _reuse_data(1000, seed=1)
     scores = Xe[0] @ R[0] + rb[0]
-    lru = rf.eviction_misses(ide[:, 0], 4)
-    learned_ = rf.eviction_misses(ide[:, 0], 4, scores)
+    lru = sim.eviction_misses(ide[:, 0], 4)
+    learned_ = sim.eviction_misses(ide[:, 0], 4, scores)
     assert learned_ < 0.85 * lru  # the future is in x: evicting by it beats recency by far
 
 
@@ -367,9 +366,9 @@ def test_the_blend_weighs_the_past_where_the_hidden_state_says_nothing() -> None
     assert blend.shape == (1, 6) and blend[0, 1:5].sum() > 3 * abs(blend[0, 0])
     rec = learned.Recency.features_of(ids[:, 0], E)
     plain = X[0] @ R[0] + rb[0]
-    lru = rf.eviction_misses(ids[:, 0], 6)
-    blended = rf.eviction_misses(ids[:, 0], 6, learned.blend_scores(blend[0], plain, rec))
-    alone = rf.eviction_misses(ids[:, 0], 6, plain)
+    lru = sim.eviction_misses(ids[:, 0], 6)
+    blended = sim.eviction_misses(ids[:, 0], 6, learned.blend_scores(blend[0], plain, rec))
+    alone = sim.eviction_misses(ids[:, 0], 6, plain)
     assert blended <= 1.05 * lru and 3 * lru < alone, (blended, lru, alone)  # the map alone evicts at random
 
 

@@ -1,0 +1,166 @@
+"""The reference cache simulator: what an expert cache of some size would miss on a routing stream, under LRU,
+LFU, Belady's MIN, eviction by predicted-reuse scores, or knowing the next k tokens exactly. Every study
+(``analyze``, ``reuse_fit``, ``bench``) and every test that needs such a figure computes it here.
+
+A stream is one MoE layer's routing calls in order, ``steps`` [T, U]: each step the experts needed at once (-1:
+none). A step's experts must all be resident together, so a miss never evicts an expert the same step needs.
+A multi-layer routing trace ``[(layer, experts)]`` (what ``ExpertCache(record=True)`` keeps) is split into one
+stream per layer by ``per_layer``; each layer's cache is simulated on its own, with optional extra slots per
+layer (a budget spread by layer).
+
+Two families of LRU, because they answer different questions:
+- set-LRU (``lru_stack_positions``, ``simulate_cache(..., "lru")``): every step's experts are made resident,
+  the router's first choice counting as the most recent; one stack pass gives every slot count at once;
+- the engine's bookkeeping step (``eviction_misses``, ``policies.ghost_step``): what does not fit stays out
+  (the host computes it), and the victim is the least recently used or the lowest-scored. This is the step the
+  Python duel between LRU and learned scores runs, so the fit judges its maps by the rule that uses them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from pyspecter.policies import ghost_step
+
+Trace = Sequence[tuple[int, Sequence[int]]]  # [(layer, experts needed at one routing call)]
+
+
+def per_layer(trace: Trace) -> dict[int, list[Sequence[int]]]:
+    """A routing trace as one stream of steps per layer, in trace order."""
+    out: dict[int, list[Sequence[int]]] = {}
+    for il, needed in trace:
+        out.setdefault(il, []).append(needed)
+    return out
+
+
+def lru_stack_positions(steps: np.ndarray) -> np.ndarray:
+    """For a stream of expert sets [T, U] (one layer), each access's position in the LRU stack before its step
+    (-1: first touch). A cache of s slots that keeps each step's set resident (set-LRU) holds exactly the top s of
+    this stack, so an access hits with s slots iff 0 <= position < s: one pass gives every slot count."""
+    stack: list[int] = []  # most recent first
+    pos = np.full(steps.shape, -1, np.int64)
+    for s, row in enumerate(steps):
+        need = [int(e) for e in row if e >= 0]
+        where = {e: i for i, e in enumerate(stack)}
+        for u, e in enumerate(row):
+            if e >= 0 and int(e) in where:
+                pos[s, u] = where[int(e)]
+        # the step's experts move to the front in router order (ties need a rule; any that ignores cache size
+        # keeps the one-stack property)
+        gone = set(need)
+        stack = need + [e for e in stack if e not in gone]
+    return pos
+
+
+def lru_miss_curve(ids: np.ndarray, n_expert: int) -> np.ndarray:
+    """Misses per token of an LRU cache of s = 0..E slots on one layer's routing ids [n, k], from one
+    stack-distance pass (``lru_stack_positions``: a hit with s slots is a hit with more). Below k slots every
+    access misses."""
+    n, k = ids.shape
+    pos = lru_stack_positions(ids)[ids >= 0]
+    misses = np.array([np.sum((pos < 0) | (pos >= s)) for s in range(n_expert + 1)], np.float64)
+    misses[:k] = len(pos)
+    return (misses / max(n, 1)).astype(np.float32)
+
+
+POLICIES = ("lru", "lfu", "belady")
+
+
+def simulate_cache(steps, slots: int, policy: str) -> int:
+    """Hits of a cache of ``slots`` on a stream of expert sets [T, U] (one layer), starting empty, every step's
+    experts made resident: 'lru' (set-LRU, the same cache as ``lru_stack_positions``), 'lfu' (counts kept across
+    evictions, ties by recency) or 'belady' (MIN: evict the resident expert used farthest in the future)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+    T = len(steps)
+    resident: set[int] = set()
+    hits = 0
+    if policy == "belady":
+        occ: dict[int, list[int]] = {}
+        for s, row in enumerate(steps):
+            for e in row:
+                if e >= 0:
+                    occ.setdefault(int(e), []).append(s)
+        ptr = dict.fromkeys(occ, 0)
+
+        def key(e: int) -> float:
+            o, p = occ[e], ptr[e]
+            return o[p] if p < len(o) else math.inf
+    elif policy == "lru":
+        recent: dict[int, tuple[int, int]] = {}
+
+        def key(e: int) -> tuple[int, int]:  # victim: the oldest step, and in it the router's last choice
+            s, u = recent[e]
+            return -s, u
+    else:
+        freq: dict[int, int] = {}
+        last: dict[int, int] = {}
+
+        def key(e: int) -> float:  # LFU victim has the smallest (freq, last use); negated for max()
+            return -(freq[e] * (T + 1) + last[e])
+    for s, row in enumerate(steps):
+        need = {int(e) for e in row if e >= 0}
+        if policy == "belady":
+            for e in need:
+                ptr[e] += 1  # next use now points past this step
+        for e in need:
+            if e in resident:
+                hits += 1
+                continue
+            if len(resident) >= slots:
+                victims = resident - need
+                resident.remove(max(victims, key=key) if victims else next(iter(resident)))
+            resident.add(e)
+        if policy == "lru":
+            for u, e in enumerate(row):
+                if e >= 0:
+                    recent[int(e)] = (s, u)
+        elif policy == "lfu":
+            for e in need:
+                freq[e] = freq.get(e, 0) + 1
+                last[e] = s
+    return hits
+
+
+def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = None) -> int:
+    """Misses of one layer's cache of ``slots`` over routing ids [n, k]: LRU, or (scores [n, E], each row's
+    prediction made at that row) evicting the resident expert with the lowest predicted reuse, LRU among equals
+    (the engine's own bookkeeping step, ``policies.ghost_step``)."""
+    resident: dict[int, int] = {}  # expert -> last use
+    misses = 0
+    for t, row in enumerate(ids):
+        need = {int(e) for e in row if e >= 0}
+        misses += ghost_step(resident, need, slots, t, None if scores is None else scores[t])
+    return misses
+
+
+def oracle_scores(ids: np.ndarray, n_expert: int, k: int) -> np.ndarray:
+    """Scores [n, E] of a predictor that knows the next ``k`` rows of one layer's routing ids [n, u] exactly:
+    k + 1 - d for an expert next used d rows ahead (d <= k), else 0. Evicting by them (``eviction_misses``) is
+    the best any predictor of the next k tokens can do; k -> inf is Belady's MIN."""
+    nxt = np.full(n_expert, np.inf)  # row of each expert's next use after the current row
+    out = np.zeros((len(ids), n_expert), np.float32)
+    for t in range(len(ids) - 1, -1, -1):
+        d = nxt - t
+        out[t] = np.where(d <= k, k + 1 - d, 0.0)
+        for e in ids[t]:
+            if e >= 0:
+                nxt[e] = t
+    return out
+
+
+def belady_misses(trace: Trace, slots: int, extra: Mapping[int, int] | None = None) -> int:
+    """Uploads an optimal (MIN) cache of `slots` per layer needs for this routing trace [(layer, experts)],
+    starting from the best cache it could hold: the real caches start warm from the prompt, so an empty start
+    would count first uses no real cache pays. The best start holds the first `slots` distinct experts used (what
+    MIN itself would load into empty slots), so it is MIN from empty less those loads: a lower bound for any cache
+    of that size, whatever it held before. ``extra``: layer -> slots beyond ``slots`` in that layer."""
+    total = 0
+    for il, steps in per_layer(trace).items():
+        n = slots + (extra or {}).get(il, 0)
+        total += (sum(len(set(s)) for s in steps) - simulate_cache(steps, n, "belady")
+                  - min(n, len({e for s in steps for e in s if e >= 0})))
+    return total
