@@ -80,7 +80,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> upload_bytes{0}, upload_ns{0}, upload_failures{0};
     std::atomic<int64_t> needed{0}, resident_at_need{0}, uploads{0}, prefetches{0}, waited{0}, overflow{0};
     std::atomic<int64_t> wait_ns{0}, stall_reads_ns{0}, read_bytes{0}, read_busy_ns{0}, lookahead{0}, late{0};
-    std::atomic<int64_t> late_lost{0};
+    std::atomic<int64_t> late_lost{0}, route_cpu_ns{0}, copy_cpu_ns{0};
     // device tables (llama_pyspecter_device_stats)
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
 };
@@ -242,6 +242,18 @@ void pyspecter_host_experts(const llama_model * model, int32_t il, ggml_tensor *
 // CPU "extra" buffers (weight repacking) are not host-readable, and the repacked mul_mat_id kernels abort on the
 // negative ids the host path uses for resident rows.
 bool pyspecter_is_repacked(const ggml_tensor * t);
+
+// This thread's CPU time (0 where the platform has no per-thread clock): set beside wall time, it tells the op's
+// own work from the time the scheduler gave its core to someone else.
+int64_t pyspecter_thread_cpu_ns();
+
+// Times one run of the routing or wait op: wall and this thread's CPU time, into the counters.
+struct pyspecter_op_timer {
+    llama_pyspecter_counters & c;
+    const int64_t wall0, cpu0;
+    explicit pyspecter_op_timer(llama_pyspecter_counters & c);
+    ~pyspecter_op_timer();
+};
 
 inline int64_t pyspecter_now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(

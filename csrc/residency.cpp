@@ -638,7 +638,7 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
     }
     if (R->p.fd < 0) {
         // from RAM: a copy on this thread costs less than the hand-off to a reader it would wait for anyway
-        const int64_t t0 = pyspecter_now_ns();
+        const int64_t t0 = pyspecter_now_ns(), cpu0 = pyspecter_thread_cpu_ns();
         for (auto [e, slot] : loads) {
             c.uploads++;
             const int32_t rc = pyspecter_run_copy(c, [&] { return pyspecter_load_one(L, e, slot); });
@@ -647,6 +647,7 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
             }
         }
         c.wait_ns += pyspecter_now_ns() - t0;
+        c.copy_cpu_ns += pyspecter_thread_cpu_ns() - cpu0;
         return;
     }
     std::vector<pyspecter_read *> reads;
@@ -825,13 +826,8 @@ bool pyspecter_native_late(const llama_pyspecter_slots * s) {
 void pyspecter_native_wait(llama_pyspecter_layer * L) {
     pyspecter_residency * R = L->parent->res.get();
     auto & c = L->parent->counters;
-    const int64_t t0 = pyspecter_now_ns();
+    pyspecter_op_timer timer(c); // the wait op is routing work too: its time joins the routing op's
     std::lock_guard<std::mutex> lk(R->mu);
-    struct count_time { // the wait op is routing work too: its time joins the routing op's
-        llama_pyspecter_counters & c;
-        int64_t t0;
-        ~count_time() { c.route_ns += pyspecter_now_ns() - t0; }
-    } timer{ c, t0 };
     std::vector<std::pair<int32_t, int32_t>> late; // (expert, slot)
     std::vector<pyspecter_read *> reads;
     for (int32_t e = 0; e < (int32_t) L->late.size(); ++e) {

@@ -62,7 +62,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * w   = dst->src[1]; // [1, n_used, n_tokens]
     const int32_t n_used   = (int32_t) ids->ne[0];
     const int32_t n_tokens = (int32_t) ids->ne[1];
-    const int64_t t0 = pyspecter_now_ns();
+    pyspecter_op_timer timer(s->counters);
 
     // planes of dst: contiguous [n_tokens][n_used] each
     int32_t * slot_ids = (int32_t *) dst->data;
@@ -129,7 +129,6 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += (int64_t) n_used * n_tokens - hit;
     s->counters.route_calls += 1;
-    s->counters.route_ns += pyspecter_now_ns() - t0;
 }
 
 // The route op of a split route: on the CPU, after the device ran the layer's slot path from its table. src[0] is
@@ -148,7 +147,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     const int32_t n_used   = (int32_t) dst->ne[0];
     const int32_t n_tokens = (int32_t) dst->ne[1];
     const int32_t n        = n_used * n_tokens;
-    const int64_t t0 = pyspecter_now_ns();
+    pyspecter_op_timer timer(s->counters);
 
     int32_t * host_ids = (int32_t *) dst->data;
     for (int32_t i = 0; i < n; ++i) {
@@ -194,7 +193,6 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += n - hit;
     s->counters.route_calls += 1;
-    s->counters.route_ns += pyspecter_now_ns() - t0;
 }
 
 // Runs after the resident experts' matmul (its src[1], for ordering only): waits for the layer's late uploads

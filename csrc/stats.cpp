@@ -1,5 +1,25 @@
 #include "pyspecter-impl.h"
 
+#include <ctime>
+
+int64_t pyspecter_thread_cpu_ns() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+    timespec ts;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
+        return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
+    }
+#endif
+    return 0;
+}
+
+pyspecter_op_timer::pyspecter_op_timer(llama_pyspecter_counters & c) :
+    c(c), wall0(pyspecter_now_ns()), cpu0(pyspecter_thread_cpu_ns()) {}
+
+pyspecter_op_timer::~pyspecter_op_timer() {
+    c.route_cpu_ns += pyspecter_thread_cpu_ns() - cpu0;
+    c.route_ns += pyspecter_now_ns() - wall0;
+}
+
 void llama_pyspecter_get_stats(const llama_model * model, llama_pyspecter_stats * out) {
     if (!out) {
         return;
@@ -28,6 +48,8 @@ void llama_pyspecter_get_stats(const llama_model * model, llama_pyspecter_stats 
         out->lookahead        = c.lookahead.load();
         out->late             = c.late.load();
         out->late_lost        = c.late_lost.load();
+        out->route_cpu_ns     = c.route_cpu_ns.load();
+        out->copy_cpu_ns      = c.copy_cpu_ns.load();
     }
 }
 
@@ -37,7 +59,8 @@ void llama_pyspecter_stats_reset(llama_model * model) {
         for (auto * v : { &c.route_calls, &c.hit_rows, &c.miss_rows, &c.route_ns, &c.hook_ns, &c.upload_bytes,
                           &c.upload_ns, &c.upload_failures, &c.needed, &c.resident_at_need, &c.uploads,
                           &c.prefetches, &c.waited, &c.overflow, &c.wait_ns, &c.stall_reads_ns, &c.read_bytes,
-                          &c.read_busy_ns, &c.lookahead, &c.late, &c.late_lost }) {
+                          &c.read_busy_ns, &c.lookahead, &c.late, &c.late_lost, &c.route_cpu_ns,
+                          &c.copy_cpu_ns }) {
             *v = 0;
         }
         for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes }) {

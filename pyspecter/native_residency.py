@@ -195,6 +195,9 @@ class NativeResidency:
             "hook_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
             # the routing op's own time, its waits for reads left out: what deciding costs per MoE layer
             "route_us_per_layer": (c.route_ns - c.wait_ns) / 1e3 / calls if calls else 0.0,
+            # ... and the CPU it took (its copies left out): where this is far below route_us_per_layer, the op's
+            # thread was descheduled, not deciding
+            "route_cpu_us_per_layer": (c.route_cpu_ns - c.copy_cpu_ns) / 1e3 / calls if calls else 0.0,
             "wait_ms": c.wait_ns / 1e6,
             # mean reads outstanding while the routing op waited (a deep queue keeps the disk busy)
             "reads_in_flight": c.stall_reads_ns / c.wait_ns if c.wait_ns else 0.0,

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 11
+#define LLAMA_PYSPECTER_VERSION 12
 
 #ifdef __cplusplus
 extern "C" {
@@ -268,6 +268,10 @@ struct llama_pyspecter_stats {
     int64_t lookahead;        // reads the prefill lookahead started (in prefetches too)
     int64_t late;             // misses computed late (ordered)
     int64_t late_lost;        // late experts whose read failed twice: that ubatch's output is wrong (an error)
+    // the compute thread's own CPU time in the routing and wait ops, and the part of it that copied experts into
+    // slots (RAM-tier misses are copied on that thread); route_ns minus route_cpu_ns is time it was not running
+    int64_t route_cpu_ns;
+    int64_t copy_cpu_ns;
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);

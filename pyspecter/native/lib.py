@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 11
+PATCH_SERIES_VERSION = 12
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -206,6 +206,8 @@ class Stats(ctypes.Structure):
         ("lookahead", ctypes.c_int64),  # reads the prefill lookahead started (in prefetches too)
         ("late", ctypes.c_int64),  # misses computed late (ordered)
         ("late_lost", ctypes.c_int64),  # late experts whose read failed twice: that ubatch's output is wrong
+        ("route_cpu_ns", ctypes.c_int64),  # the compute thread's CPU time in the routing and wait ops
+        ("copy_cpu_ns", ctypes.c_int64),  # ... of which copying experts into slots (RAM-tier misses)
     ]
 
     route_calls: int
@@ -222,6 +224,8 @@ class Stats(ctypes.Structure):
     lookahead: int
     late: int
     late_lost: int
+    route_cpu_ns: int
+    copy_cpu_ns: int
     hit_rows: int
     miss_rows: int
     route_ns: int

@@ -354,6 +354,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             # native residency only (None otherwise): decision time per MoE layer, read waits left out; mean
             # reads outstanding while a token waited
             "route_us_per_layer": c.get("route_us_per_layer"),
+            # ... and the CPU that took: far below route_us_per_layer, the op's thread waited for a core
+            "route_cpu_us_per_layer": c.get("route_cpu_us_per_layer"),
             "reads_in_flight": c.get("reads_in_flight"), "native": bool(c.get("native")),
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
             "slots_mean": c.get("slots_mean"),  # usable slots per layer, on average (layers may differ)
