@@ -50,6 +50,35 @@ int32_t llama_pyspecter_set_late(llama_model * model, int32_t il, int32_t expert
     return LLAMA_PYSPECTER_OK;
 }
 
+// The router input x (src[2] of the op, when it was built with one) to the input hook, then native residency's
+// decision for ids [n_tokens][n_used]. Returns native residency's lock, held (not owning: not enabled), so the
+// caller can apply the remap under the same snapshot.
+static std::unique_lock<std::mutex> decide(llama_pyspecter_layer * L, const ggml_tensor * x, const int32_t * ids,
+                                           int32_t n_tokens, int32_t n_used, bool with_late) {
+    auto * s = L->parent;
+    if (x && s->input_cb) {
+        const int64_t c0 = pyspecter_now_ns();
+        s->input_cb(s->input_ud, L->il, n_tokens, (int32_t) x->ne[0], (const float *) x->data);
+        s->counters.hook_ns += pyspecter_now_ns() - c0;
+    }
+    std::unique_lock<std::mutex> native = pyspecter_native_lock(s);
+    if (native.owns_lock()) {
+        const float * x_last = x && x->type == GGML_TYPE_F32 && n_tokens > 0 ? // a batch's next token is its last's
+                (const float *) x->data + (size_t) (n_tokens - 1) * x->ne[0] : nullptr;
+        pyspecter_native_route(L, ids, n_tokens, n_used, with_late, x_last, x ? (int32_t) x->ne[0] : 0);
+    }
+    return native;
+}
+
+// Router weights [1, n_used, n_tokens] (any strides) as [n_tokens][n_used] floats, for the routing hook.
+static void pack_weights(const ggml_tensor * w, int32_t n_tokens, int32_t n_used, float * out) {
+    for (int32_t t = 0; t < n_tokens; ++t) {
+        for (int32_t j = 0; j < n_used; ++j) {
+            out[t * n_used + j] = *(const float *) ((const char *) w->data + t * w->nb[2] + j * w->nb[1]);
+        }
+    }
+}
+
 static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     // the CPU backend calls a custom op on every thread whatever n_tasks says; the hook must run once
@@ -78,30 +107,14 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     if (with_late) {
         std::fill(L->late.begin(), L->late.end(), -1);
     }
-    const ggml_tensor * x = dst->src[2]; // the router input, when an input hook was set at graph build
-    if (x && s->input_cb) {
-        const int64_t c0 = pyspecter_now_ns();
-        s->input_cb(s->input_ud, L->il, n_tokens, (int32_t) x->ne[0], (const float *) x->data);
-        s->counters.hook_ns += pyspecter_now_ns() - c0;
-    }
-    // native residency decides here, under its lock, which also covers the remap below: the tables the matmuls
-    // read are one snapshot
-    std::unique_lock<std::mutex> native = pyspecter_native_lock(s);
-    if (native.owns_lock()) {
-        const float * x_last = x && x->type == GGML_TYPE_F32 && n_tokens > 0 ?
-                (const float *) x->data + (size_t) (n_tokens - 1) * x->ne[0] : nullptr; // a batch's next token is its last's
-        pyspecter_native_route(L, host_ids, n_tokens, n_used, with_late, x_last, x ? (int32_t) x->ne[0] : 0);
-    }
+    // the lock also covers the remap below: the tables the matmuls read are one snapshot
+    std::unique_lock<std::mutex> native = decide(L, dst->src[2], host_ids, n_tokens, n_used, with_late);
     if (s->route_cb) {
         // with native residency the hook only observes (traces, predictors): the decision is made
         // router weights, packed the same way (slot_ids is scratch until the remap below)
         static_assert(sizeof(float) == sizeof(int32_t), "");
         float * wts = (float *) slot_ids;
-        for (int32_t t = 0; t < n_tokens; ++t) {
-            for (int32_t j = 0; j < n_used; ++j) {
-                wts[t * n_used + j] = *(const float *) ((const char *) w->data + t * w->nb[2] + j * w->nb[1]);
-            }
-        }
+        pack_weights(w, n_tokens, n_used, wts);
         const int64_t c0 = pyspecter_now_ns();
         s->route_cb(s->route_ud, L->il, n_tokens, n_used, host_ids, wts);
         s->counters.hook_ns += pyspecter_now_ns() - c0;
@@ -153,31 +166,14 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     for (int32_t i = 0; i < n; ++i) {
         host_ids[i] = *(const int32_t *) ((const char *) pairs->data + i * pairs->nb[1] + pairs->nb[0]);
     }
-    const ggml_tensor * x = dst->src[2];
-    if (x && s->input_cb) {
-        const int64_t c0 = pyspecter_now_ns();
-        s->input_cb(s->input_ud, L->il, n_tokens, (int32_t) x->ne[0], (const float *) x->data);
-        s->counters.hook_ns += pyspecter_now_ns() - c0;
-    }
-    {
-        // native residency decides for the next ubatches (this one's slot path ran from the table already): what
-        // lands reaches the device at the next fence, an eviction at once only where the layer may still run
-        std::unique_lock<std::mutex> native = pyspecter_native_lock(s);
-        if (native.owns_lock()) {
-            const float * x_last = x && x->type == GGML_TYPE_F32 && n_tokens > 0 ?
-                    (const float *) x->data + (size_t) (n_tokens - 1) * x->ne[0] : nullptr;
-            pyspecter_native_route(L, host_ids, n_tokens, n_used, false, x_last, x ? (int32_t) x->ne[0] : 0);
-        }
-    }
+    // native residency decides for the next ubatches (this one's slot path ran from the table already): what
+    // lands reaches the device at the next fence, an eviction at once only where the layer may still run
+    decide(L, dst->src[2], host_ids, n_tokens, n_used, false); // the lock it returns is released at once
     if (s->route_cb) {
         thread_local std::vector<float> wts;
         if (w) {
             wts.resize(n);
-            for (int32_t t = 0; t < n_tokens; ++t) {
-                for (int32_t j = 0; j < n_used; ++j) {
-                    wts[t * n_used + j] = *(const float *) ((const char *) w->data + t * w->nb[2] + j * w->nb[1]);
-                }
-            }
+            pack_weights(w, n_tokens, n_used, wts.data());
         }
         const int64_t c0 = pyspecter_now_ns();
         s->route_cb(s->route_ud, L->il, n_tokens, n_used, host_ids, w ? wts.data() : nullptr);
