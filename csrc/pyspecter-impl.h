@@ -24,9 +24,19 @@
 #include <vector>
 
 struct llama_model;
+struct llama_pyspecter_layer;
 struct llama_pyspecter_slots;
 struct pyspecter_read;
 struct pyspecter_residency;
+
+// One learned layer-ahead map (planner.cpp, llama_pyspecter_set_ahead_map): from a layer's router input to the
+// routing of layer dst, h MoE layers later, and the calibration that turns its ranking into probabilities.
+struct pyspecter_ahead_map {
+    llama_pyspecter_layer * dst = nullptr;
+    int32_t h = 0;
+    int32_t n_embd = 0, n_used = 0, gating = 0, n_bins = 0;
+    std::vector<float> W, b, sel_bias, table, edges; // [n_embd][E], [E], [E] or empty, [n_bins][E], [n_bins - 1]
+};
 
 struct llama_pyspecter_layer {
     int32_t il = -1;
@@ -57,6 +67,7 @@ struct llama_pyspecter_layer {
     std::vector<int64_t> last_call_used;           // expert -> call index of its last use (-1: never)
     int64_t calls = 0;
     std::vector<int64_t> ghost_lru, ghost_score;   // duel: expert -> last use in each simulated cache (-1: out)
+    std::vector<pyspecter_ahead_map> ahead;        // the planner's maps from this layer's router input
     llama_pyspecter_layer * next = nullptr;                // the next MoE layer in forward order
     // Device layers: the slot matmul reads its ids from a table on the device (get_rows over the router's ids), so
     // it never waits for the host. table_row is this layer's row of tables[table]; the row holds remap as of the
@@ -81,6 +92,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> needed{0}, resident_at_need{0}, uploads{0}, prefetches{0}, waited{0}, overflow{0};
     std::atomic<int64_t> wait_ns{0}, stall_reads_ns{0}, read_bytes{0}, read_busy_ns{0}, lookahead{0}, late{0};
     std::atomic<int64_t> late_lost{0}, route_cpu_ns{0}, copy_cpu_ns{0};
+    std::atomic<int64_t> ahead_maps{0}, ahead_prefetches{0}, ahead_late{0}, ahead_refused{0}; // the planner
     // device tables (llama_pyspecter_device_stats)
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
 };
@@ -231,7 +243,21 @@ std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s); /
 // with_late: this graph has the late path (ordered misses may be marked late in L->late)
 void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
                             bool with_late, const float * x, int32_t n_embd);
-bool pyspecter_native_wants_input(const llama_pyspecter_slots * s); // some layer scores by a reuse map
+bool pyspecter_native_wants_input(const llama_pyspecter_slots * s); // some layer has a reuse or ahead map
+
+// The native planner (planner.cpp). ahead_probs: map m's probabilities for router input x into probs[E], with
+// y[E] as scratch. plan_ahead: from the routing op of L (R->mu held), one-token ubatches: L's maps' predictions
+// queued as prefetches, through pyspecter_native_prefetch.
+void pyspecter_ahead_probs(const pyspecter_ahead_map & m, const float * x, float * y, float * probs);
+void pyspecter_plan_ahead(llama_pyspecter_layer * L, const float * x, int32_t n_embd);
+// residency.cpp's side of the planner (R->mu held). room: some slot of D could take a prefetch and some expert of
+// D is neither resident nor on its way. in_time: the readers can land one more expert of D within h layer-times.
+// prefetch: read e into D if a slot holds nothing at least as likely to be needed (probs: D's predicted
+// probabilities), as CLS_PREFETCH with priority p and deadline h; true if queued.
+bool pyspecter_native_room(const llama_pyspecter_layer * D);
+bool pyspecter_native_in_time(llama_pyspecter_layer * D, int32_t h);
+bool pyspecter_native_prefetch(llama_pyspecter_layer * D, int32_t e, float p, int32_t h, const float * probs);
+float pyspecter_native_min_prob(const llama_pyspecter_slots * s); // < 0: the planner is off
 void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept;
 bool pyspecter_native_late(const llama_pyspecter_slots * s); // ordered misses: graphs get the late path
 void pyspecter_native_wait(llama_pyspecter_layer * L);       // the wait op: L's late reads have landed on return

@@ -27,7 +27,7 @@ struct pyspecter_read {
     llama_pyspecter_layer * L = nullptr;
     int32_t expert = -1, slot = -1;
     int32_t cls = 0;          // 0: a miss the routing op waits for; 1: a miss read in the background; 2: prefetch
-    int32_t deadline = 0;     // prefetches: lower first
+    int64_t deadline = 0;     // prefetches: lower first (the routing call it is due at: the clock + h)
     float priority = 0.0f;    // prefetches of one deadline: higher first
     uint64_t seq = 0;         // FIFO among equals
     int32_t tasks_left = 0;   // under qmu
@@ -70,6 +70,13 @@ struct pyspecter_residency {
     int32_t stalled = 0;  // the routing op is waiting
     int64_t t_mark = 0;
     size_t buf_size = 0;
+    std::atomic<int64_t> queued_bytes{0}; // bytes of the tasks queued and not yet taken by a reader
+
+    // the planner (planner.cpp): on/off, its least probability, and the layer-time its deadlines are counted in
+    bool planner = false;
+    float min_prob = 0.5f;
+    double t_layer_ns = 0.0;  // EMA of the time between consecutive one-token routing calls
+    int64_t last_route_ns = 0;
 
     ~pyspecter_residency() { stop(); }
 
@@ -107,6 +114,7 @@ struct pyspecter_residency {
                 }
             }
             queue.clear();
+            queued_bytes = 0;
         }
         cv_work.notify_all();
         cv_done.notify_all();
@@ -118,6 +126,20 @@ struct pyspecter_residency {
                 }
             }
         }
+    }
+
+    static int64_t task_bytes(const pyspecter_task & t) {
+        if (t.kind == -2) {
+            return 0;
+        }
+        if (t.kind >= 0) {
+            return (int64_t) t.r->L->host[t.kind]->nb[2];
+        }
+        int64_t n = 0;
+        for (auto * h : t.r->L->host) {
+            n += h ? (int64_t) h->nb[2] : 0;
+        }
+        return n;
     }
 
     static bool before(const pyspecter_read & a, const pyspecter_read & b) {
@@ -154,6 +176,7 @@ struct pyspecter_residency {
                 }
                 t = std::move(queue[best]);
                 queue.erase(queue.begin() + (ptrdiff_t) best);
+                queued_bytes -= task_bytes(t);
                 t.r->started = true;
                 mark_locked();
                 ++running;
@@ -228,6 +251,9 @@ struct pyspecter_residency {
                 r->tasks_left = 1;
             }
             n_tasks = (size_t) r->tasks_left;
+            for (size_t i = queue.size() - n_tasks; i < queue.size(); ++i) {
+                queued_bytes += task_bytes(queue[i]);
+            }
         }
         // one reader per task: waking them all would have the idle ones compete with the compute threads for the
         // cores, inside the routing op's time
@@ -242,7 +268,11 @@ struct pyspecter_residency {
         std::lock_guard<std::mutex> lk(qmu);
         if (!r->started && !r->done) {
             queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const pyspecter_task & t) {
-                return t.r.get() == r;
+                if (t.r.get() != r) {
+                    return false;
+                }
+                queued_bytes -= task_bytes(t);
+                return true;
             }), queue.end());
             r->failed = true;
             r->done = true;
@@ -494,7 +524,7 @@ static int32_t victim(pyspecter_residency * R, llama_pyspecter_layer * L, const 
 
 static std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
                                                   int32_t slot, int32_t cls, float priority = 0.0f,
-                                                  int32_t deadline = 0) {
+                                                  int64_t deadline = 0) {
     auto r = std::make_shared<pyspecter_read>();
     r->L = L;
     r->expert = expert;
@@ -510,7 +540,7 @@ static std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama
 
 // Reads `want` of L ahead of need into slots not holding any of them; returns how many reads it started.
 static int32_t upload_ahead(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & want,
-                            int32_t cls, float priority = 0.0f, int32_t deadline = 0) {
+                            int32_t cls, float priority = 0.0f, int64_t deadline = 0) {
     std::vector<uint8_t> keep(L->remap.size(), 0);
     for (int32_t e : want) {
         keep[e] = 1;
@@ -733,6 +763,13 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     L->x_cur = x && n_embd == L->reuse_embd ? x : nullptr;
     L->scores_fresh = false;
     R->clock++;
+    if (n_tokens == 1 && R->planner) {
+        const int64_t now = pyspecter_now_ns(), gap = now - R->last_route_ns;
+        if (R->last_route_ns && gap < 500000000) { // between layers of one token, not across a pause
+            R->t_layer_ns = R->t_layer_ns == 0.0 ? (double) gap : 0.9 * R->t_layer_ns + 0.1 * (double) gap;
+        }
+        R->last_route_ns = now;
+    }
     L->prev_call = L->last_call;
     L->last_call = R->clock;
     if (n_tokens != R->prev_tokens) {
@@ -798,6 +835,88 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         recency_observe(L, needed);
     }
     L->x_cur = nullptr;
+    if (n_tokens == 1 && R->planner && !L->ahead.empty()) { // decoding: the next layers of this token
+        pyspecter_plan_ahead(L, x, n_embd);
+    }
+}
+
+//
+// the planner's side (planner.cpp calls these from the routing op, R->mu held)
+//
+
+static constexpr float RECENCY = 0.5f; // chance an expert a layer just used is needed at its next call (plan floor)
+
+bool pyspecter_native_room(const llama_pyspecter_layer * D) {
+    int32_t held = 0; // resident or on their way
+    bool slot = false;
+    for (int32_t s = 0; s < (int32_t) D->owner.size(); ++s) {
+        const int32_t e = D->owner[s];
+        held += e >= 0 || D->pending[s] != nullptr;
+        slot = slot || (s < D->n_usable && !D->pending[s] && (e < 0 || !D->prot[e]));
+    }
+    return slot && held < (int32_t) D->remap.size();
+}
+
+// The deadline model: the readers' throughput, measured (bytes read over the time at least one read was in
+// flight), moves `rate * h * t_layer` bytes in the h layer-times before D needs its experts; what is queued
+// already (demand and background reads, earlier prefetches) goes first. So one more expert of D is in time when
+// queued + its bytes fit in that. Before anything is measured every prediction is in time: the first reads
+// measure the link.
+bool pyspecter_native_in_time(llama_pyspecter_layer * D, int32_t h) {
+    pyspecter_residency * R = D->parent->res.get();
+    const auto & c = D->parent->counters;
+    const int64_t busy = c.read_busy_ns.load(), bytes = c.read_bytes.load();
+    if (busy <= 0 || bytes <= 0 || R->t_layer_ns <= 0.0) {
+        return true;
+    }
+    int64_t nbytes = 0;
+    for (auto * t : D->host) {
+        nbytes += t ? (int64_t) t->nb[2] : 0;
+    }
+    const double rate = (double) bytes / (double) busy; // bytes per ns
+    return (double) (R->queued_bytes.load() + nbytes) <= rate * h * R->t_layer_ns;
+}
+
+bool pyspecter_native_prefetch(llama_pyspecter_layer * D, int32_t e, float p, int32_t h, const float * probs) {
+    pyspecter_residency * R = D->parent->res.get();
+    if (D->remap[e] >= 0 || inflight(D, e)) {
+        return false;
+    }
+    // the victim: a free slot, else the resident least likely to be needed (an expert D used at its latest call
+    // keeps the recency floor), least recently used among equals; never one at least as likely as e
+    int32_t best = -1;
+    float best_v = 0.0f;
+    for (int32_t s = 0; s < D->n_usable; ++s) {
+        if (D->pending[s]) {
+            continue;
+        }
+        const int32_t o = D->owner[s];
+        if (o < 0) {
+            best = s;
+            best_v = -1.0f;
+            break;
+        }
+        if (D->prot[o]) {
+            continue;
+        }
+        const float v = std::max(probs[o], D->last_call && D->last_use[s] == D->last_call ? RECENCY : 0.0f);
+        if (best < 0 || v < best_v || (v == best_v && D->last_use[s] < D->last_use[best])) {
+            best = s;
+            best_v = v;
+        }
+    }
+    if (best < 0 || best_v >= p) {
+        D->parent->counters.ahead_refused++;
+        return false;
+    }
+    evict_slot(D, best);
+    start_read(R, D, e, best, CLS_PREFETCH, p, (int64_t) R->clock + h);
+    D->parent->counters.prefetches++;
+    return true;
+}
+
+float pyspecter_native_min_prob(const llama_pyspecter_slots * s) {
+    return s && s->res && s->res->planner ? s->res->min_prob : -1.0f;
 }
 
 bool pyspecter_native_wants_input(const llama_pyspecter_slots * s) {
@@ -805,7 +924,7 @@ bool pyspecter_native_wants_input(const llama_pyspecter_slots * s) {
         return false;
     }
     for (auto * L : s->res->order) {
-        if (!L->reuse_R.empty()) {
+        if (!L->reuse_R.empty() || !L->ahead.empty()) {
             return true;
         }
     }
@@ -1074,10 +1193,21 @@ int32_t llama_pyspecter_schedule(llama_model * model, int32_t il, int32_t expert
     try {
         std::lock_guard<std::mutex> lk(R->mu);
         reap(R, L);
-        return upload_ahead(R, L, { expert }, CLS_PREFETCH, priority, deadline);
+        return upload_ahead(R, L, { expert }, CLS_PREFETCH, priority, (int64_t) R->clock + deadline);
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
     }
+}
+
+int32_t llama_pyspecter_set_planner(llama_model * model, bool enabled, float min_prob) {
+    auto * R = residency_of(model);
+    if (!R || !(min_prob >= 0.0f && min_prob <= 1.0f)) {
+        return R ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    R->planner = enabled;
+    R->min_prob = min_prob;
+    return LLAMA_PYSPECTER_OK;
 }
 
 int32_t llama_pyspecter_drain(llama_model * model) {

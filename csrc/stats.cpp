@@ -50,6 +50,10 @@ void llama_pyspecter_get_stats(const llama_model * model, llama_pyspecter_stats 
         out->late_lost        = c.late_lost.load();
         out->route_cpu_ns     = c.route_cpu_ns.load();
         out->copy_cpu_ns      = c.copy_cpu_ns.load();
+        out->ahead_maps       = c.ahead_maps.load();
+        out->ahead_prefetches = c.ahead_prefetches.load();
+        out->ahead_late       = c.ahead_late.load();
+        out->ahead_refused    = c.ahead_refused.load();
     }
 }
 
@@ -60,7 +64,8 @@ void llama_pyspecter_stats_reset(llama_model * model) {
                           &c.upload_ns, &c.upload_failures, &c.needed, &c.resident_at_need, &c.uploads,
                           &c.prefetches, &c.waited, &c.overflow, &c.wait_ns, &c.stall_reads_ns, &c.read_bytes,
                           &c.read_busy_ns, &c.lookahead, &c.late, &c.late_lost, &c.route_cpu_ns,
-                          &c.copy_cpu_ns }) {
+                          &c.copy_cpu_ns, &c.ahead_maps, &c.ahead_prefetches,
+                          &c.ahead_late, &c.ahead_refused }) {
             *v = 0;
         }
         for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes }) {

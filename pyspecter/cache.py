@@ -67,7 +67,7 @@ class ExpertCache:
                  surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0,
                  on_input=None, extra: Mapping[int, int] | None = None,
                  kinds: Mapping[int, int] | None = None, native: bool | None = None,
-                 reuse=None, duel: bool = True) -> None:
+                 reuse=None, duel: bool = True, ahead=None) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
         lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
@@ -82,7 +82,8 @@ class ExpertCache:
         configuration allows it (``native_reason``), False: always the Python hook (tests of that path), True:
         refuse a configuration C cannot run; reuse: a ``LearnedPredictor`` whose reuse maps C applies to each
         layer's router input for policy 'predicted' (``duel``: only while they miss less than LRU,
-        ``policies.EvictionDuel``'s rule)."""
+        ``policies.EvictionDuel``'s rule); ahead: a ``LearnedPredictor`` whose layer-ahead maps the native planner
+        applies (native residency only: ignored on the Python hook)."""
         layout.require_moe()
         if kinds:
             slot_layers = [L for L in layout.layers if kinds.get(L.index, _native.LAYER_SLOTS) == _native.LAYER_SLOTS]
@@ -141,7 +142,7 @@ class ExpertCache:
         if use_c:
             self.nat = NativeResidency(model, layout, self.tier, self._usable(), policy=policy, miss=miss,
                                        ordered=ordered, lookahead=self.lookahead, trace=self._trace, reuse=reuse,
-                                       duel=duel)
+                                       duel=duel, ahead=ahead)
             if on_input is not None:
                 self.hooks = Hooks(model, None, on_input=on_input)
         elif hook:

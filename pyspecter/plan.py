@@ -1,22 +1,23 @@
-"""One prefetch plan, fed by every predictor: what to upload next, and what to give up for it.
+"""The prefetch plan on the Python routing hook: what to upload next, and what to give up for it.
+
+Decoding runs the learned predictor natively (csrc/planner.cpp applies the layer-ahead maps inside the routing op,
+csrc/residency.cpp the reuse maps): this module is what a configuration on the Python hook can still run, and the
+reference the tests compare C's eviction by the reuse maps against (tests/integration/test_learned_predictor.py).
+Session and bench use only the native planner; the draft's one governor is ``governor.KGovernor``.
 
 Each predictor says, for a MoE layer's next routing call, how likely each expert is to be needed and when that
 call comes (its deadline):
 - learned layer-ahead maps (``learned.py``): at layer L's router input, layers L+1..L+H of this same token,
   due in h layer-times;
-- recency: the experts a layer used are likely again at its next call, one token-time away;
-- the draft's routing on future tokens (``prefetch.Prefetcher`` forwards it), due when verification reaches
-  the layer.
+- recency: the experts a layer used are likely again at its next call, one token-time away.
 
 The plan keeps one probability per (layer, expert) for the layer's next call (the newest prediction of that
 call, never below what recency says), and issues uploads most probable first while the link can still deliver
-them before their deadline; what cannot land in time is left to the miss path, where it would only compete with
-the reads the compute thread waits for. Eviction reads the same table (policy ``predicted``): the victim is the
-resident expert least likely to be needed, recency breaking ties, and a prediction never evicts an expert at
-least as likely to be needed as the one it brings in. Just before a layer routes, the learned reuse maps replace
-its row with how likely each expert is to be used by the next few tokens (``PrefetchPlan.reuse``): the misses of
-that call evict by the future, not by the past. That part reads nothing ahead, so it costs no link time and
-stays on whether or not the governor lets the plan issue uploads.
+them before their deadline. Eviction reads the same table (policy ``predicted``): the victim is the resident expert
+least likely to be needed, recency breaking ties, and a prediction never evicts an expert at least as likely to be
+needed as the one it brings in. Just before a layer routes, the learned reuse maps replace its row with how likely
+each expert is to be used by the next few tokens (``PrefetchPlan.reuse``). That part reads nothing ahead, so it
+costs no link time and stays on whether or not the plan issues uploads (``enabled``).
 
 Nothing here touches the output: a wrong plan costs reads, never correctness.
 """
@@ -48,7 +49,7 @@ class PrefetchPlan:
         for st in cache.layers.values():
             st.need = [0.0] * E
         self.due: dict[int, float] = {}  # layer -> perf_counter time of its next call
-        self.enabled = True  # the governor may switch issuing off; the table is kept either way
+        self.enabled = True  # False: no uploads; the table (and eviction by it) is kept either way
         self.issued = self.skipped_late = self.issued_bytes = 0
         self._busy_until = 0.0  # when the link is done with what the plan has issued
 
@@ -201,7 +202,7 @@ class LayerAhead:
             self._scores[il] = scores
             if self.duel is None or self.duel.use_learned:
                 self.plan.reuse(il, scores)
-        if not self.plan.enabled:  # the governor has the plan off: predicting ahead would only cost time
+        if not self.plan.enabled:  # the plan issues nothing: predicting ahead would only cost time
             self.predict_ns += time.perf_counter_ns() - t0
             self.calls += 1
             return
@@ -227,76 +228,3 @@ class LayerAhead:
         if rec is not None:
             rec.observe(needed)
         self.plan.used(il, needed, self.t_layer * self._n_layers)
-
-
-class PlanGovernor:
-    """The plan never loses to plain on-demand loading by more than noise. Each look starts with a warm-up with
-    the plan's uploads off (the safe mode: eviction still follows the predictions). If the routing hooks (waits
-    for misses included) took most of those tokens, the link is busy nearly all the time and has no idle time
-    for prefetches to fill, so the plan stays off without exploring (on smol-moe's disk tier the hooks take
-    70-75% of a token, and the plan lost there in every measurement). Otherwise it times blocks of tokens with
-    the uploads off and on, alternating, and keeps the faster. It looks again every ``recheck`` tokens. What
-    exploring cost is counted (tokens run in the mode that turned out slower)."""
-
-    def __init__(self, plan: PrefetchPlan, *, warmup: int = 4, block: int = 4, rounds: int = 2,
-                 recheck: int = 128, max_stall_share: float = 0.5) -> None:
-        self.plan, self.warmup, self.block, self.rounds, self.recheck = plan, warmup, block, rounds, recheck
-        self.max_stall_share = max_stall_share
-        self.tokens = 0
-        self._times: dict[bool, list[float]] = {True: [], False: []}
-        self._start = 0  # token count when the current look began
-        self._warm = [0.0, 0.0]  # the look's warm-up: seconds, seconds in the routing hooks
-        self._hook_ns: int | None = None
-        self.choice: bool | None = None  # decided mode, None while exploring
-        self.explore_tokens_lost = 0
-        self.skipped_link_bound = 0  # looks that kept the plan off without exploring
-        self.decisions: list[tuple[int, bool]] = []
-        plan.enabled = False
-
-    def mark(self) -> None:
-        """A prompt's pass has just ended: it is no decode token (and its hooks not a token's); start the clocks."""
-        self._hook_ns = self.plan.cache.totals.hook_ns
-
-    def _hook_seconds(self) -> float:
-        """Seconds the cache's routing hooks took since the last call."""
-        ns = self.plan.cache.totals.hook_ns
-        prev, self._hook_ns = self._hook_ns, ns
-        return (ns - prev) / 1e9 if prev is not None else 0.0
-
-    def observe(self, dt: float) -> None:
-        """One decoded token took dt seconds; sets plan.enabled for the next one."""
-        self.tokens += 1
-        hooks = self._hook_seconds()
-        k = self.tokens - self._start  # tokens into the current look
-        explore_end = self.warmup + 2 * self.rounds * self.block
-        if self.choice is None and k <= self.warmup:
-            self._warm[0] += dt
-            self._warm[1] += hooks
-            if k == self.warmup and self._warm[1] > self.max_stall_share * self._warm[0]:
-                self.skipped_link_bound += 1
-                self._decided(False)
-            return
-        if self.choice is None and k <= explore_end:
-            self._times[self.plan.enabled].append(dt)
-            if k == explore_end:
-                self._decide()
-            else:
-                self.plan.enabled = ((k - self.warmup) // self.block) % 2 == 1
-            return
-        if self.recheck and self.decisions and self.tokens - self.decisions[-1][0] >= self.recheck:
-            # look again: the text may change
-            self._start, self.choice = self.tokens, None
-            self._times = {True: [], False: []}
-            self._warm = [0.0, 0.0]
-            self.plan.enabled = False
-
-    def _decide(self) -> None:
-        med = {m: sorted(v)[len(v) // 2] for m, v in self._times.items() if v}
-        on = med.get(True, 0.0) <= med.get(False, float("inf"))
-        self.explore_tokens_lost += len(self._times[not on])
-        self._decided(on)
-
-    def _decided(self, on: bool) -> None:
-        self.choice = on
-        self.plan.enabled = on
-        self.decisions.append((self.tokens, on))

@@ -24,7 +24,6 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import LearnedPredictor
 from pyspecter.native.devices import Device, open_device
 from pyspecter.placement import Placement, SlotCount, place, slot_count
-from pyspecter.plan import LayerAhead, PlanGovernor, PrefetchPlan
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
 from pyspecter.prompts import render_prompt
@@ -137,6 +136,11 @@ class Session:
             self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
         self.predictor = None if cfg.draft or cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
+        if self.predictor is not None and (cfg.native is False or native_reason(
+                "predicted", self.miss, self.tier, surrogates=self.surrogates is not None)):
+            # a learned predictor runs in C (its reuse maps evict, its layer-ahead maps feed the native planner):
+            # a configuration on the Python hook decodes without it
+            self.predictor = None
         self.device = open_device(cfg.device)
         # On the CPU, what whole slot rows leave of the budget is spent too, by layer (otherwise a 5 MiB predictor
         # would cost smol-moe a whole 50 MB row of slots): one more slot per layer while it lasts, or by the
@@ -158,7 +162,6 @@ class Session:
                                    extra_bufts=self.stock)
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
         self.target_splits: tuple[int, int] | None = None
-        self.prefetch_plan = self.ahead = self.plan_governor = None
         try:
             self._build(dlay)
         except BaseException:
@@ -201,24 +204,15 @@ class Session:
         cfg = self.cfg
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
         # the disk tier, level at 50%; exact either way)
+        # The learned predictor runs inside the routing op: its reuse maps (and their duel with LRU) evict, its
+        # layer-ahead maps feed the native planner, which prefetches the next layers of the token being computed
+        # while the readers can land them in time. Nothing of it calls into Python inside a layer.
         learned = self.predictor is not None and self.n_slots < self.layout.n_expert
-        # In C where it can: the reuse maps and their duel with LRU run inside the routing op. The layer-ahead
-        # prefetch plan exists only on the Python path, which a configuration C cannot run still takes.
-        in_c = learned and cfg.native is not False and self.predictor.has_reuse and not native_reason(
-            "predicted", self.miss, self.tier, held=self.held, surrogates=self.surrogates is not None, reuse=True)
-        python_plan = learned and not in_c
-        box: list[LayerAhead] = []
         self.cache = ExpertCache(self.target, self.layout, self.plan.slots,
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
-                                 extra=self.plan.extra, native=cfg.native, reuse=self.predictor if in_c else None,
-                                 on_input=(lambda il, x: box[0].on_input(il, x)) if python_plan else None)
-        if python_plan:
-            # the learned predictor and recency feed one prefetch plan; its governor keeps it only if it pays
-            self.prefetch_plan = PrefetchPlan(self.cache)
-            box.append(LayerAhead(self.prefetch_plan, self.predictor))
-            self.cache.route_observer = self.ahead = box[0]
-            self.plan_governor = PlanGovernor(self.prefetch_plan)
+                                 extra=self.plan.extra, native=True if learned else cfg.native,
+                                 reuse=self.predictor if learned else None, ahead=self.predictor if learned else None)
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
@@ -258,20 +252,9 @@ class Session:
         else:
             self.tctx.clear()
             todo = prompt
-        t = time.perf_counter()
-        prompt_pass = True
         for tok, _ in generate_step(self.tctx, todo, self.sampler, history=prompt):
             if self.cache is not None:
                 self.cache.check()
-            now = time.perf_counter()
-            if self.plan_governor is not None:
-                # the first token comes from the prompt's pass, which the governor must not time as decode
-                if prompt_pass:
-                    self.plan_governor.mark()
-                else:
-                    self.plan_governor.observe(now - t)
-            prompt_pass = False
-            t = now
             yield tok
             if stop_at_eog and self.target.is_eog(tok):
                 return
@@ -342,17 +325,10 @@ class Session:
         if duel_c is not None:  # the duel runs in C: which eviction it chose now
             out.update(evict="learned" if duel_c[0] else "lru", evict_switches=duel_c[1],
                        predictor_mib=self.predictor.nbytes / 2**20, native=True)
-        if self.ahead is not None:
-            pp, g = self.prefetch_plan, self.plan_governor
-            out.update(plan_prefetches=pp.issued, plan_skipped_late=pp.skipped_late,
-                       predict_us_per_layer=self.ahead.predict_ns / 1e3 / max(self.ahead.calls, 1),
-                       plan_on=pp.enabled, plan_explore_tokens_lost=g.explore_tokens_lost,
-                       plan_skipped_link_bound=g.skipped_link_bound,
-                       predictor_mib=self.predictor.nbytes / 2**20)
-            duel = self.ahead.duel
-            if duel is not None:  # which eviction the bookkeeping duel chose, and the misses each had
-                out.update(evict="learned" if duel.use_learned else "lru", evict_switches=duel.switches,
-                           duel_misses_lru=duel.totals[0], duel_misses_learned=duel.totals[1])
+        if self.cache is not None and self.cache.native and self.predictor is not None:
+            # the native planner: prefetches from the layer-ahead maps, and predictions left to the miss path
+            out.update(plan_prefetches=c["ahead_prefetches"], plan_skipped_late=c["ahead_late"],
+                       plan_refused=c["ahead_refused"], plan_maps=c["ahead_maps"])
         if self.decoder is not None:
             s = self.decoder.stats
             out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps, draft_off=s.draft_off,

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 12
+#define LLAMA_PYSPECTER_VERSION 13
 
 #ifdef __cplusplus
 extern "C" {
@@ -226,9 +226,32 @@ LLAMA_API int32_t llama_pyspecter_duel_state(struct llama_model * model, int64_t
 LLAMA_API int32_t llama_pyspecter_set_protected(struct llama_model * model, int32_t il, const int32_t * experts,
                                                 int32_t n);
 // A prefetch: read expert into a slot of layer il ahead of need, behind every demand read; lower deadline first,
-// then higher priority. 1 queued, 0 nothing to do (resident, in flight, or no slot to give), negative: error.
+// then higher priority. deadline: in routing calls from now (a layer h MoE layers ahead of the one computing, or at
+// position h of the next pass, is due in h). 1 queued, 0 nothing to do (resident, in flight, or no slot to give),
+// negative: error. The native planner (set_ahead_map) queues its predictions the same way.
 LLAMA_API int32_t llama_pyspecter_schedule(struct llama_model * model, int32_t il, int32_t expert, float priority,
                                            int32_t deadline);
+
+// The native planner: learned layer-ahead maps, applied in the routing op of layer il_src to its router input's
+// last row x (one-token ubatches only: decoding) to predict layer il_dst's routing of the same token, h MoE layers
+// later. Selection scores y = x W + b (W: [n_embd][n_expert] row-major f32, b: [n_expert]); with sel_bias
+// (non-null, [n_expert]) y becomes gating(y) + sel_bias, as llama.cpp ranks experts (gating: the model's
+// LLAMA_EXPERT_GATING_FUNC_TYPE; softmax unless sigmoid or sqrt-softplus). The expert ranked r gets probability
+// table[bin][r] (table: [n_bins][n_expert]), bin = how many of edges[0 .. n_bins - 2] (ascending) the gap
+// y(rank n_used - 1) - y(rank n_used) reaches: learned.LearnedPredictor.predict's calibration. Experts of il_dst
+// at probability >= min_prob (set_planner) that are not resident are prefetched (priority: the probability,
+// deadline: h) while the readers' measured throughput can land them within h layer-times. Copied; set before
+// creating a context (the graph then hands the op the router input). il_dst = -1 drops il_src's maps.
+LLAMA_API int32_t llama_pyspecter_set_ahead_map(struct llama_model * model, int32_t il_src, int32_t il_dst,
+                                                const float * W, const float * b, int32_t n_embd, int32_t n_used,
+                                                int32_t gating, const float * sel_bias, const float * table,
+                                                const float * edges, int32_t n_bins);
+// planner on/off (its maps are kept either way) and the least probability it prefetches at
+LLAMA_API int32_t llama_pyspecter_set_planner(struct llama_model * model, bool enabled, float min_prob);
+// The probabilities il_src's map for il_dst gives router input x ([n_embd]) into out[n_expert]: what the routing op
+// computes (tests compare it with the Python predictor). 0, or a negative status (no such map).
+LLAMA_API int32_t llama_pyspecter_ahead_probs(struct llama_model * model, int32_t il_src, int32_t il_dst,
+                                              const float * x, int32_t n_embd, float * out, int32_t n_expert);
 // wait for every read in flight and map what landed (between decodes)
 LLAMA_API int32_t llama_pyspecter_drain(struct llama_model * model);
 // The routing trace (record): flat int32 [il, n, e_1 .. e_n] per routing call, the distinct experts ascending.
@@ -272,6 +295,11 @@ struct llama_pyspecter_stats {
     // slots (RAM-tier misses are copied on that thread); route_ns minus route_cpu_ns is time it was not running
     int64_t route_cpu_ns;
     int64_t copy_cpu_ns;
+    // the native planner
+    int64_t ahead_maps;       // layer-ahead maps applied in routing ops
+    int64_t ahead_prefetches; // prefetches they queued (in prefetches too)
+    int64_t ahead_late;       // predictions >= min_prob left out: the link could not land them by their deadline
+    int64_t ahead_refused;    // ... left out: no slot whose expert is less likely to be needed
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);

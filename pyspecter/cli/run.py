@@ -81,7 +81,7 @@ def open_session(model: str, *, draft: str | None = None, budget: str | None = N
                               adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
                               profile=profile, surrogate_groups=groups, n_ctx=n_ctx, device=where.device,
                               **(sampling or {})), placement=where)
-    if s.predictor is None and s.ahead is None and dpath is None and s.n_slots < s.layout.n_expert:
+    if s.predictor is None and dpath is None and s.n_slots < s.layout.n_expert:
         _hint_predictor(s, model)
     if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
         from pyspecter.study.quality import describe, perplexity_delta

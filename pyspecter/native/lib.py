@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 12
+PATCH_SERIES_VERSION = 13
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -208,6 +208,11 @@ class Stats(ctypes.Structure):
         ("late_lost", ctypes.c_int64),  # late experts whose read failed twice: that ubatch's output is wrong
         ("route_cpu_ns", ctypes.c_int64),  # the compute thread's CPU time in the routing and wait ops
         ("copy_cpu_ns", ctypes.c_int64),  # ... of which copying experts into slots (RAM-tier misses)
+        # the native planner
+        ("ahead_maps", ctypes.c_int64),  # layer-ahead maps applied in routing ops
+        ("ahead_prefetches", ctypes.c_int64),  # prefetches they queued (in prefetches too)
+        ("ahead_late", ctypes.c_int64),  # predictions >= min_prob the link could not land by their deadline
+        ("ahead_refused", ctypes.c_int64),  # ... with no slot holding a less likely expert
     ]
 
     route_calls: int
@@ -502,6 +507,30 @@ def llama_pyspecter_set_protected(model: ModelPtr, il: int, experts: Any, n: int
 @ctypes_function("llama_pyspecter_schedule", [_model, _i32, _i32, ctypes.c_float, _i32], _i32)
 def llama_pyspecter_schedule(model: ModelPtr, il: int, expert: int, priority: float, deadline: int, /) -> int:
     """A prefetch behind every demand read: 1 queued, 0 nothing to do, negative: error."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_ahead_map", [_model, _i32, _i32, ctypes.c_void_p, ctypes.c_void_p, _i32, _i32,
+                                                   _i32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _i32], _i32)
+def llama_pyspecter_set_ahead_map(model: ModelPtr, il_src: int, il_dst: int, W: int, b: int, n_embd: int,
+                                  n_used: int, gating: int, sel_bias: int | None, table: int, edges: int | None,
+                                  n_bins: int, /) -> int:
+    """The native planner's map from layer il_src's router input to layer il_dst's routing (W [n_embd][n_expert],
+    b, sel_bias or None, table [n_bins][n_expert], edges [n_bins - 1]: addresses of float32 arrays; copied)."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_planner", [_model, ctypes.c_bool, ctypes.c_float], _i32)
+def llama_pyspecter_set_planner(model: ModelPtr, enabled: bool, min_prob: float, /) -> int:
+    """The native planner on/off and the least probability it prefetches at."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_ahead_probs", [_model, _i32, _i32, ctypes.c_void_p, _i32, ctypes.c_void_p, _i32],
+                 _i32)
+def llama_pyspecter_ahead_probs(model: ModelPtr, il_src: int, il_dst: int, x: int, n_embd: int, out: int,
+                                n_expert: int, /) -> int:
+    """What il_src's map for il_dst predicts for router input x (float32 [n_embd]) into out (float32 [n_expert])."""
     ...
 
 

@@ -29,10 +29,9 @@ from pyspecter.study.forced import FORCED, FREE, ForcedSampler, digest
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
-# what the engine's session reports of its plan, governor and eviction duel (Session.stats), per bench row
-ENGINE_STATS = ("plan_prefetches", "plan_skipped_late", "predict_us_per_layer", "plan_on", "plan_explore_tokens_lost",
-                "plan_skipped_link_bound", "predictor_mib", "evict", "evict_switches", "duel_misses_lru",
-                "duel_misses_learned")
+# what the engine's session reports of its native planner and eviction duel (Session.stats), per bench row
+ENGINE_STATS = ("plan_prefetches", "plan_skipped_late", "plan_refused", "plan_maps", "predictor_mib", "evict",
+                "evict_switches")
 
 
 @dataclass
@@ -101,27 +100,18 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         cache.warm({il: hot_experts(hot[il], cache.usable(il)) for il in cache.layers})
         return cache
     if policy in ("learned", "learned-evict"):
-        # on-demand waits as in on-demand-lru-ordered, with eviction by the learned reuse maps; "learned" adds
-        # the prefetch plan fed by the learned layer-ahead predictor and recency, always issuing (Python)
+        # on-demand waits as in on-demand-lru-ordered, with eviction by the learned reuse maps (no duel: what they
+        # alone do); "learned" adds the native planner's prefetches from the layer-ahead maps. All in C.
         from pyspecter.learned import LearnedPredictor
-        from pyspecter.plan import LayerAhead, PrefetchPlan
 
         predictor = LearnedPredictor.load(path)
         if budget_bytes:  # as the engine spends its budget: the predictor's bytes out, the rest by layer
             mp = MemoryPlan.for_budget(layout, str(budget_bytes), predictor_bytes=predictor.nbytes, spread=True,
                                        curves=predictor.miss_curves)
             slots, extra = mp.slots, mp.extra
-        if policy == "learned-evict":  # the scores alone, applied in C (no duel: what they alone do)
-            return ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier),
-                               record=True, ordered=True, extra=extra, reuse=predictor, duel=False)
-        box: list[LayerAhead] = []
-        cache = ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier), record=True,
-                            ordered=True, on_input=lambda il, x: box[0].on_input(il, x), extra=extra)
-        plan = PrefetchPlan(cache)
-        plan.enabled = policy == "learned"
-        box.append(LayerAhead(plan, predictor, duel=False))  # always by the scores: what they alone do
-        cache.route_observer = box[0]
-        return cache
+        return ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier),
+                           record=True, ordered=True, extra=extra, reuse=predictor, duel=False,
+                           ahead=predictor if policy == "learned" else None, native=True)
     if policy == "prev-token":
         # misses waited for, as on-demand-lru and -lfu do: only the eviction order differs
         return ExpertCache(model, layout, slots, policy="prev-token", miss="wait", tier=make_tier(tier), record=True,

@@ -1,5 +1,5 @@
 """The prefetch plan's decisions, without llama.cpp: most probable first, nothing that cannot land in time,
-eviction by predicted reuse, and a governor that keeps the plan only where it is measured faster."""
+and eviction by predicted reuse (the Python hook's plan; decoding runs the native planner)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from test_decisions import _Api, _layout, _Upload
 
 from pyspecter import learned
-from pyspecter.plan import RECENCY, LayerAhead, PlanGovernor, PrefetchPlan
+from pyspecter.plan import RECENCY, LayerAhead, PrefetchPlan
 from pyspecter.policies import EvictionDuel, Predicted
 from pyspecter.residency import Residency
 
@@ -185,31 +185,3 @@ def test_a_duel_that_trusts_the_scores_starts_on_them_and_still_leaves_bad_ones(
             soon = {e for later in seq[t + 1:t + 4] for e in later}
             duel.observe(0, needed, [float((e in soon) == scores_know) for e in range(8)])
         assert duel.use_learned is scores_know
-
-
-def test_governor_keeps_the_plan_only_where_it_is_faster() -> None:
-    for plan_pays in (True, False):
-        plan = PrefetchPlan(_Cache())  # type: ignore[arg-type]
-        gov = PlanGovernor(plan, warmup=4, block=4, rounds=2, recheck=0)
-        for _ in range(60):
-            on = plan.enabled
-            gov.observe(0.010 if on == plan_pays else 0.013)
-        assert gov.choice is plan_pays and plan.enabled is plan_pays
-        assert gov.explore_tokens_lost == 8  # two blocks of four in the slower mode
-
-
-def test_governor_keeps_the_plan_off_without_exploring_when_the_link_is_busy() -> None:
-    cache = _Cache()
-    plan = PrefetchPlan(cache)  # type: ignore[arg-type]
-    gov = PlanGovernor(plan, warmup=4, block=4, rounds=2, recheck=32)
-    for t in range(100):
-        assert not plan.enabled  # never explored: no token ran with the plan's uploads
-        cache.totals.hook_ns += 8_000_000 if t < 40 else 1_000_000  # 8 of 10 ms in the hooks, then 1 of 10
-        gov.observe(0.010)
-        if t == 40:
-            break
-    assert gov.skipped_link_bound == 2 and gov.explore_tokens_lost == 0  # at token 4, and again at 40
-    for _ in range(60):  # the link frees up: the next look explores, and the plan's uploads run again
-        cache.totals.hook_ns += 1_000_000
-        gov.observe(0.009 if plan.enabled else 0.010)
-    assert gov.choice is True and plan.enabled

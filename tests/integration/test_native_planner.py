@@ -1,0 +1,120 @@
+"""The native planner on the real path: the learned layer-ahead maps applied inside the routing op (csrc/planner.cpp)
+give LearnedPredictor.predict's probabilities, queue prefetches that are found resident at need more often than
+without them, and leave greedy output as stock's, on the ram and disk tiers, with no Python inside a layer. A
+predictor fitted for tiny-qwen3moe; one llama.cpp thread (2 shared cores on the test machines)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from pyspecter import native
+from pyspecter.cache import ExpertCache
+from pyspecter.engine import greedy
+from pyspecter.layout import read_layout
+from pyspecter.learned import LearnedPredictor
+from pyspecter.models.tiny import build_tiny
+from pyspecter.session import Session, SessionConfig
+from pyspecter.study.predictor_fit import fit_model
+from pyspecter.tiers import make_tier
+
+TEXT = "the planner prefetches the next layers of this token, and never changes the output"
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LearnedPredictor]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECTER_CACHE", str(tmp_path_factory.mktemp("cache")))  # the sidecar goes to a fresh cache
+    try:
+        model = build_tiny("tiny-qwen3moe")
+        fit_model(model, horizons=2, n_tokens=1500, eval_tokens=300, n_threads=1, progress=False)
+        pred = LearnedPredictor.for_model(model)
+        assert pred is not None
+        yield pred
+    finally:
+        mp.undo()
+
+
+def _near_boundary(pred: LearnedPredictor, j: int, h: int, x: np.ndarray, eps: float = 1e-4) -> bool:
+    """Whether float rounding may reorder this prediction: two scores or the gap and a bin edge within eps."""
+    y = np.sort(pred._scores(j, x)[h - 1])[::-1]
+    k = pred.n_used
+    gap = y[k - 1] - y[k]
+    return bool(np.min(np.abs(np.diff(y))) < eps or np.min(np.abs(pred.gap_edges[j + h, h - 1] - gap)) < eps)
+
+
+def test_native_maps_give_the_predictors_probabilities(fitted: LearnedPredictor) -> None:
+    pred, model = fitted, build_tiny("tiny-qwen3moe")
+    lay = read_layout(model)
+    rng = np.random.default_rng(3)
+    with native.Model(model) as m:
+        cache = ExpertCache(m, lay, lay.n_expert_used + 2, policy="predicted", miss="wait", reuse=pred, ahead=pred,
+                            native=True)
+        try:
+            same = pairs = 0
+            for j, il in enumerate(pred.layers):
+                for h in range(1, pred.n_targets(j) + 1):
+                    dst = pred.layers[j + h]
+                    for _ in range(40):
+                        x = rng.normal(0, 1, pred.A[0].shape[0]).astype(np.float32)
+                        want, got = pred.predict(il, x)[dst], cache.nat.ahead_probs(il, dst, x)
+                        pairs += 1
+                        if np.array_equal(want, got):
+                            same += 1
+                        else:  # only where rounding may reorder two scores or move the gap across a bin edge
+                            assert _near_boundary(pred, j, h, x), (il, dst)
+            with pytest.raises(Exception, match="no layer-ahead map"):
+                cache.nat.ahead_probs(pred.layers[-1], pred.layers[0], np.zeros(pred.A[0].shape[0], np.float32))
+        finally:
+            cache.close()
+    assert pairs == 40 * sum(pred.n_targets(j) for j in range(len(pred.layers))) and same >= 0.95 * pairs
+
+
+def _decode(model, pred: LearnedPredictor, tier: str, ahead: bool, n: int = 40) -> tuple[list[int], dict]:
+    lay = read_layout(model)
+    with native.Model(model, lazy_experts=tier == "disk") as m:
+        cache = ExpertCache(m, lay, lay.n_expert_used + 4, policy="predicted", miss="wait", tier=make_tier(tier),
+                            ordered=True, reuse=pred, duel=False, ahead=pred if ahead else None, native=True)
+        try:
+            assert cache.hooks is None  # no Python inside a layer
+            with native.Context(m, n_threads=1) as ctx:
+                toks = greedy(ctx, m.tokenize(TEXT), n)[0]
+                cache.check()
+            c = cache.counters()
+        finally:
+            cache.close()
+    return toks, c
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_planner_prefetches_and_is_exact(tier: str, fitted: LearnedPredictor) -> None:
+    model = build_tiny("tiny-qwen3moe")
+    with native.Model(model) as m, native.Context(m, n_threads=1) as ctx:
+        ref = greedy(ctx, m.tokenize(TEXT), 40)[0]
+    on, c_on = _decode(model, fitted, tier, True)
+    off, c_off = _decode(model, fitted, tier, False)
+    assert on == ref and off == ref
+    assert c_on["ahead_maps"] > 0 and c_on["ahead_prefetches"] > 0 and c_on["prefetches"] >= c_on["ahead_prefetches"]
+    assert c_off["ahead_maps"] == 0 and c_off["ahead_prefetches"] == 0
+    assert c_on["needed"] == c_off["needed"]  # the same routing: only what was resident differs
+    # prefetched experts are found resident at need: more hits than the same cache without the planner
+    assert c_on["resident_at_need"] > c_off["resident_at_need"], (c_on, c_off)
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor) -> None:
+    model = build_tiny("tiny-qwen3moe")
+    with native.Model(model) as m, native.Context(m) as ctx:
+        toks = m.tokenize(TEXT)
+        ref = greedy(ctx, toks, 40)[0]
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1)) as s:
+        assert s.predictor is not None and s.cache.native and s.cache.hooks is None
+        assert s.generate(toks, 40, stop_at_eog=False) == ref
+        st = s.stats()
+        assert st["plan_prefetches"] > 0 and st["plan_maps"] > 0 and st["evict"] in ("learned", "lru")
+    # the Python hook (asked for) decodes without the predictor: it runs in C only
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, native=False)) as s:
+        assert s.predictor is None and not s.cache.native
+        assert s.generate(toks, 40, stop_at_eog=False) == ref
