@@ -16,6 +16,7 @@ import psutil
 
 from pyspecter.budget import check_budget_fits, fit_to_memory, parse_budget, slots_for_budget, usable_memory
 from pyspecter.errors import SpecterError
+from pyspecter.layerplan import LayerPlan, stock_plan
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.tiers import make_tier
 from pyspecter.units import fmt_bytes
@@ -120,6 +121,80 @@ def place(model: ModelLayout | str | os.PathLike, *, tier: str | None = None, bu
     if budget is not None and not force:  # slots of the host tiers are RAM
         check_budget_fits(layout, parse_budget(budget, layout.expert_total_bytes), available, given=budget)
     return Placement(tier, budget)
+
+
+def _check_device_room(device, layout: ModelLayout, expert_bytes: int) -> None:
+    """Refuse, with the numbers, experts the device cannot hold beside the non-expert weights (compute buffers
+    come on top, so this is a floor)."""
+    need = layout.nonexpert_bytes + expert_bytes
+    free, _ = device.memory()
+    if need > free:
+        gib = 2**30
+        raise SpecterError(f"{device.name}: {need / gib:.2f} GiB needed (non-expert weights "
+                           f"{layout.nonexpert_bytes / gib:.2f} GiB + experts {expert_bytes / gib:.2f} GiB) but "
+                           f"the device has {free / gib:.2f} GiB free; lower --budget or --layer-plan")
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """A layer plan on a device (``layerplan.LayerPlan``) and the one line that says it; ``info``: what the cost
+    model predicted (``devcosts.plan_for``), for an auto plan it measured."""
+
+    plan: LayerPlan
+    why: str
+    info: dict | None = None
+
+    @property
+    def has_slots(self) -> bool:
+        return bool(self.plan.layers("slots"))
+
+
+def parse_layer_plan(spec: str) -> str | int:
+    """``auto``, ``slots``, or ``n-cpu-moe:N`` (returned as N); anything else is refused."""
+    text = spec.strip().lower()
+    if text in ("auto", "slots"):
+        return text
+    if text.startswith("n-cpu-moe:") and text[len("n-cpu-moe:"):].isdigit():
+        return int(text[len("n-cpu-moe:"):])
+    raise SpecterError(f"--layer-plan {spec!r}: use auto, slots or n-cpu-moe:N")
+
+
+def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str | LayerPlan | None = None, *,
+                      why_not: str | None = None) -> DevicePlan | None:
+    """What each MoE layer is on ``device`` (a ``native.devices.Device``) for ``budget`` (device memory for
+    experts; None: all of them): ``spec`` as ``--layer-plan`` gives it (None: auto), or a ``LayerPlan`` itself.
+    None: slots in every layer. ``why_not``: what keeps this session on slots in every layer (a draft, the
+    surrogates: they index every layer's slots); auto then gives slots, an explicit plan is refused."""
+    if spec is None:
+        spec = "auto"
+    want = spec if isinstance(spec, LayerPlan) else parse_layer_plan(spec)
+    if want == "slots":
+        return None
+    if why_not is not None:
+        if want == "auto":
+            return None
+        raise SpecterError(f"a layer plan other than slots in every layer runs without {why_not}")
+    budget_bytes = (parse_budget(budget, layout.expert_total_bytes) if budget is not None
+                    else layout.expert_total_bytes)
+    if want == "auto":  # the budget asked for is refused before anything is measured on the device
+        _check_device_room(device, layout, budget_bytes)
+    if isinstance(want, LayerPlan):
+        plan, info, how = want, None, "as given"
+    elif isinstance(want, int):
+        if want > layout.n_layer:
+            raise SpecterError(f"--layer-plan n-cpu-moe:{want}: the model has {layout.n_layer} blocks")
+        plan, info, how = stock_plan(layout, want), None, f"stock --n-cpu-moe {want}"
+    elif budget_bytes >= layout.expert_total_bytes:  # every layer full: no switch at all, nothing to measure
+        plan, info, how = stock_plan(layout, 0), None, "every expert fits on the device"
+    else:
+        from pyspecter.devcosts import plan_for
+
+        plan, info = plan_for(layout.path, layout, device, budget_bytes)
+        how = (f"predicted {info['predicted_ms']:.1f} ms/token vs stock --n-cpu-moe {info['stock_n_cpu_moe']} "
+               f"{info['predicted_stock_n_cpu_moe_ms']:.1f} ms at the same memory")
+    if want != "auto":
+        _check_device_room(device, layout, plan.device_bytes(layout))
+    return DevicePlan(plan, f"layer plan: {plan.describe(layout)}; {how}", info)
 
 
 @dataclass(frozen=True)

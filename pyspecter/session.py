@@ -23,7 +23,7 @@ from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import LearnedPredictor
 from pyspecter.native.devices import Device, open_device
-from pyspecter.placement import Placement, SlotCount, place, slot_count
+from pyspecter.placement import Placement, SlotCount, device_layer_plan, place, slot_count
 from pyspecter.predict import DraftRouting
 from pyspecter.prefetch import Prefetcher
 from pyspecter.prompts import render_prompt
@@ -39,6 +39,8 @@ class SessionConfig:
     budget: str | None = None  # fast-tier bytes for target expert slots; None with a tier: all experts resident
     tier: str | None = None  # ram, disk, emulated:GBPS
     device: str | None = None  # None/cpu: slots in RAM; cuda0, rpc:HOST:PORT: layers and slots on that device
+    # on a device: auto, slots, n-cpu-moe:N, or a layerplan.LayerPlan (placement.device_layer_plan; None: auto)
+    layer_plan: object = None
     force: bool = False  # run a budget the memory available cannot hold (refused by default, with the numbers)
     miss: str | None = None  # None: "wait" on the disk tier (the host copy is on disk too), else "cpu"
     policy: str = "lru"
@@ -142,24 +144,34 @@ class Session:
             # a configuration on the Python hook decodes without it
             self.predictor = None
         self.device = open_device(cfg.device)
+        # full, host and slot layers on a device (None: slots in every layer); a plan's layers are not all slots,
+        # which the learned predictor's tables index
+        why_not = "a draft" if cfg.draft else "surrogates" if self.surrogates else None
+        why_not = why_not or (f"the {self.tier.name} tier" if self.tier.name != "ram" else None)
+        self.layer_plan = device_layer_plan(self.layout, self.device, cfg.budget, cfg.layer_plan,
+                                            why_not=why_not) if self.device is not None else None
+        if self.layer_plan is not None:
+            self.predictor = None
         # On the CPU, what whole slot rows leave of the budget is spent too, by layer (otherwise a 5 MiB predictor
         # would cost smol-moe a whole 50 MB row of slots): one more slot per layer while it lasts, or by the
         # predictor's miss curves where they promise clearly fewer misses (budget.allocate_slots)
-        self.plan = MemoryPlan.for_budget(self.layout, cfg.budget, draft_bytes=self.draft_bytes,
+        self.plan = MemoryPlan(self.layer_plan.plan.n_slots) if self.layer_plan else MemoryPlan.for_budget(
+                                          self.layout, cfg.budget, draft_bytes=self.draft_bytes,
                                           count_draft=cfg.draft_counts_in_budget,
                                           surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0,
                                           predictor_bytes=self.predictor.nbytes if self.predictor else 0,
                                           spread=True, device=self.device is not None,
                                           curves=self.predictor.miss_curves if self.predictor else None)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
-        if self.device is not None:
+        if self.device is not None and self.layer_plan is None:
             check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)
         # every expert resident in RAM: llama.cpp as users run it (its repacked weights where the CPU has kernels
         # for them), with no slots, no routing hook and no second copy of the experts
         self.stock = p.stock and self.surrogates is None
         # on the disk tier the experts live in the file: loading must not read them all (patch 0005)
         self.target = native.Model(cfg.model, device=self.device, lazy_experts=self.tier.name == "disk",
-                                   extra_bufts=self.stock)
+                                   extra_bufts=self.stock,
+                                   host_layers=self.layer_plan.plan.host_layers if self.layer_plan else None)
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
         self.target_splits: tuple[int, int] | None = None
         try:
@@ -173,7 +185,7 @@ class Session:
 
     def _build(self, dlay: ModelLayout | None) -> None:
         cfg = self.cfg
-        if not self.stock:
+        if not self.stock and (self.layer_plan is None or self.layer_plan.has_slots):
             self._build_cache()
         elif cfg.profile is not None:  # nothing to warm with every expert resident, but a wrong file is refused
             from pyspecter.predict import routing_profile
@@ -212,11 +224,13 @@ class Session:
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
                                  extra=self.plan.extra, native=True if learned else cfg.native,
+                                 kinds=self.layer_plan.plan.native_kinds() if self.layer_plan else None,
                                  reuse=self.predictor if learned else None, ahead=self.predictor if learned else None)
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
-            self.cache.warm(routing_profile(cfg.profile, self.layout))
+            hot = routing_profile(cfg.profile, self.layout)
+            self.cache.warm({il: e for il, e in hot.items() if il in self.cache.layer_pos})  # a plan's slot layers
 
     def _drop_draft(self) -> None:
         """The engine measured that the draft does not pay: free it, and give its memory to the slots."""
@@ -312,9 +326,11 @@ class Session:
         else:
             c = self.cache.counters()
         count = self.slot_count()
-        out = {"stock": self.cache is None, "slots_text": str(count) if count else "stock: no slots",
+        out = {"stock": self.cache is None and self.layer_plan is None,
+               "slots_text": (f"layer plan {self.layer_plan.plan.describe(self.layout)}" if self.layer_plan
+                              else str(count) if count else "stock: no slots"),
                "tokens": self.tokens_out, "tok_s": self.tokens_out / self.decode_s if self.decode_s else 0.0,
-               "slots_per_layer": self.n_slots,
+               "slots_per_layer": self.n_slots, "has_slots": self.cache is not None,
                "slots_mean": self.cache.usable_mean() if self.cache is not None else float(self.n_slots),
                "n_expert": self.layout.n_expert, "tier": self.tier.name,
                "miss": self.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],

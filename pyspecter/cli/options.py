@@ -60,6 +60,12 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="where layers an
                                                              "a ggml device such as cuda0, or rpc:HOST:PORT (a "
                                                              "`pyspecter rpc-server`); experts stay in host RAM "
                                                              "and --budget is the device's memory for slots")]
+LayerPlanOpt = Annotated[str | None, typer.Option(
+    "--layer-plan", show_default=False,
+    help="with --device, what each MoE layer is: auto (default: the cost model's mix of full, host and slot layers, "
+         "never predicted slower than stock --n-cpu-moe at the same device memory; its inputs measured once, a few "
+         "seconds, and cached), slots (slots in every layer), n-cpu-moe:N (llama.cpp's --n-cpu-moe N: blocks below "
+         "N on the host, the rest whole on the device)")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
                                                       "hottest experts before the first token")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]

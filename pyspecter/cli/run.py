@@ -19,6 +19,7 @@ from pyspecter.cli.options import (
     DeviceOpt,
     DraftOpt,
     ForceOpt,
+    LayerPlanOpt,
     MinPOpt,
     MissOpt,
     ModelArg,
@@ -45,7 +46,7 @@ def open_session(model: str, *, draft: str | None = None, budget: str | None = N
                  miss: str | None = None, k: int = 4, temp: float = 0.0, seed: int = 0,
                  threads: int = DEFAULT_THREADS, adaptive: bool = True, profile: Path | None = None,
                  surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None,
-                 force: bool = False, device: str | None = None):
+                 force: bool = False, device: str | None = None, layer_plan: str | None = None):
     """Bad input refused first (one line, nothing else printed), then the library's placement and its one line,
     then the session. The surrogates' neuron groups are a model builder's work, which the runtime never imports:
     they are made here and handed over."""
@@ -69,6 +70,12 @@ def open_session(model: str, *, draft: str | None = None, budget: str | None = N
     dpath = resolve_model(draft) if draft else None
     if not is_host(device):
         native_errors_exit()
+    elif layer_plan is not None:
+        raise SpecterError("--layer-plan needs --device: on the CPU every layer's experts are in RAM already")
+    if layer_plan is not None:
+        from pyspecter.placement import parse_layer_plan
+
+        parse_layer_plan(layer_plan)
     where = place(path, tier=tier, budget=budget, device=device, force=force)
     if where.why:
         print(f"pyspecter: {where.why}", file=sys.stderr)
@@ -80,8 +87,10 @@ def open_session(model: str, *, draft: str | None = None, budget: str | None = N
     s = Session(SessionConfig(model=path, draft=dpath, budget=where.budget, tier=where.tier, miss=miss, k=k,
                               adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
                               profile=profile, surrogate_groups=groups, n_ctx=n_ctx, device=where.device,
-                              **(sampling or {})), placement=where)
-    if s.predictor is None and dpath is None and s.n_slots < s.layout.n_expert:
+                              layer_plan=layer_plan, **(sampling or {})), placement=where)
+    if s.layer_plan is not None:
+        print(f"pyspecter: {s.layer_plan.why}", file=sys.stderr)
+    elif s.predictor is None and dpath is None and s.n_slots < s.layout.n_expert:
         _hint_predictor(s, model)
     if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
         from pyspecter.study.quality import describe, perplexity_delta
@@ -115,6 +124,7 @@ def generate(
     budget: BudgetOpt = None,
     tier: AutoTierOpt = None,
     device: DeviceOpt = None,
+    layer_plan: LayerPlanOpt = None,
     miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (the start value when adaptive)")] = 4,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="do not adapt K")] = False,
@@ -139,7 +149,7 @@ def generate(
     check_n_predict(n)
     s = open_session(model, draft=draft, budget=budget, tier=tier, miss=miss, k=k, temp=temp, seed=seed,
                      threads=threads, adaptive=not fixed_k, profile=profile, surrogate_width=surrogate_width,
-                     n_ctx=ctx_size, device=device, force=force,
+                     n_ctx=ctx_size, device=device, force=force, layer_plan=layer_plan,
                      sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
         if raw or not has_chat_template(s.target):
@@ -163,6 +173,8 @@ def stats_line(st: dict) -> str:
     if st.get("stock"):
         line = (f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | stock llama.cpp: all {st['n_expert']} experts "
                 f"resident, tier {st['tier']}, no slots")
+    elif not st.get("has_slots", True):  # a layer plan of full and host layers: stock's own placement
+        line = f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | {slots_phrase(st)}: no slots, nothing moves"
     else:
         line = (f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | {slots_phrase(st)}, tier {st['tier']}, "
                 f"miss {st['miss']} | hit {100 * st['hit_rate']:.1f}%, from slots {100 * st['coverage']:.1f}%, "
@@ -189,6 +201,7 @@ def chat(
     budget: BudgetOpt = None,
     tier: AutoTierOpt = None,
     device: DeviceOpt = None,
+    layer_plan: LayerPlanOpt = None,
     miss: MissOpt = None,
     k: Annotated[int, typer.Option("-k", help="draft tokens per step (start value)")] = 4,
     n: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens per answer; -1: until the context is "
@@ -212,7 +225,7 @@ def chat(
     check_n_predict(n)
     s = open_session(model, draft=draft, budget=budget, tier=tier, miss=miss, k=k, temp=temp, seed=seed,
                      threads=threads, profile=profile, surrogate_width=surrogate_width, n_ctx=ctx_size,
-                     device=device, force=force,
+                     device=device, force=force, layer_plan=layer_plan,
                      sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
     try:
         repl(s, n=ctx_size if n == -1 else n, system=system, stats_line=stats_line)

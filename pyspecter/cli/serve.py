@@ -16,6 +16,7 @@ from pyspecter.cli.options import (
     DeviceOpt,
     DraftOpt,
     ForceOpt,
+    LayerPlanOpt,
     MissOpt,
     ModelArg,
     ThreadsOpt,
@@ -35,6 +36,7 @@ def serve(
     budget: BudgetOpt = None,
     tier: AutoTierOpt = None,
     device: DeviceOpt = None,
+    layer_plan: LayerPlanOpt = None,
     miss: MissOpt = None,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="PYSPECTER_API_KEY",
                                                 help="require 'Authorization: Bearer KEY' on every route but "
@@ -70,7 +72,7 @@ def serve(
     sock = bind(host, port)  # before the model loads: a port in use costs no load
     try:
         s = open_session(model, draft=draft, budget=budget, tier=tier, miss=miss, threads=threads, n_ctx=ctx_size,
-                         force=force, device=device)
+                         force=force, device=device, layer_plan=layer_plan)
     except BaseException:
         sock.close()
         raise

@@ -263,3 +263,76 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     lp = out["layer_plan"]
     assert lp["predicted_ms"] <= lp["predicted_stock_n_cpu_moe_ms"] + 1e-9
     assert lp["device_bytes"] <= out["budget_bytes"]
+
+
+def _stock_greedy(path: Path, dev, toks: list[int], n: int, plan: LayerPlan | None = None) -> tuple[list[int], tuple]:
+    """Stock llama.cpp's greedy tokens with a plan's placement (full layers' experts on the device, the others' on
+    the host; None: --cpu-moe), and the splits of its decode graph."""
+    with native.Model(path, device=dev, host_layers=plan.host_layers if plan else None) as m, \
+            native.Context(m, op_offload=False) as ctx:
+        splits = graph_splits()
+        return greedy(ctx, toks, n)[0], splits
+
+
+def test_session_on_rpc_device_runs_the_plan_bench_chooses(rpc: str) -> None:
+    """generate/chat's session builds the layer plan bench's `plan` policy runs (the cost model's choice at the
+    same device memory, its inputs cached per machine, device and model), and decodes stock's greedy tokens."""
+    from pyspecter.budget import parse_budget
+    from pyspecter.devcosts import plan_for
+    from pyspecter.session import Session, SessionConfig
+
+    dev = open_device(rpc)
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
+        toks = m.tokenize(LONG_PROMPT)
+    ref, cpu_moe = _stock_greedy(path, dev, toks, 12)
+    with Session(SessionConfig(model=path, budget="50%", device=rpc, n_ctx=256)) as s:
+        assert s.layer_plan is not None and s.layer_plan.info is not None
+        bench_plan, info = plan_for(path, lay, dev, parse_budget("50%", lay.expert_total_bytes))
+        assert s.layer_plan.plan == bench_plan
+        assert info["predicted_ms"] <= info["predicted_stock_n_cpu_moe_ms"] + 1e-9
+        assert s.layer_plan.why.startswith(f"layer plan: {bench_plan.describe(lay)}; predicted ")
+        assert s.generate(toks, 12, stop_at_eog=False) == ref
+        assert s.target_splits is not None and s.target_splits[1] <= cpu_moe[1]
+        assert s.stats()["slots_text"] == f"layer plan {bench_plan.describe(lay)}"
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])
+def test_session_layer_plans_on_rpc_device_are_exact(name: str, rpc: str) -> None:
+    """Mixed plans given to the session, stock's --n-cpu-moe N by name and slots in every layer: stock's greedy
+    tokens, and with full and host layers alone (no slots) exactly stock's splits."""
+    from pyspecter.session import Session, SessionConfig
+
+    dev = open_device(rpc)
+    path = build_tiny(name)
+    lay = read_layout(path)
+    with native.Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
+        toks = m.tokenize(LONG_PROMPT)
+    ref, cpu_moe = _stock_greedy(path, dev, toks, 12)
+    for spec in [*mixed_plans(lay), "n-cpu-moe:2", "slots"]:
+        with Session(SessionConfig(model=path, budget="50%", device=rpc, n_ctx=256, layer_plan=spec)) as s:
+            assert (s.layer_plan is None) == (spec == "slots")
+            assert s.generate(toks, 12, stop_at_eog=False) == ref, spec
+            plan = s.layer_plan.plan if s.layer_plan else None
+            _, want = _stock_greedy(path, dev, toks, 1, plan)
+            assert s.target_splits == want, spec  # a slot layer costs what a host layer does
+            if plan is not None and not plan.layers("slots"):
+                assert s.cache is None and not s.stats()["has_slots"]
+
+
+def test_cli_generate_layer_plan_on_rpc_device(own_rpc: tuple[str, subprocess.Popen]) -> None:
+    endpoint, _ = own_rpc
+    r = run_cli("generate", "tiny-qwen3moe", "-p", "hi", "-n", "4", "--device", endpoint, "--budget", "50%",
+                "--layer-plan", "n-cpu-moe:2", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "layer plan: 2 full, 2 host; stock --n-cpu-moe 2" in r.stderr
+    assert "no slots, nothing moves" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["--layer-plan", "bogus", "--device", "rpc:127.0.0.1:1"],
+                                  ["--layer-plan", "slots"]])
+def test_bad_layer_plan_is_one_line_exit_2(args: list[str]) -> None:
+    r = run_cli("generate", "tiny-qwen3moe", "-p", "hi", "-n", "2", *args)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "--layer-plan" in r.stderr
