@@ -38,6 +38,25 @@ struct pyspecter_ahead_map {
     std::vector<float> W, b, sel_bias, table, edges; // [n_embd][E], [E], [E] or empty, [n_bins][E], [n_bins - 1]
 };
 
+// One device's upload stream, through ggml's generic backend API: a backend instance of its own for the device
+// (ggml_backend_dev_init; on CUDA that is a stream of its own), copies issued with set_tensor_async (from the
+// model's pinned host copy where the device has a host buffer type), and one event per batch (an expert's kinds),
+// synchronized before the batch counts as landed. A slot is mapped (remap_set) only after its upload has landed,
+// and the device sees a new mapping only at the next fence, so no table ever points at a slot being written.
+// Devices that report no async copies or no events copy synchronously (ggml_backend_tensor_set), as does every
+// device with SPECTER_SYNC_UPLOADS=1.
+struct pyspecter_upload_stream {
+    ggml_backend_dev_t   dev     = nullptr;
+    ggml_backend_t       backend = nullptr;
+    ggml_backend_event_t event   = nullptr;
+    std::mutex           mu; // one batch at a time: the upload thread, native readers and callers' threads share it
+
+    pyspecter_upload_stream() = default;
+    pyspecter_upload_stream(const pyspecter_upload_stream &) = delete;
+    pyspecter_upload_stream & operator=(const pyspecter_upload_stream &) = delete;
+    ~pyspecter_upload_stream();
+};
+
 struct llama_pyspecter_layer {
     int32_t il = -1;
     ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS] = {}; // the model's own expert tensors (the host copy)
@@ -47,6 +66,7 @@ struct llama_pyspecter_layer {
     std::vector<int32_t> owner; // slot -> expert, -1 when free
     int32_t miss_slot = -1;     // where non-resident rows point in the slot matmul: -1 (CPU skips) or the zero slot
     llama_pyspecter_slots * parent = nullptr;
+    pyspecter_upload_stream * stream = nullptr; // its device's upload stream (null: synchronous copies)
 
     // Native residency (residency.cpp), guarded by its mutex; empty until residency_init.
     std::vector<uint64_t> last_use, loaded;                // slot -> clock of its last hit / of its mapping
@@ -95,6 +115,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> ahead_maps{0}, ahead_prefetches{0}, ahead_late{0}, ahead_refused{0}; // the planner
     // device tables (llama_pyspecter_device_stats)
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
+    std::atomic<int64_t> async_batches{0}; // upload batches sent on an upload stream and awaited by their event
 };
 
 // An emulated link (uploads.cpp charges every copy to it): a virtual clock of when the link is next free.
@@ -151,6 +172,7 @@ struct llama_pyspecter_slots {
     // copy on the layer's device, which the slot path reads so that it stays on the device
     std::unordered_map<const ggml_tensor *, ggml_tensor *> on_device;
     std::vector<llama_pyspecter_table> tables;
+    std::vector<std::unique_ptr<pyspecter_upload_stream>> streams; // one per device with async copies and events
     std::mutex table_mu;              // remap changes, table images and fences
     mutable std::atomic<bool> split_built{false}; // a graph with split routes was built: evictions reach the tables
     // split route -> the slot ids its layer's slot matmuls read (graph building: set by build_route, then read by
@@ -225,6 +247,9 @@ int32_t pyspecter_run_copy(llama_pyspecter_counters & counters, F && copy) noexc
     }
     return rc;
 }
+
+// The upload stream of device dev, made on first use (null: the device copies synchronously). Slot allocation calls it.
+pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s, ggml_backend_dev_t dev);
 
 // Copies one expert (all kinds) from the model's host copy into a slot; one kind of one expert from a file (fd at
 // offset, through the page-aligned buf of buf_size bytes) into a slot. Both run on any thread; the caller counts

@@ -138,6 +138,8 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         if (with_late) {
             late_ids[i] = late >= 0 ? late : L->miss_slot;
         }
+        // a device kernel reads a negative id as a huge unsigned one: on a device every id is a slot or the zero slot
+        GGML_ASSERT(L->miss_slot < 0 || (slot_ids[i] >= 0 && (!with_late || late_ids[i] >= 0)));
     }
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += (int64_t) n_used * n_tokens - hit;

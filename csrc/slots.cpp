@@ -14,6 +14,7 @@
 llama_pyspecter_slots::~llama_pyspecter_slots() {
     pyspecter_native_stop(this); // before any buffer goes: queued or running copies write into them
     uploads.stop();
+    streams.clear(); // every batch has been awaited: nothing is in flight on them
     for (auto * b : bufs) {
         ggml_backend_buffer_free(b);
     }
@@ -89,6 +90,7 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     L->il = il;
     L->parent = s;
     L->miss_slot = on_cpu ? -1 : s->n_slots;
+    L->stream = on_cpu ? nullptr : pyspecter_upload_stream_for(s, dev);
     L->remap.assign(s->n_expert, -1);
     L->late.assign(s->n_expert, -1);
     L->owner.assign(s->n_slots, -1);
@@ -404,6 +406,22 @@ void llama_pyspecter_fence(llama_pyspecter_slots * s) {
             L->passed = false;
         }
     }
+}
+
+int32_t llama_pyspecter_read_table(const llama_model * model, int32_t il, int32_t * out, int32_t n) {
+    auto * s = pyspecter_slots_of(model);
+    if (!s) {
+        return model ? LLAMA_PYSPECTER_ERR_NO_SLOTS : LLAMA_PYSPECTER_ERR_ARG;
+    }
+    auto * L = s->layer(il);
+    const int32_t len = 2 * s->n_expert;
+    if (!L || L->table < 0 || !out || n < len) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(s->table_mu);
+    const auto & tab = s->tables[L->table];
+    ggml_backend_tensor_get(tab.t, out, (size_t) L->table_row * len * sizeof(int32_t), (size_t) len * sizeof(int32_t));
+    return len;
 }
 
 int32_t llama_pyspecter_layer_kind(const llama_model * model, int32_t il) {

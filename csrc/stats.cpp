@@ -68,7 +68,7 @@ void llama_pyspecter_stats_reset(llama_model * model) {
                           &c.ahead_late, &c.ahead_refused }) {
             *v = 0;
         }
-        for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes }) {
+        for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes, &c.async_batches }) {
             *v = 0;
         }
     }
@@ -87,4 +87,6 @@ void llama_pyspecter_get_device_stats(const llama_model * model, llama_pyspecter
     out->table_pushes    = s->counters.table_pushes;
     out->table_bytes     = s->counters.table_bytes;
     out->eviction_writes = s->counters.eviction_writes;
+    out->upload_streams  = (int64_t) s->streams.size();
+    out->async_batches   = s->counters.async_batches;
 }

@@ -11,8 +11,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <exception>
 #include <new>
+#include <string>
 #include <system_error>
 
 //
@@ -140,22 +142,113 @@ void pyspecter_log_exception(const char * where, const char * what) noexcept {
     }
 }
 
-// one copy into a slot, charged to the emulated link when there is one
-static void copy_into_slot(llama_pyspecter_slots * s, ggml_tensor * slot_t, int32_t slot, const void * src,
-                           size_t n) {
-    const int64_t t0 = pyspecter_now_ns();
-    ggml_backend_tensor_set(slot_t, src, (size_t) slot * slot_t->nb[2], n);
-    s->link.throttle(t0, n);
-    s->counters.upload_bytes += (int64_t) n;
-    s->counters.upload_ns += pyspecter_now_ns() - t0;
+//
+// upload streams
+//
+
+pyspecter_upload_stream::~pyspecter_upload_stream() {
+    if (event) {
+        ggml_backend_event_free(event);
+    }
+    if (backend) {
+        ggml_backend_free(backend);
+    }
 }
 
+pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s, ggml_backend_dev_t dev) {
+    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+        return nullptr;
+    }
+    for (auto & st : s->streams) {
+        if (st->dev == dev) {
+            return st.get();
+        }
+    }
+    const char * sync = std::getenv("SPECTER_SYNC_UPLOADS");
+    if (sync && *sync && std::string(sync) != "0") {
+        return nullptr;
+    }
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    if (!props.caps.async || !props.caps.events) {
+        return nullptr; // checked at run time: a device without them keeps synchronous copies
+    }
+    auto st = std::make_unique<pyspecter_upload_stream>();
+    st->dev     = dev;
+    st->backend = ggml_backend_dev_init(dev, nullptr);
+    st->event   = st->backend ? ggml_backend_event_new(dev) : nullptr;
+    if (!st->backend || !st->event) {
+        LLAMA_LOG_WARN("pyspecter: %s: no upload stream of its own, uploads stay synchronous\n",
+                ggml_backend_dev_name(dev));
+        return nullptr; // st frees what it got
+    }
+    s->streams.push_back(std::move(st));
+    return s->streams.back().get();
+}
+
+// The copies of one upload into a layer's slots. On the layer's upload stream they are issued asynchronously and
+// finish() records one event after them and waits for it: only then has the upload landed (the caller maps the slot
+// after that, and its source may be reused). Without a stream each copy is synchronous. The emulated link is
+// charged for the batch's bytes either way.
+class upload_batch {
+public:
+    explicit upload_batch(llama_pyspecter_layer * L) : L(L), st(L->stream), t0(pyspecter_now_ns()) {
+        if (st) {
+            lk = std::unique_lock<std::mutex>(st->mu);
+        }
+    }
+
+    upload_batch(const upload_batch &) = delete;
+    upload_batch & operator=(const upload_batch &) = delete;
+
+    ~upload_batch() {
+        if (st && bytes) { // left early (an exception): the copies issued still read their sources, so wait
+            ggml_backend_event_record(st->event, st->backend);
+            ggml_backend_event_synchronize(st->event);
+        }
+    }
+
+    void copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n) {
+        const size_t off = (size_t) slot * slot_t->nb[2];
+        if (st) {
+            ggml_backend_tensor_set_async(st->backend, slot_t, src, off, n);
+        } else {
+            ggml_backend_tensor_set(slot_t, src, off, n);
+        }
+        bytes += n;
+    }
+
+    void finish() {
+        if (st && bytes) {
+            ggml_backend_event_record(st->event, st->backend);
+            ggml_backend_event_synchronize(st->event);
+            L->parent->counters.async_batches++;
+        }
+        auto * s = L->parent;
+        s->link.throttle(t0, bytes);
+        s->counters.upload_bytes += (int64_t) bytes;
+        s->counters.upload_ns += pyspecter_now_ns() - t0;
+        bytes = 0;
+    }
+
+private:
+    llama_pyspecter_layer *      L;
+    pyspecter_upload_stream *    st;
+    std::unique_lock<std::mutex> lk;
+    int64_t                      t0;
+    size_t                       bytes = 0;
+};
+
 static int32_t write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {
-    copy_into_slot(L->parent, L->slot[kind], slot, src, nbytes);
+    upload_batch b(L);
+    b.copy(L->slot[kind], slot, src, nbytes);
+    b.finish();
     return LLAMA_PYSPECTER_OK;
 }
 
 int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
+    std::vector<std::vector<uint8_t>> readback; // sources read back from a device: alive until the batch has landed
+    upload_batch b(L);
     for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
         ggml_tensor * h = L->host[k];
         if (!h) {
@@ -163,15 +256,17 @@ int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t sl
         }
         const size_t n = h->nb[2];
         if (h->buffer && ggml_backend_buffer_is_host(h->buffer)) {
-            copy_into_slot(L->parent, L->slot[k], slot, (const char *) h->data + (size_t) expert * n, n);
+            b.copy(L->slot[k], slot, (const char *) h->data + (size_t) expert * n, n);
         } else if (pyspecter_is_repacked(h)) {
+            b.finish(); // what was issued lands before the error is reported
             return LLAMA_PYSPECTER_ERR_REPACKED; // can't be read back (get_tensor is null); refused at init already
         } else {
-            std::vector<uint8_t> tmp(n); // device-resident host copy: read it back
-            ggml_backend_tensor_get(h, tmp.data(), (size_t) expert * n, n);
-            copy_into_slot(L->parent, L->slot[k], slot, tmp.data(), n);
+            readback.emplace_back(n); // device-resident host copy: read it back
+            ggml_backend_tensor_get(h, readback.back().data(), (size_t) expert * n, n);
+            b.copy(L->slot[k], slot, readback.back().data(), n);
         }
     }
+    b.finish();
     return LLAMA_PYSPECTER_OK;
 }
 

@@ -263,9 +263,16 @@ struct llama_pyspecter_device_stats {
     int64_t table_pushes;    // fences that copied a table to its device (something changed)
     int64_t table_bytes;     // bytes those copies sent
     int64_t eviction_writes; // evictions written to a table at once (the layer could still run this ubatch)
+    int64_t upload_streams;  // devices whose uploads run on their own backend stream, ordered by events (not reset)
+    int64_t async_batches;   // upload batches (an expert's kinds) sent on such a stream and awaited by their event
 };
 LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
                                                    struct llama_pyspecter_device_stats * out);
+// Layer il's row of its device's remap table, read back from the device: (slot, expert) per expert, 2 * n_expert
+// int32 into out (n at least that). The slot matmul's ids are get_rows over it, so every slot in it must be a
+// slot or the layer's zero slot, never negative. Returns 2 * n_expert, LLAMA_PYSPECTER_ERR_NO_SLOTS, or
+// LLAMA_PYSPECTER_ERR_ARG (no such device layer, or n too small).
+LLAMA_API int32_t llama_pyspecter_read_table(const struct llama_model * model, int32_t il, int32_t * out, int32_t n);
 
 // Counters since the last reset (all zero when slots are not enabled).
 struct llama_pyspecter_stats {

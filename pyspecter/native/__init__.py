@@ -1,7 +1,14 @@
 """pyspecter's native side: our C API compiled into the libllama that llama-cpp-python loads (``lib``), and the
 models and contexts opened through those bindings (``model``)."""
 
-from pyspecter.native.device_api import LAYER_FULL, LAYER_HOST, LAYER_KIND_NAMES, LAYER_SLOTS, device_stats
+from pyspecter.native.device_api import (
+    LAYER_FULL,
+    LAYER_HOST,
+    LAYER_KIND_NAMES,
+    LAYER_SLOTS,
+    device_stats,
+    read_table,
+)
 from pyspecter.native.lib import (
     ERR_IO,
     INPUT_CB,
@@ -32,7 +39,7 @@ from pyspecter.native.model import Context, Model
 __all__ = [
     "ERR_IO", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
     "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ResidencyParams",
-    "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits",
+    "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits", "read_table",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",

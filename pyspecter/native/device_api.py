@@ -33,12 +33,16 @@ class DeviceStats(ctypes.Structure):
         ("table_pushes", ctypes.c_int64),  # fences that copied a table to its device
         ("table_bytes", ctypes.c_int64),  # bytes those copies sent
         ("eviction_writes", ctypes.c_int64),  # evictions written to a table at once
+        ("upload_streams", ctypes.c_int64),  # devices whose uploads run on their own stream, ordered by events
+        ("async_batches", ctypes.c_int64),  # upload batches sent on such a stream and awaited by their event
     ]
 
     fences: int
     table_pushes: int
     table_bytes: int
     eviction_writes: int
+    upload_streams: int
+    async_batches: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -55,6 +59,21 @@ def llama_pyspecter_set_route_weights(model: ModelPtr, enabled: bool, /) -> None
     """Whether the routing hook gets the router weights (default on; off saves a read back per layer on a device,
     and the hook's weights are then null there); before creating a context."""
     ...
+
+
+@ctypes_function("llama_pyspecter_read_table", [_model, _i32, ctypes.POINTER(_i32), _i32], _i32)
+def llama_pyspecter_read_table(model: ModelPtr, il: int, out: Any, n: int, /) -> int:
+    """Layer il's row of its device remap table, read back from the device: (slot, expert) per expert."""
+    ...
+
+
+def read_table(model: ModelPtr, il: int, n_expert: int) -> list[tuple[int, int]]:
+    """Device layer il's remap table as the device holds it: (slot, expert) per expert."""
+    buf = (_i32 * (2 * n_expert))()
+    rc = slots().read_table(model, il, buf, len(buf))
+    if rc != len(buf):
+        raise RuntimeError(f"llama_pyspecter_read_table(layer {il}): {rc}")
+    return [(buf[2 * e], buf[2 * e + 1]) for e in range(n_expert)]
 
 
 def device_stats(model: ModelPtr) -> DeviceStats:

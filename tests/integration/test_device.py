@@ -336,3 +336,55 @@ def test_bad_layer_plan_is_one_line_exit_2(args: list[str]) -> None:
     r = run_cli("generate", "tiny-qwen3moe", "-p", "hi", "-n", "2", *args)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "--layer-plan" in r.stderr
+
+
+@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("miss", ["cpu", "wait"])
+def test_uploads_on_their_own_stream_and_no_negative_id_on_the_device(miss: str, sync: bool, rpc: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that reports async copies and events (RPC does, as CUDA) gets an upload stream of its own: every
+    upload is one batch awaited by its event before it counts as landed; SPECTER_SYNC_UPLOADS=1 (and a device
+    without them) copies synchronously. Either way stock's tokens, and the remap table the device holds, read back
+    between tokens under heavy eviction, names only slots or the zero slot: no negative id reaches a kernel."""
+    if sync:
+        monkeypatch.setenv("SPECTER_SYNC_UPLOADS", "1")
+    dev = open_device(rpc)
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path, lazy_experts=True) as m:
+        toks = m.tokenize(LONG_PROMPT)
+    ref, _ = _stock_greedy(path, dev, toks, 10)
+    n_slots = lay.n_expert_used
+    with native.Model(path, device=dev) as m:
+        cache = ExpertCache(m, lay, n_slots, miss=miss, ordered=miss == "wait")
+        try:
+            with native.Context(m) as ctx:
+                out = []
+                for tok, _ in native_greedy_steps(ctx, toks, 10):
+                    out.append(tok)
+                    for L in lay.layers:
+                        table = native.read_table(m.ptr, L.index, lay.n_expert)
+                        assert [x for _, x in table] == list(range(lay.n_expert))
+                        assert all(0 <= slot <= n_slots for slot, _ in table), table  # n_slots: the zero slot
+                cache.check()
+            assert out == ref
+            stats = native.device_stats(m.ptr)
+            uploads = cache.counters()["uploads"]
+            assert uploads > 0
+            if sync:
+                assert stats.upload_streams == 0 and stats.async_batches == 0
+            else:
+                assert stats.upload_streams == 1 and stats.async_batches >= uploads
+        finally:
+            cache.close()
+
+
+def native_greedy_steps(ctx: native.Context, prompt: list[int], n: int):
+    """Greedy tokens one decode at a time, so the test can look at the device between them."""
+    from pyspecter.engine import generate_step
+    from pyspecter.sampling import Sampler
+
+    for i, step in enumerate(generate_step(ctx, prompt, Sampler())):
+        yield step
+        if i + 1 >= n:
+            return
