@@ -90,9 +90,13 @@ void pyspecter_plan_ahead(llama_pyspecter_layer * L, const float * x, int32_t n_
     std::vector<float> y((size_t) E), probs(L->ahead.size() * (size_t) E);
     for (size_t i = 0; i < L->ahead.size(); ++i) {
         const auto & m = L->ahead[i];
-        // the maps cost the op time: compute one only where a prefetch could follow (a slot to take, an expert
-        // to bring, and a link that can still deliver it in time)
-        if (m.n_embd != n_embd || !pyspecter_native_room(m.dst) || !pyspecter_native_in_time(m.dst, m.h)) {
+        // Each target is predicted from the latest source that can still have its experts land in time: a nearer
+        // layer predicts better, and every source acting on its own guess would read one expert per source where
+        // one is needed. So a map runs where its horizon is in time and the next nearer one would not be (or it
+        // is the nearest), and only where a prefetch could follow (a slot to take, an expert to bring): the maps
+        // cost the op time.
+        if (m.n_embd != n_embd || !pyspecter_native_room(m.dst) || !pyspecter_native_in_time(m.dst, m.h) ||
+                (m.h > 1 && pyspecter_native_in_time(m.dst, m.h - 1))) {
             continue;
         }
         float * p = probs.data() + i * (size_t) E;

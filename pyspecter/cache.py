@@ -330,11 +330,13 @@ class ExpertCache:
         for st in self.layers.values():
             st.protected.clear()
 
-    def prefetch(self, il: int, experts) -> int:
+    def prefetch(self, il: int, experts, priority: float = 1.0, deadline: int = 0) -> int:
         """Start async uploads of predicted experts that are neither resident nor on their way. Victims are never
-        protected or pending. Returns how many uploads were issued."""
+        protected or pending. Returns how many uploads were issued. Under native residency they join C's prefetch
+        queue (lower deadline, in routing calls from now, first; then higher priority); the Python hook uploads
+        them in order."""
         if self.nat is not None:
-            return self.nat.schedule(il, experts)
+            return self.nat.schedule(il, experts, priority, deadline)
         issued = self._upload_ahead(il, experts)
         self.stats.prefetches += issued
         return issued

@@ -4,7 +4,9 @@ Both are generators (mlx-lm's ``generate_step`` is the model): they yield tokens
 the KV caches consistent whenever the caller stops reading.
 
 One speculative step: the draft (in step with the target's accepted tokens) drafts K tokens; while it does, its
-per-layer routing drives expert prefetch on the target (``prefetch.Prefetcher``); the target then verifies the
+per-layer routing drives expert prefetch on the target (``SpeculativeDecoder._on_draft_layer``: each confident
+expert protected and scheduled into the target's one prefetch queue, priority its confidence, due when the
+verification pass reaches its layer); the target then verifies the
 current token plus the K drafts; the accepted prefix plus one token from the target is emitted, and both KV
 caches are rolled back past the rejected drafts. Greedy output equals the target's own greedy output; with a
 temperature, standard speculative sampling keeps the target's distribution.
@@ -15,14 +17,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pyspecter.governor import OFF, KGovernor
 from pyspecter.native import Context, batch_invariant
 from pyspecter.predict import DraftRouting
-from pyspecter.prefetch import Prefetcher
 from pyspecter.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from pyspecter.cache import ExpertCache
 
 
 def generate_step(ctx: Context, prompt: list[int], sampler: Sampler,
@@ -101,24 +106,25 @@ class _OffWatch:
 
 
 class SpeculativeDecoder:
-    """Target + draft contexts on the same vocabulary. ``routing``/``prefetcher`` are optional: without them this
-    is plain speculative decoding; with them the draft's routing prefetches the target's experts."""
+    """Target + draft contexts on the same vocabulary. ``routing``/``slots`` are optional: without them this
+    is plain speculative decoding; with them the draft's routing prefetches into the target's expert slots (its
+    experts at ``min_confidence`` or more)."""
 
     def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
-                 routing: DraftRouting | None = None, prefetcher: Prefetcher | None = None,
+                 routing: DraftRouting | None = None, slots: ExpertCache | None = None, min_confidence: float = 0.0,
                  temperature: float | SamplingParams = 0.0, seed: int = 0, batch_verify: bool | None = None,
                  predict_at_k0: bool = False, drop_draft: Callable[[], None] | None = None) -> None:
         if target.model.n_vocab != draft.model.n_vocab:
             raise ValueError("draft and target must share a vocabulary")
         self.target, self.draft = target, draft
         self.k, self.adaptive = k, adaptive
-        self.routing, self.prefetcher = routing, prefetcher
+        self.routing, self.slots, self.min_confidence = routing, slots, min_confidence
         # K=0 still runs the draft on the current token, one step ahead of the target, when its routing is what
         # fills the slots (not all experts resident); with nothing to prefetch, K=0 is plain target decoding
-        self.predict_at_k0 = predict_at_k0 and routing is not None and prefetcher is not None
+        self.predict_at_k0 = predict_at_k0 and routing is not None and slots is not None
         self.governor = KGovernor(k_max=k_max, k=k, draft_at_k0=self.predict_at_k0)
-        if routing is not None and prefetcher is not None:
-            routing.on_layer = prefetcher.on_draft_layer
+        if routing is not None and slots is not None:
+            routing.on_layer = self._on_draft_layer
         self.sampler = Sampler(temperature, seed)
         # Stock CPU kernels give different bits for 1 and for K+1 rows (llamafile's sgemm tiles them differently:
         # max |dlogit| 0.98 on smol-moe), so a batched pass could flip a near-tie that token-by-token decoding
@@ -132,7 +138,6 @@ class SpeculativeDecoder:
         self.batch_verify = batch_verify
         self.stats = SpecStats()
         self._draft_lag: list[int] = []  # tokens the draft has not read yet: the prompt, and steps run without it
-        self._t_token: float | None = None  # EMA of one target token's decode time (the prefetch deadlines)
         # Called once the governor measures that plain decoding beats every K that runs the draft: the owner
         # frees the draft and gives its memory to the slots; decoding goes on without a draft for good.
         self.drop_draft = drop_draft
@@ -218,14 +223,27 @@ class SpeculativeDecoder:
                 ctx.truncate(keep)
 
     def _drop(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.cache.unprotect_all()
+        if self.slots is not None:
+            self.slots.unprotect_all()
         self.drop_draft()
-        self.draft = self.routing = self.prefetcher = None
+        self.draft = self.routing = self.slots = None
         self.predict_at_k0 = False
         self._draft_lag = []
         self.governor.pin(OFF)
         self.stats.dropped_at = self.stats.steps
+
+    def _on_draft_layer(self, il: int, experts: dict[int, float]) -> None:
+        """The draft has routed layer il of a drafted token: its confident experts are protected for the window and
+        scheduled into the target's prefetch queue, the one the native planner fills too (priority: the draft's
+        confidence; deadline: the layer's position in the verification pass, in routing calls from now). The
+        queue serves them behind every demand read, and a demand takes back a queued one."""
+        keep = sorted(((w, e) for e, w in experts.items() if w >= self.min_confidence), reverse=True)
+        if not keep or self.slots is None:
+            return
+        self.slots.protect(il, [e for _, e in keep])
+        due = self.slots.layer_pos.get(il, 0)
+        for w, e in keep:
+            self.slots.prefetch(il, [e], priority=float(w), deadline=due)
 
     def _step(self, cur: int, k: int) -> list[int]:
         """One step: draft k tokens (k = 0: the draft only predicts; OFF: no draft), verify, roll back."""
@@ -239,21 +257,17 @@ class SpeculativeDecoder:
         else:
             drafts, qs = [], []
             self._draft_lag.append(cur)
-            if self.prefetcher is not None:  # no window in flight: nothing may stay pinned in the slots
-                self.prefetcher.cache.unprotect_all()
+            if self.slots is not None:  # no window in flight: nothing may stay pinned in the slots
+                self.slots.unprotect_all()
         t1 = time.perf_counter()
-        watch = k == OFF and self.draft is not None and self.drop_draft is not None and self.prefetcher is not None
+        watch = k == OFF and self.draft is not None and self.drop_draft is not None and self.slots is not None
         if watch:
-            tot = self.prefetcher.cache.totals
+            tot = self.slots.totals
             before = (tot.hook_ns, tot.misses, tot.ghost_misses)
         accepted, bonus = self._verify(cur, drafts, qs)
         t2 = time.perf_counter()
         if watch:
             self._off.add(t2 - t0, before, tot)
-        # the prefetch deadlines' time per target pass: one token, or the whole batched window (every layer of
-        # which needs its experts for all K+1 rows at once)
-        per = (t2 - t1) if self.batch_verify else (t2 - t1) / (accepted + 1)
-        self._t_token = per if self._t_token is None else 0.8 * self._t_token + 0.2 * per
         self._keep(base + 1 + accepted)  # roll both caches back to the accepted prefix: cur + accepted drafts
         self._record(k, accepted, t1 - t0, t2 - t1)
         return [*drafts[:accepted], bonus]
@@ -273,10 +287,8 @@ class SpeculativeDecoder:
         driving the target's prefetch as it goes."""
         if self.routing is not None:
             self.routing.start()
-        if self.prefetcher is not None:
-            # the verification pass starts after K+1 draft tokens; uploads must land before it needs them
-            t_draft = self.governor.t_draft
-            self.prefetcher.start_window(t_draft * (k + 1) if t_draft else None, self._t_token)
+        if self.slots is not None:  # a new window: what the last one protected may go
+            self.slots.unprotect_all()
         drafts: list[int] = []
         qs: list[np.ndarray] = []
         # The draft's last token of a step is run for its routing only (it predicts the last verified position):

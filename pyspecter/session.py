@@ -25,7 +25,6 @@ from pyspecter.learned import LearnedPredictor
 from pyspecter.native.devices import Device, open_device
 from pyspecter.placement import Placement, SlotCount, device_layer_plan, place, slot_count
 from pyspecter.predict import DraftRouting
-from pyspecter.prefetch import Prefetcher
 from pyspecter.prompts import render_prompt
 from pyspecter.sampling import Sampler, SamplingParams
 from pyspecter.tiers import make_tier
@@ -60,7 +59,6 @@ class SessionConfig:
     min_confidence: float = 0.0
     draft_counts_in_budget: bool = True  # equal total fast memory: the draft's bytes come out of the slot budget
     profile: Path | None = None  # a trace (pyspecter trace): warm the slots with its hottest experts
-    prefetch_cutoff: bool = True  # skip uploads the link cannot deliver before the verification pass needs them
     # miss="surrogate" only: per MoE layer, the neuron groups each expert's surrogate keeps
     # (pyspecter.models.calibration.select_neurons makes them; the runtime does not build artifacts)
     surrogate_groups: dict[int, np.ndarray] | None = None
@@ -201,9 +199,9 @@ class Session:
             # its routing predicts what to prefetch into the slots: nothing to do without them
             self.routing = DraftRouting(self.draft, dlay) if dlay.is_moe and self.cache is not None else None
             self.dctx = native.Context(self.draft, n_ctx=cfg.n_ctx, n_threads=cfg.n_threads)
-            pf = Prefetcher(self.cache, cfg.min_confidence, cutoff=cfg.prefetch_cutoff) if self.routing else None
             self.decoder = SpeculativeDecoder(self.tctx, self.dctx, k=cfg.k, adaptive=cfg.adaptive,
-                                              routing=self.routing, prefetcher=pf, temperature=self.sampling,
+                                              routing=self.routing, slots=self.cache if self.routing else None,
+                                              min_confidence=cfg.min_confidence, temperature=self.sampling,
                                               seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert,
                                               drop_draft=self._drop_draft if self.held else None)
             if self.cache is not None:

@@ -65,8 +65,6 @@ def bench(
     k: Annotated[int, typer.Option("-k", help="specter: draft tokens per step (start value)")] = 4,
     fixed_k: Annotated[bool, typer.Option("--fixed-k", help="specter: do not adapt K (e.g. -k 0 --fixed-k: "
                                                             "the draft only predicts experts)")] = False,
-    no_cutoff: Annotated[bool, typer.Option("--no-cutoff", help="specter: prefetch every prediction, even ones "
-                                                                "the link cannot deliver in time")] = False,
     surrogate_width: SurrogateOpt = 0.25,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output (a list when sweeping)")] = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="one CSV row per policy and sweep point, with a header; "
@@ -117,7 +115,7 @@ def bench(
     for p, th in itertools.product(points, thread_counts):
         results.append(run_bench(path, tier=p.tier, budget=p.budget, policies=split(policies or "") or None,
                                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=th, draft=dpath, k=k,
-                                 adaptive=not fixed_k, cutoff=not no_cutoff, surrogate_width=surrogate_width,
+                                 adaptive=not fixed_k, surrogate_width=surrogate_width,
                                  prompts=prompts, device=p.device, forced=forced,
                                  progress=progress_printer()))
         if not (json_out or csv_out):

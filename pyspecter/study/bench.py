@@ -167,7 +167,7 @@ def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int, extra: d
 def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list[list[int]],
                 hot: dict[int, list[int]] | None, inputs: Path, *, tier: str, slots: int, sur_slots: int,
                 budget_bytes: int, n: int, repeat: int, n_threads: int, draft: str | Path | None, k: int,
-                adaptive: bool, cutoff: bool, surrogate_width: float, device: Device | None = None,
+                adaptive: bool, surrogate_width: float, device: Device | None = None,
                 learned_slots: int | None = None, extra: dict[int, int] | None = None,
                 plan: LayerPlan | None = None, forced: list[list[int]] | None = None,
                 progress: Progress | None = None,
@@ -198,7 +198,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                         on_top = 0 if p != "specter-equal-slots" else Path(draft).stat().st_size
                         call = {"fn": "specter", "draft": str(draft) if p != "engine" else None,
                                 "budget_bytes": budget_bytes, "count_draft": p != "specter-equal-slots", "k": k,
-                                "adaptive": adaptive, "cutoff": cutoff, **common}
+                                "adaptive": adaptive, **common}
                         run, caps[p] = _run_capped(call, path, cap + on_top)
                     else:
                         run, caps[p] = _run_capped({"fn": "run", "policy": p, "slots": p_slots,
@@ -214,7 +214,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                     # "specter": the draft's bytes come out of the same budget (equal total fast memory, the
                     # headline); "specter-equal-slots": same slots as the others, draft on top
                     runs[p].append(run_specter(path, Path(draft), budget_bytes, p == "specter", tier, sets, n,
-                                               n_threads, k, adaptive, cutoff,
+                                               n_threads, k, adaptive,
                                                device=device.spec if device else None))
                 else:
                     runs[p].append(run_policy(p, path, layout, p_slots, tier, sets, n, n_threads, surrogate_width,
@@ -228,7 +228,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
 def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None, slots: int | None = None,
               policies: list[str] | None = None, prompt_len: int | None = None, n: int = 32, repeat: int = 3,
               n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
-              cutoff: bool = True, surrogate_width: float = 0.25, prompts: str | Path | None = None,
+              surrogate_width: float = 0.25, prompts: str | Path | None = None,
               device: str | None = None, forced: bool | None = None, progress: Progress | None = None) -> dict:
     """Every policy over the same prompts, interleaved ``repeat`` times. ``prompts``: a prompt file (plain text,
     one prompt a line, or JSONL: ``prompts.load_prompts``), each prompt chat-rendered and used whole, or cut to
@@ -303,7 +303,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         inputs.write_text(json.dumps({"prompts": sets, "hot": hot, "forced": texts}))
         runs, skipped, caps = _interleave(path, layout, policies, sets, hot, inputs, tier=tier, slots=slots,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
-                                          n_threads=n_threads, draft=draft, k=k, adaptive=adaptive, cutoff=cutoff,
+                                          n_threads=n_threads, draft=draft, k=k, adaptive=adaptive,
                                           surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots,
                                           extra=extra, plan=plan, forced=texts, progress=progress)
     say("done", repeat * len(policies), repeat * len(policies))
@@ -388,9 +388,9 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                       surrogate_uses=c["surrogate_uses"])
         if p.startswith("specter"):
             out["policies"][p].update(acceptance=c["acceptance"], mean_k=c["mean_k"], slots_per_layer=c["slots"],
-                                      draft_off=c["draft_off"], skipped_late=c["skipped_late"], k_start=k,
+                                      draft_off=c["draft_off"], k_start=k,
                                       draft_dropped_at=[r.counters.get("draft_dropped_at") for r in rs],
-                                      adaptive=adaptive, cutoff=cutoff, miss="wait" if tier == "disk" else "cpu")
+                                      adaptive=adaptive, miss="wait" if tier == "disk" else "cpu")
     # oracle bound: Belady-optimal uploads for the routing the recording runs (on-demand, prev-token) saw, perfectly
     # overlapped; exact policies decode the same greedy tokens, so any one of their traces will do
     trace = next((r.trace for p in policies for r in runs[p] if r.trace), None)

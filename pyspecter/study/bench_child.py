@@ -31,7 +31,7 @@ def run(args: dict) -> dict:
     else:
         r = run_specter(p, Path(args["draft"]) if args["draft"] else None, args["budget_bytes"], args["count_draft"],
                         "disk", prompts,
-                        args["n"], args["n_threads"], args["k"], args["adaptive"], args["cutoff"],
+                        args["n"], args["n_threads"], args["k"], args["adaptive"],
                         forced=forced if not args["draft"] else None)
     return dataclasses.asdict(r)
 

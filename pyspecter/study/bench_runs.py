@@ -219,10 +219,11 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
 
 def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_draft: bool, tier: str | None,
                 prompts: list[list[int]], n: int, n_threads: int, k: int, adaptive: bool = True,
-                cutoff: bool = True, device: str | None = None, forced: list[list[int]] | None = None) -> Run:
+                device: str | None = None, forced: list[list[int]] | None = None) -> Run:
     """One run of the engine over every prompt, as generate and chat run it; the session and its slots persist.
     With a draft: speculative decoding with draft-driven prefetch and the K governor; without one ("engine"): the
-    learned predictor's prefetch plan (when one is fitted for the model) under its governor. ``budget_bytes`` and
+    learned predictor in C (when one is fitted for the model): the native planner's prefetches, the reuse maps'
+    eviction. ``budget_bytes`` and
     ``tier`` None: placed as generate places a model given no flags (stock llama.cpp when it fits). ``forced`` (no
     draft only): the session's sampler picks the held-out text's tokens (``forced.ForcedSampler``)."""
     if forced is not None and draft is not None:
@@ -233,7 +234,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
     budget = str(budget_bytes) if budget_bytes is not None else None
     s = Session(SessionConfig(model=path, draft=draft, budget=budget, tier=tier, force=budget is not None, k=k,
                               adaptive=adaptive, n_ctx=max(map(len, prompts)) + n + 16, n_threads=n_threads,
-                              draft_counts_in_budget=count_draft, prefetch_cutoff=cutoff, device=device))
+                              draft_counts_in_budget=count_draft, device=device))
     load_s = time.perf_counter() - t_load  # the session warms its contexts up
     try:
         prefill, tpots, parts, tokens = 0.0, [], [], []
@@ -267,8 +268,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
         if s.decoder is not None:
             ds = s.decoder.stats
             c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off,
-                     draft_dropped_at=ds.dropped_at,
-                     skipped_late=s.decoder.prefetcher.skipped_late if s.decoder.prefetcher else 0)
+                     draft_dropped_at=ds.dropped_at)
         st = s.stats()
         c.update({k: st[k] for k in ENGINE_STATS if k in st})
         return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens, load_s=load_s,

@@ -40,12 +40,12 @@ def test_bench_engine_and_surrogate_policies_on_the_disk_tier(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
     r = run_cli("bench", "tiny-mixtral", "--tier", "disk", "--budget", "75%", "--draft", str(draft),
                 "--policies", "on-demand-lru,specter,specter-equal-slots,surrogate", "--surrogate-width", "0.5",
-                "--fixed-k", "-k", "0", "--no-cutoff", "--repeat", "1", "-n", "6", "--prompt-tokens", "8", "--json")
+                "--fixed-k", "-k", "0", "--repeat", "1", "-n", "6", "--prompt-tokens", "8", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     lru, spec, sur = (out["policies"][p] for p in ("on-demand-lru", "specter-equal-slots", "surrogate"))
     assert spec["slots_per_layer"] == out["slots_per_layer"] == 12 and lru["hit_rate"] < 1
-    assert spec["mean_k"] == 0 and spec["draft_off"] == 0 and spec["cutoff"] is False and spec["adaptive"] is False
+    assert spec["mean_k"] == 0 and spec["draft_off"] == 0 and spec["adaptive"] is False
     assert spec["miss"] == "wait"
     # teacher-forced by default on the fixture, but the speculative decoder drafts its own tokens: free, and says so
     assert lru["decode"] == "teacher-forced" and spec["decode"] == "free"

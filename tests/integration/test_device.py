@@ -26,7 +26,6 @@ from pyspecter.models.tiny import TINY_MODELS, build_tiny
 from pyspecter.native import graph_splits
 from pyspecter.native.devices import open_device
 from pyspecter.predict import DraftRouting
-from pyspecter.prefetch import Prefetcher
 from pyspecter.study.verify import verify
 
 # >= 32 tokens with every fixture's tokenizer
@@ -180,7 +179,7 @@ def test_speculative_on_rpc_device_is_exact(name: str, rpc: str, tmp_path: Path)
         try:
             with native.Context(tm) as tctx, native.Context(dm) as dctx:
                 eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, routing=routing,
-                                         prefetcher=Prefetcher(cache))
+                                         slots=cache)
                 out = eng.generate(toks, 24, stop_at_eog=False)
                 cache.check()
             assert out == ref

@@ -16,7 +16,6 @@ from pyspecter.layout import read_layout
 from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
 from pyspecter.predict import DraftRouting
-from pyspecter.prefetch import Prefetcher
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +54,7 @@ def test_greedy_identical_to_target(name: str, adaptive: bool, batch_verify: boo
         routing = DraftRouting(dm, dlay)
         with native.Context(tm) as tctx, native.Context(dm) as dctx:
             # adaptive runs also predict at K=0 (the draft runs one token ahead for its routing only)
-            eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=adaptive, routing=routing, prefetcher=Prefetcher(cache),
+            eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=adaptive, routing=routing, slots=cache,
                                      batch_verify=batch_verify, predict_at_k0=adaptive)
             for toks, ref in refs:
                 out = eng.generate(toks, 32, stop_at_eog=False)
@@ -116,7 +115,7 @@ def test_engine_exact_with_ordered_waits_on_disk(name: str, tiny_drafts: dict[tu
         cache = ExpertCache(tm, lay, lay.n_expert_used + 1, miss="wait", ordered=True, tier=make_tier("disk"))
         routing = DraftRouting(dm, dlay)
         with native.Context(tm) as tctx, native.Context(dm) as dctx:
-            eng = SpeculativeDecoder(tctx, dctx, k=2, adaptive=True, routing=routing, prefetcher=Prefetcher(cache),
+            eng = SpeculativeDecoder(tctx, dctx, k=2, adaptive=True, routing=routing, slots=cache,
                                      predict_at_k0=True)
             assert eng.generate(toks, 24, stop_at_eog=False) == ref
             cache.check()

@@ -118,3 +118,33 @@ def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor
     with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, native=False)) as s:
         assert s.predictor is None and not s.cache.native
         assert s.generate(toks, 40, stop_at_eog=False) == ref
+
+
+def test_the_drafts_routing_feeds_the_same_queue(tmp_path) -> None:
+    """The draft's routing of drafted tokens reaches C between tokens as schedule(layer, expert, confidence,
+    position in the verification pass) and protect: prefetches the native queue serves, exactly."""
+    from pyspecter.engine import SpeculativeDecoder
+    from pyspecter.models.draft import make_draft
+    from pyspecter.predict import DraftRouting
+
+    model = build_tiny("tiny-qwen3moe")
+    draft = make_draft(model, tmp_path / "draft.gguf", experts_type="Q4_0", ffn_keep=1.0, progress=False)
+    lay = read_layout(model)
+    with native.Model(model) as m, native.Context(m, n_threads=1) as ctx:
+        toks = m.tokenize(TEXT)
+        ref = greedy(ctx, toks, 24)[0]
+    with native.Model(model) as tm, native.Model(draft) as dm:
+        cache = ExpertCache(tm, lay, lay.n_expert_used + 4, miss="wait", ordered=True)
+        routing = DraftRouting(dm, read_layout(draft))
+        try:
+            assert cache.native and cache.hooks is None
+            with native.Context(tm, n_threads=1) as tctx, native.Context(dm, n_threads=1) as dctx:
+                eng = SpeculativeDecoder(tctx, dctx, k=2, adaptive=False, routing=routing, slots=cache)
+                assert eng.generate(toks, 24, stop_at_eog=False) == ref
+                cache.check()
+            c = cache.counters()
+        finally:
+            routing.close()
+            cache.close()
+    # the draft's: neither the maps' nor the prefill lookahead's
+    assert c["prefetches"] > c["lookahead"] and c["ahead_prefetches"] == 0

@@ -301,7 +301,6 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
     from pyspecter.engine import SpeculativeDecoder, greedy
     from pyspecter.layout import read_layout
     from pyspecter.predict import DraftRouting
-    from pyspecter.prefetch import Prefetcher
     from pyspecter.prompts import load_prompts, render_prompt
 
     lay = read_layout(moe)
@@ -309,7 +308,7 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
         cache = ExpertCache(tm, lay, lay.n_expert // 2, miss="cpu")
         routing = DraftRouting(dm, read_layout(draft))
         with native.Context(tm) as tctx, native.Context(dm) as dctx:
-            eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, routing=routing, prefetcher=Prefetcher(cache))
+            eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, routing=routing, slots=cache)
             assert eng.batch_verify
             for p in load_prompts(split="eval"):
                 toks = tm.tokenize(render_prompt(tm, p["messages"]), add_special=False)
