@@ -75,8 +75,10 @@ struct pyspecter_residency {
     // the planner (planner.cpp): on/off, its least probability, and the layer-time its deadlines are counted in
     bool planner = false;
     float min_prob = 0.5f;
+    float max_stall = 0.5f;
     double t_layer_ns = 0.0;  // EMA of the time between consecutive one-token routing calls
-    int64_t last_route_ns = 0;
+    double stall_ns = 0.0;    // EMA of the routing and wait ops' waits for reads over those gaps
+    int64_t last_route_ns = 0, last_wait_ns = 0;
 
     ~pyspecter_residency() { stop(); }
 
@@ -765,10 +767,14 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     R->clock++;
     if (n_tokens == 1 && R->planner) {
         const int64_t now = pyspecter_now_ns(), gap = now - R->last_route_ns;
+        const int64_t waited = c.wait_ns.load(), dw = std::max<int64_t>(0, waited - R->last_wait_ns);
         if (R->last_route_ns && gap < 500000000) { // between layers of one token, not across a pause
-            R->t_layer_ns = R->t_layer_ns == 0.0 ? (double) gap : 0.9 * R->t_layer_ns + 0.1 * (double) gap;
+            const bool first = R->t_layer_ns == 0.0;
+            R->t_layer_ns = first ? (double) gap : 0.9 * R->t_layer_ns + 0.1 * (double) gap;
+            R->stall_ns = first ? (double) dw : 0.9 * R->stall_ns + 0.1 * (double) dw;
         }
         R->last_route_ns = now;
+        R->last_wait_ns = waited;
     }
     L->prev_call = L->last_call;
     L->last_call = R->clock;
@@ -835,7 +841,12 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         recency_observe(L, needed);
     }
     L->x_cur = nullptr;
-    if (n_tokens == 1 && R->planner && !L->ahead.empty()) { // decoding: the next layers of this token
+    // Decoding: the next layers of this token. Not while the link is the bottleneck: when waits for reads take
+    // more than max_stall of a layer-time the link has no idle time for prefetches to fill, and every wrong one
+    // takes it from the misses the compute thread waits for (on smol-moe's disk tier at 50% prefetching raised
+    // the stall; tokens there are 70-78% stalled on reads).
+    const bool link_bound = R->t_layer_ns > 0.0 && R->stall_ns > R->max_stall * R->t_layer_ns;
+    if (n_tokens == 1 && R->planner && !L->ahead.empty() && !link_bound) {
         pyspecter_plan_ahead(L, x, n_embd);
     }
 }
@@ -1199,14 +1210,15 @@ int32_t llama_pyspecter_schedule(llama_model * model, int32_t il, int32_t expert
     }
 }
 
-int32_t llama_pyspecter_set_planner(llama_model * model, bool enabled, float min_prob) {
+int32_t llama_pyspecter_set_planner(llama_model * model, bool enabled, float min_prob, float max_stall) {
     auto * R = residency_of(model);
-    if (!R || !(min_prob >= 0.0f && min_prob <= 1.0f)) {
+    if (!R || !(min_prob >= 0.0f && min_prob <= 1.0f) || !(max_stall >= 0.0f)) {
         return R ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
     }
     std::lock_guard<std::mutex> lk(R->mu);
     R->planner = enabled;
     R->min_prob = min_prob;
+    R->max_stall = max_stall;
     return LLAMA_PYSPECTER_OK;
 }
 

@@ -151,9 +151,11 @@ class NativeResidency:
                             f"layer {il}: the layer-ahead map for layer {dst} does not fit the model")
         self.set_planner(True, min_prob)
 
-    def set_planner(self, enabled: bool, min_prob: float = 0.5) -> None:
-        """The native planner's layer-ahead prefetching on or off (its maps stay set)."""
-        self._check(self.api.set_planner(self.model.ptr, enabled, min_prob), "could not set the planner")
+    def set_planner(self, enabled: bool, min_prob: float = 0.5, max_stall: float = 0.5) -> None:
+        """The native planner's layer-ahead prefetching on or off (its maps stay set); ``max_stall``: it stands
+        aside while waits for reads take more than that share of a layer-time (link-bound; >= 1: never). The one
+        on/off rule of prefetching from the maps, native; the draft's governor is ``governor.KGovernor``."""
+        self._check(self.api.set_planner(self.model.ptr, enabled, min_prob, max_stall), "could not set the planner")
 
     def ahead_probs(self, il_src: int, il_dst: int, x: np.ndarray) -> np.ndarray:
         """What the native planner predicts for layer il_dst from router input x of layer il_src (the probabilities

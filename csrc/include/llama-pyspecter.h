@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 14
+#define LLAMA_PYSPECTER_VERSION 15
 
 #ifdef __cplusplus
 extern "C" {
@@ -246,8 +246,11 @@ LLAMA_API int32_t llama_pyspecter_set_ahead_map(struct llama_model * model, int3
                                                 const float * W, const float * b, int32_t n_embd, int32_t n_used,
                                                 int32_t gating, const float * sel_bias, const float * table,
                                                 const float * edges, int32_t n_bins);
-// planner on/off (its maps are kept either way) and the least probability it prefetches at
-LLAMA_API int32_t llama_pyspecter_set_planner(struct llama_model * model, bool enabled, float min_prob);
+// planner on/off (its maps are kept either way), the least probability it prefetches at, and the link-bound rule:
+// it stands aside while the waits for reads take more than max_stall of a layer-time (EMAs over one-token calls;
+// >= 1: never)
+LLAMA_API int32_t llama_pyspecter_set_planner(struct llama_model * model, bool enabled, float min_prob,
+                                              float max_stall);
 // The probabilities il_src's map for il_dst gives router input x ([n_embd]) into out[n_expert]: what the routing op
 // computes (tests compare it with the Python predictor). 0, or a negative status (no such map).
 LLAMA_API int32_t llama_pyspecter_ahead_probs(struct llama_model * model, int32_t il_src, int32_t il_dst,

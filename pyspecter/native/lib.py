@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 14
+PATCH_SERIES_VERSION = 15
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -520,9 +520,10 @@ def llama_pyspecter_set_ahead_map(model: ModelPtr, il_src: int, il_dst: int, W: 
     ...
 
 
-@ctypes_function("llama_pyspecter_set_planner", [_model, ctypes.c_bool, ctypes.c_float], _i32)
-def llama_pyspecter_set_planner(model: ModelPtr, enabled: bool, min_prob: float, /) -> int:
-    """The native planner on/off and the least probability it prefetches at."""
+@ctypes_function("llama_pyspecter_set_planner", [_model, ctypes.c_bool, ctypes.c_float, ctypes.c_float], _i32)
+def llama_pyspecter_set_planner(model: ModelPtr, enabled: bool, min_prob: float, max_stall: float, /) -> int:
+    """The native planner on/off, the least probability it prefetches at, and the stall share (of a layer-time)
+    above which it stands aside (link-bound)."""
     ...
 
 

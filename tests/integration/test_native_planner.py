@@ -72,13 +72,16 @@ def test_native_maps_give_the_predictors_probabilities(fitted: LearnedPredictor)
     assert pairs == 40 * sum(pred.n_targets(j) for j in range(len(pred.layers))) and same >= 0.95 * pairs
 
 
-def _decode(model, pred: LearnedPredictor, tier: str, ahead: bool, n: int = 40) -> tuple[list[int], dict]:
+def _decode(model, pred: LearnedPredictor, tier: str, ahead: bool, n: int = 40,
+            max_stall: float = 1.0) -> tuple[list[int], dict]:
     lay = read_layout(model)
     with native.Model(model, lazy_experts=tier == "disk") as m:
         cache = ExpertCache(m, lay, lay.n_expert_used + 4, policy="predicted", miss="wait", tier=make_tier(tier),
                             ordered=True, reuse=pred, duel=False, ahead=pred if ahead else None, native=True)
         try:
             assert cache.hooks is None  # no Python inside a layer
+            if ahead:  # 1: never link-bound (the rule has a test of its own)
+                cache.nat.set_planner(True, 0.5, max_stall)
             with native.Context(m, n_threads=1) as ctx:
                 toks = greedy(ctx, m.tokenize(TEXT), n)[0]
                 cache.check()
@@ -101,6 +104,16 @@ def test_planner_prefetches_and_is_exact(tier: str, fitted: LearnedPredictor) ->
     assert c_on["needed"] == c_off["needed"]  # the same routing: only what was resident differs
     # prefetched experts are found resident at need: more hits than the same cache without the planner
     assert c_on["resident_at_need"] > c_off["resident_at_need"], (c_on, c_off)
+
+
+def test_the_planner_stands_aside_while_the_link_is_the_bottleneck(fitted: LearnedPredictor) -> None:
+    """max_stall 0: once any read was waited for, the link counts as the bottleneck and the maps stop (the
+    first decoded token's misses on the disk tier wait); the output stays stock's."""
+    model = build_tiny("tiny-qwen3moe")
+    free, c_free = _decode(model, fitted, "disk", True, max_stall=1.0)
+    bound, c_bound = _decode(model, fitted, "disk", True, max_stall=0.0)
+    assert free == bound and c_bound["wait_ms"] > 0
+    assert c_bound["ahead_maps"] * 4 < c_free["ahead_maps"], (c_bound, c_free)
 
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])
