@@ -13,17 +13,17 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 // LLAMA_EXPERT_GATING_FUNC_TYPE_*, as learned.py names them
 enum { GATING_SIGMOID = 2, GATING_SQRT_SOFTPLUS = 4 };
 
-void pyspecter_ahead_probs(const pyspecter_ahead_map & m, const float * x, float * y, float * probs) {
+void pyspecter_ahead_probs(const pyspecter_ahead_map & m, const float * x, float * y_out, float * probs) {
     const int32_t E = (int32_t) m.b.size(), D = m.n_embd;
+    float * __restrict y = y_out;
     std::copy(m.b.begin(), m.b.end(), y);
     for (int32_t i = 0; i < D; ++i) { // x W, row by row: the inner loop over experts vectorizes
         const float xi = x[i];
-        const float * row = m.W.data() + (size_t) i * E;
+        const float * __restrict row = m.W.data() + (size_t) i * E;
         for (int32_t e = 0; e < E; ++e) {
             y[e] += xi * row[e];
         }
@@ -60,8 +60,14 @@ void pyspecter_ahead_probs(const pyspecter_ahead_map & m, const float * x, float
         big.resize((size_t) E);
         ord = big.data();
     }
-    std::iota(ord, ord + E, 0);
-    std::stable_sort(ord, ord + E, [&](int32_t a, int32_t b) { return y[a] > y[b]; });
+    // insertion sort, descending, stable: a few dozen experts, no allocation inside the routing op
+    for (int32_t e = 0; e < E; ++e) {
+        int32_t j = e;
+        for (; j > 0 && y[ord[j - 1]] < y[e]; --j) {
+            ord[j] = ord[j - 1];
+        }
+        ord[j] = e;
+    }
     const int32_t k = m.n_used;
     const float gap = k < E ? y[ord[k - 1]] - y[ord[k]] : 0.0f;
     int32_t bin = 0;
@@ -86,8 +92,12 @@ void pyspecter_plan_ahead(llama_pyspecter_layer * L, const float * x, int32_t n_
         int32_t h, e;
         size_t map;
     };
-    std::vector<cand> cands;
-    std::vector<float> y((size_t) E), probs(L->ahead.size() * (size_t) E);
+    // scratch kept by the compute thread: no allocation per routing op once warm
+    thread_local std::vector<cand> cands;
+    thread_local std::vector<float> y, probs;
+    cands.clear();
+    y.resize((size_t) E);
+    probs.resize(L->ahead.size() * (size_t) E);
     for (size_t i = 0; i < L->ahead.size(); ++i) {
         const auto & m = L->ahead[i];
         // Each target is predicted from the latest source that can still have its experts land in time: a nearer
