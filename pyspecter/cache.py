@@ -25,7 +25,7 @@ from pyspecter import native as _native  # for __init__, whose `native` argument
 from pyspecter.budget import check_slots
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
-from pyspecter.misses import MISS_MODES, make_miss_handler
+from pyspecter.misses import MISS_MODES, CacheStats, make_miss_handler
 from pyspecter.native.hooks import Hooks
 from pyspecter.native_residency import NativeResidency, native_reason
 from pyspecter.policies import POLICIES, make_policy
@@ -42,21 +42,6 @@ class Totals:
     misses: int = 0  # experts not resident when their layer asked
     ghost_misses: int = 0  # misses plain LRU over all allocated slots, held ones included, would have had
     hook_ns: int = 0  # time in the routing and wait hooks, waits for uploads included
-
-
-@dataclass
-class CacheStats:
-    uploads: int = 0
-    upload_bytes: int = 0
-    overflow_rows: int = 0  # wait mode: rows left to the host because one ubatch needed more experts than slots
-    hook_calls: int = 0
-    prefetches: int = 0  # uploads issued ahead of need (from a prediction)
-    surrogate_uses: int = 0  # misses served approximately by a surrogate (miss="surrogate")
-    lookahead: int = 0  # prefill: next layer's experts uploaded while this layer computes
-    late: int = 0  # ordered wait mode: misses computed after the layer's resident experts
-    waited: int = 0  # misses that waited for an upload already in flight
-    needed: int = 0  # distinct experts asked for, summed over (layer, ubatch)
-    resident_at_need: int = 0  # ... of which already resident when the layer asked: the cache's hit rate
 
 
 class ExpertCache:
@@ -264,23 +249,13 @@ class ExpertCache:
             needed = set(ids_p[: n_tokens * n_used])
             if self.trace is not None:
                 self.trace.append((il, tuple(sorted(needed))))
-            for e in needed:
-                st.freq[e] += 1
+            ghost_misses = res.note_needed(il, needed)
             self.misses.begin(il, st)
-            if st.pending:
-                res.reap(il)
-            missing = []
-            for e in sorted(needed):  # in expert order, as C serves them: one answer for one routing
-                s = st.where[e]
-                if s >= 0:
-                    st.last_use[s] = res.clock
-                else:
-                    missing.append(e)
+            missing = res.split(il, needed)
             self.stats.needed += len(needed)
             self.stats.resident_at_need += len(needed) - len(missing)
             self._totals.misses += len(missing)
-            if st.ghost is not None:
-                self._totals.ghost_misses += st.ghost.observe(needed)
+            self._totals.ghost_misses += ghost_misses
             if n_tokens > 1 and self.lookahead:
                 self._prefill_lookahead(il, len(needed))
             if missing:
@@ -319,16 +294,13 @@ class ExpertCache:
         if self.nat is not None:
             self.nat.protect(il, experts)
             return
-        st = self.layers.get(il)
-        if st is not None:
-            st.protected.update(experts)
+        self.residency.protect(il, experts)
 
     def unprotect_all(self) -> None:
         if self.nat is not None:
             self.nat.unprotect_all()
             return
-        for st in self.layers.values():
-            st.protected.clear()
+        self.residency.unprotect_all()
 
     def prefetch(self, il: int, experts, priority: float = 1.0, deadline: int = 0) -> int:
         """Start async uploads of predicted experts that are neither resident nor on their way. Victims are never

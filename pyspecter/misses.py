@@ -14,22 +14,52 @@ return is computed exactly on the host, so no decision here can change the model
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 from pyspecter.errors import SpecterError
-from pyspecter.residency import LayerSlots
-
-if TYPE_CHECKING:
-    from pyspecter.cache import ExpertCache
+from pyspecter.residency import LayerSlots, Residency
+from pyspecter.surrogate import Surrogates
+from pyspecter.tiers import Tier
 
 MISS_MODES = ("wait", "cpu", "surrogate")
+
+
+@dataclass
+class CacheStats:
+    """What the Python decision path counts (``ExpertCache.counters``; C counts its own under native residency)."""
+
+    uploads: int = 0
+    upload_bytes: int = 0
+    overflow_rows: int = 0  # wait mode: rows left to the host because one ubatch needed more experts than slots
+    hook_calls: int = 0
+    prefetches: int = 0  # uploads issued ahead of need (from a prediction)
+    surrogate_uses: int = 0  # misses served approximately by a surrogate (miss="surrogate")
+    lookahead: int = 0  # prefill: next layer's experts uploaded while this layer computes
+    late: int = 0  # ordered wait mode: misses computed after the layer's resident experts
+    waited: int = 0  # misses that waited for an upload already in flight
+    needed: int = 0  # distinct experts asked for, summed over (layer, ubatch)
+    resident_at_need: int = 0  # ... of which already resident when the layer asked: the cache's hit rate
+
+
+class MissHost(Protocol):
+    """What a handler uses of the cache that runs it (``cache.ExpertCache``), named here so that the handlers
+    import nothing above them. ``stats`` is read at each use: a counter reset replaces it."""
+
+    residency: Residency
+    tier: Tier
+    stats: CacheStats
+    n_reserved: int  # surrogate mode: reserved slots per layer
+    surrogates: Surrogates | None
+
+    def count_upload(self, il: int) -> None: ...
 
 
 class MissHandler:
     name = "?"
     wants_wait_hook = False
 
-    def __init__(self, cache: ExpertCache) -> None:
+    def __init__(self, cache: MissHost) -> None:
         self.cache = cache
         self.res = cache.residency
 
@@ -73,11 +103,11 @@ class MissHandler:
         self.cache.count_upload(il)
         return True
 
-    def _take_back_queued(self, st: LayerSlots, missing: list[int], inflight: dict) -> None:
+    def _take_back_queued(self, il: int, st: LayerSlots, missing: list[int], inflight: dict) -> None:
         # a prefetch still queued behind others is taken back and read now as a demand read
         for slot, (e, h) in list(st.pending.items()):
             if e in inflight and e in missing and h.cancel():
-                del st.pending[slot]
+                self.res.take_back(il, slot)
                 del inflight[e]
 
 
@@ -97,7 +127,7 @@ class WaitMisses(MissHandler):
 
     def handle(self, il: int, st: LayerSlots, needed: set[int], missing: list[int], n_tokens: int) -> None:
         inflight = st.inflight()
-        self._take_back_queued(st, missing, inflight)
+        self._take_back_queued(il, st, missing, inflight)
         landing = set(inflight) & set(missing)
         self.res.reap(il, block_for=landing)
         self.cache.stats.waited += len(landing)
@@ -126,7 +156,7 @@ class OrderedWaitMisses(MissHandler):
 
     def handle(self, il: int, st: LayerSlots, needed: set[int], missing: list[int], n_tokens: int) -> None:
         inflight = st.inflight()
-        self._take_back_queued(st, missing, inflight)
+        self._take_back_queued(il, st, missing, inflight)
         slot_of = {e: slot for slot, (e, _) in st.pending.items()}
         for e in missing:
             slot = slot_of.get(e)
@@ -140,9 +170,7 @@ class OrderedWaitMisses(MissHandler):
                 self.cache.count_upload(il)
             else:
                 self.cache.stats.waited += 1
-            if self.res.api.set_late(self.res.model.ptr, il, e, slot) != 0:
-                raise SpecterError(f"could not mark expert {e} of layer {il} late (no wait hook?)")
-            st.late[e] = slot
+            self.res.mark_late(il, e, slot)
             self.cache.stats.late += 1
 
     def on_wait(self, il: int) -> None:
@@ -162,7 +190,7 @@ class OrderedWaitMisses(MissHandler):
                 self.res.assign(il, e, slot)
             except SpecterError:
                 failed.append(e)
-        st.late.clear()
+        self.res.clear_late(il)
         if failed:
             raise SpecterError(f"upload of late expert(s) {sorted(failed)} of layer {il} failed; "
                                "this token's output would be wrong")
@@ -171,16 +199,13 @@ class OrderedWaitMisses(MissHandler):
 class SurrogateMisses(MissHandler):
     name = "surrogate"
 
-    def __init__(self, cache: ExpertCache) -> None:
+    def __init__(self, cache: MissHost) -> None:
         super().__init__(cache)
         self.wait = WaitMisses(cache)  # multi-token ubatches (prefill)
 
     def begin(self, il: int, st: LayerSlots) -> None:
         if st.sur_mapped:  # last ubatch's surrogate routing must not outlive it
-            for e in st.sur_mapped:
-                if st.where[e] < 0:
-                    self.res.api.set_slot(self.res.model.ptr, il, e, -1)
-            st.sur_mapped.clear()
+            self.res.unmap_surrogates(il)
 
     def handle(self, il: int, st: LayerSlots, needed: set[int], missing: list[int], n_tokens: int) -> None:
         if n_tokens > 1:
@@ -189,6 +214,7 @@ class SurrogateMisses(MissHandler):
         inflight = st.inflight()
         self._wait_for_due(il, missing, inflight)  # the exact expert is worth a short wait
         cache = self.cache
+        sur = cache.surrogates
         free = list(self.res.reserved(il, cache.n_reserved))  # after this layer's regular slots
         for e in missing:
             if st.where[e] >= 0:
@@ -199,15 +225,11 @@ class SurrogateMisses(MissHandler):
                 continue  # more misses than reserved slots: the host path computes this one exactly
             r = next((x for x in free if st.sur_in.get(x) == e), free[0])
             free.remove(r)
-            if st.sur_in.get(r) != e:
-                cache.surrogates.write(self.res.api, self.res.model.ptr, il, e, r)
-                st.sur_in[r] = e
-            self.res.api.set_slot(self.res.model.ptr, il, e, r)
-            st.sur_mapped.add(e)
+            self.res.map_surrogate(il, e, r, lambda e=e, r=r: sur.write(self.res.api, self.res.model.ptr, il, e, r))
             cache.stats.surrogate_uses += 1
 
 
-def make_miss_handler(cache: ExpertCache, miss: str, ordered: bool) -> MissHandler:
+def make_miss_handler(cache: MissHost, miss: str, ordered: bool) -> MissHandler:
     if miss not in MISS_MODES:
         raise SpecterError(f"unknown miss mode {miss!r}: use one of {', '.join(MISS_MODES)}")
     if ordered and miss != "wait":

@@ -9,16 +9,25 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from pyspecter.residency import LayerSlots
+from typing import Protocol
 
 
 class Scores(Protocol):
     """Per-expert scores read by index: a list, or the plan's lazily computed reuse scores."""
 
     def __getitem__(self, e: int, /) -> float: ...
+
+
+class LayerSlots(Protocol):
+    """What a policy reads of one layer's slot table (``residency.LayerSlots`` is the record; declared here so
+    that the policies, below the residency that uses them, import nothing of it)."""
+
+    owner: list[int]  # slot -> expert (-1 free)
+    last_use: list[int]  # slot -> clock of last hit
+    freq: list[int]  # expert -> times selected
+    loaded: list[int]  # slot -> clock its expert was mapped
+    prev_call: int  # clock of the layer's previous routing call
+    need: Scores  # expert -> predicted chance of use at the next call
 
 
 class Policy:

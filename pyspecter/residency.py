@@ -1,14 +1,18 @@
 """The slot table: which expert each slot of each MoE layer holds, and which uploads are landing.
 
-This table is the one source of truth for residency. The C remap table (expert -> slot) that the routing op
-reads is a mirror, written only from here (``assign``/``evict``), between decodes or from inside the routing
-hook. An upload in flight is *pending*: its slot is neither free nor mapped until the upload has landed whole;
-one that failed leaves its slot free and its expert a miss, which the host path computes exactly.
+On the Python decision path (the configurations ``native_residency.native_reason`` leaves to Python) this table
+is the one source of truth for residency, and this module writes it: the cache, the miss handlers and the
+surrogates call the methods below (the one other writer is the Python prefetch plan's ``need`` row, plan.py).
+The C remap table (expert -> slot) that the routing op reads is a mirror, written only from here
+(``assign``/``evict``), between decodes or from inside the routing hook. Under native residency C owns the
+table and this one only carries each layer's slot counts. An upload in flight is *pending*: its slot is neither
+free nor mapped until the upload has landed whole; one that failed leaves its slot free and its expert a miss,
+which the host path computes exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pyspecter import native
@@ -100,6 +104,71 @@ class Residency:
         if st is not None:
             st.prev_call, st.last_call = st.last_call, self.clock
         return st
+
+    def note_needed(self, il: int, needed: set[int]) -> int:
+        """Layer il's routing call needs ``needed``: count the uses (LFU, prefill's lookahead) and feed the held
+        slots' ghost. Returns the ghost's misses (0 without one)."""
+        st = self.layers[il]
+        for e in needed:
+            st.freq[e] += 1
+        return st.ghost.observe(needed) if st.ghost is not None else 0
+
+    def split(self, il: int, needed: set[int]) -> list[int]:
+        """Let landed uploads map, stamp the resident experts of ``needed`` as used now, and return the others
+        (in expert order, as C serves them: one answer for one routing)."""
+        st = self.layers[il]
+        if st.pending:
+            self.reap(il)
+        missing = []
+        for e in sorted(needed):
+            s = st.where[e]
+            if s >= 0:
+                st.last_use[s] = self.clock
+            else:
+                missing.append(e)
+        return missing
+
+    def protect(self, il: int, experts: Iterable[int]) -> None:
+        """Experts predicted for the window in flight: ``victim`` spares them until ``unprotect_all``."""
+        st = self.layers.get(il)
+        if st is not None:
+            st.protected.update(experts)
+
+    def unprotect_all(self) -> None:
+        for st in self.layers.values():
+            st.protected.clear()
+
+    def take_back(self, il: int, slot: int) -> None:
+        """The upload into ``slot`` was cancelled before it started: the slot is free again."""
+        del self.layers[il].pending[slot]
+
+    def mark_late(self, il: int, expert: int, slot: int) -> None:
+        """Ordered wait: ``expert`` (landing in ``slot``) is computed after the layer's resident experts."""
+        if self.api.set_late(self.model.ptr, il, expert, slot) != 0:
+            raise SpecterError(f"could not mark expert {expert} of layer {il} late (no wait hook?)")
+        self.layers[il].late[expert] = slot
+
+    def clear_late(self, il: int) -> None:
+        """The wait hook has served the layer's late experts."""
+        self.layers[il].late.clear()
+
+    def map_surrogate(self, il: int, expert: int, slot: int, expand: Callable[[], None]) -> None:
+        """Route ``expert`` to reserved ``slot`` for the current ubatch, first expanding its surrogate there
+        (``expand``) unless the slot holds it already."""
+        st = self.layers[il]
+        if st.sur_in.get(slot) != expert:
+            expand()
+            st.sur_in[slot] = expert
+        self.api.set_slot(self.model.ptr, il, expert, slot)
+        st.sur_mapped.add(expert)
+
+    def unmap_surrogates(self, il: int) -> None:
+        """The previous ubatch's surrogate routing ends: its experts not resident since are misses again."""
+        st = self.layers[il]
+        for e in st.sur_mapped:
+            if st.where[e] < 0:
+                self.api.set_slot(self.model.ptr, il, e, -1)
+        st.sur_mapped.clear()
 
     def assign(self, il: int, expert: int, slot: int) -> None:
         st = self.layers[il]

@@ -44,6 +44,56 @@ def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
     assert any(m.startswith(STUDY_AND_BUILDERS) for m in _imports(p))
 
 
+def _import_cycles(pkg: Path) -> list[list[str]]:
+    """Cycles among the package's top-level modules, counting every import: function-level and TYPE_CHECKING ones
+    too (a type-only import still points up the data path)."""
+    mods = {p.stem for p in pkg.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for m in mods:
+        deps = set()
+        for node in ast.walk(ast.parse((pkg / f"{m}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[0] == pkg.name and len(parts) > 1:
+                    deps.add(parts[1])
+                elif node.module == pkg.name:
+                    deps.update(a.name for a in node.names)
+        graph[m] = (deps & mods) - {m}
+    cycles, done = [], set()
+
+    def walk(m: str, path: list[str]) -> None:
+        for d in sorted(graph[m]):
+            if d in path:
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in done:
+                walk(d, path + [d])
+        done.add(m)
+
+    for m in sorted(mods):
+        if m not in done:
+            walk(m, [m])
+    return cycles
+
+
+def test_runtime_imports_have_no_cycle() -> None:
+    """Imports point down the data path (native -> residency and tiers -> prediction and prefetch -> engine ->
+    session): no module imports one that imports it back, not even for a type (the policies read the slot table
+    through a protocol of their own, the miss handlers their cache through another)."""
+    assert not _import_cycles(PKG), _import_cycles(PKG)
+
+
+def test_the_cycle_rule_sees_a_back_edge(tmp_path: Path) -> None:
+    pkg = tmp_path / "pyspecter"
+    pkg.mkdir()
+    (pkg / "residency.py").write_text("from pyspecter.policies import Policy\n")
+    (pkg / "policies.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from pyspecter.residency import LayerSlots\n")
+    (pkg / "cache.py").write_text("from pyspecter import misses\n")
+    (pkg / "misses.py").write_text("def f():\n    from pyspecter.cache import ExpertCache\n")
+    assert sorted(map(tuple, _import_cycles(pkg))) == [("cache", "misses", "cache"), ("policies", "residency",
+                                                                                       "policies")]
+
+
 def test_runtime_imports_without_the_library() -> None:
     """Every runtime module imports with llama.cpp's bindings unavailable: the library is bound on first use."""
     names = sorted(f"pyspecter.{p.stem}" for p in PKG.glob("*.py") if p.stem != "__main__")
