@@ -128,6 +128,7 @@ class ExpertCache:
             self.nat = NativeResidency(model, layout, self.tier, self._usable(), policy=policy, miss=miss,
                                        ordered=ordered, lookahead=self.lookahead, trace=self._trace, reuse=reuse,
                                        duel=duel, ahead=ahead)
+            self.residency.retire()  # C's slot table is the only one
             if on_input is not None:
                 self.hooks = Hooks(model, None, on_input=on_input)
         elif hook:
@@ -355,6 +356,7 @@ class ExpertCache:
         self.hooks = None
         self.nat = NativeResidency(self.model, self.layout, self.tier, self._usable(), policy=self.policy,
                                    miss=self.miss, ordered=self.ordered, lookahead=self.lookahead, trace=self._trace)
+        self.residency.retire()
         return True
 
     def check(self) -> None:

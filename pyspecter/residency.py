@@ -244,3 +244,14 @@ class Residency:
         for st in self.layers.values():
             st.n_usable = st.n_regular
             st.ghost = None
+
+    def retire(self) -> None:
+        """C owns residency from here (native residency): drop this table, keeping each layer's slot counts, so
+        that nothing can read a stale copy of C's (a read fails loudly instead). Uploads in flight must have
+        landed (``drain``)."""
+        for st in self.layers.values():
+            if st.pending:
+                raise SpecterError("uploads still in flight: drain before handing residency to C")
+            st.owner, st.where, st.last_use, st.freq, st.loaded = [], [], [], [], []
+            st.protected.clear()
+            st.ghost = None

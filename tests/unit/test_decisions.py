@@ -303,3 +303,17 @@ def test_fitting_a_model_to_the_memory_available() -> None:
     assert MemoryPlan.for_budget(lay, fit.budget).slots == budget // slot_row >= 2
     with pytest.raises(SpecterError, match="does not fit"):
         fit_to_memory(lay, RUNTIME_HEADROOM + 300 * 2**20)
+
+
+def test_a_retired_table_keeps_its_counts_and_no_copy_of_the_slots() -> None:
+    """Under native residency C's table is the only one: the Python one keeps the slot counts, and a read of its
+    slots fails instead of answering from a stale copy."""
+    res, _ = _residency()
+    res.start_upload(0, 4, 1, _Upload(ok=True, done=False))
+    with pytest.raises(SpecterError, match="drain"):
+        res.retire()
+    res.drain()
+    res.retire()
+    assert res.usable(0) == res.n_usable == 3
+    with pytest.raises(IndexError):
+        res.victim(0, set())
