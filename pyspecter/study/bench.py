@@ -29,11 +29,11 @@ from pyspecter.native import Context, Model
 from pyspecter.native.devices import Device, open_device
 from pyspecter.native.hooks import Hooks
 from pyspecter.prompts import load_prompts, render_prompt
-from pyspecter.study.analyze import simulate_cache
 from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
+from pyspecter.study.simulate import belady_misses
 from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
@@ -145,23 +145,6 @@ def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0, devi
         dt = time.perf_counter() - t0
         cache.close()
     return nbytes / dt / 1e9
-
-
-def belady_misses(trace: list[tuple[int, tuple[int, ...]]], slots: int, extra: dict[int, int] | None = None) -> int:
-    """Uploads an optimal (MIN) cache of `slots` per layer needs for this routing trace [(layer, experts)],
-    starting from the best cache it could hold: the real caches start warm from the prompt, so an empty start
-    would count first uses no real cache pays. The best start holds the first `slots` distinct experts used (what
-    MIN itself would load into empty slots), so it is MIN from empty less those loads: a lower bound for any cache
-    of that size, whatever it held before. ``extra``: layer -> slots beyond ``slots`` in that layer."""
-    per_layer: dict[int, list[tuple[int, ...]]] = {}
-    for il, needed in trace:
-        per_layer.setdefault(il, []).append(needed)
-    total = 0
-    for il, steps in per_layer.items():
-        n = slots + (extra or {}).get(il, 0)
-        total += (sum(len(set(s)) for s in steps) - simulate_cache(steps, n, "belady")
-                  - min(n, len({e for s in steps for e in s if e >= 0})))
-    return total
 
 
 def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list[list[int]],
