@@ -186,6 +186,8 @@ def stats_line(st: dict) -> str:
                  f"draft off {100 * st['draft_off']:.0f}% of steps")
         if st.get("draft_dropped_at") is not None:
             line += f"; draft dropped at step {st['draft_dropped_at']} (it did not pay), its memory is slots now"
+    if st.get("first_token_s") is not None:
+        line += f" | first token {st['first_token_s']:.2f} s"
     return line + "]"
 
 
