@@ -37,6 +37,8 @@ def test_generate_with_draft_equals_plain(mixtral_draft: Path) -> None:
     for key in ("tok_s", "hit_rate", "uploads", "acceptance", "mean_k", "stall_ms"):
         assert key in b["stats"]
     assert 2 < b["stats"]["mean_k"] <= 3  # fixed K, shortened only at the end of the answer
+    for st in (a["stats"], b["stats"]):  # prefill and the first sample, timed from the request
+        assert 0 < st["first_token_s"] < st["tokens"] / st["tok_s"]
 
 
 def test_generate_budget_that_cannot_hold_the_draft(mixtral_draft: Path) -> None:

@@ -126,7 +126,11 @@ def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor
         assert s.predictor is not None and s.cache.native and s.cache.hooks is None
         assert s.generate(toks, 40, stop_at_eog=False) == ref
         st = s.stats()
-        assert st["plan_prefetches"] > 0 and st["plan_maps"] > 0 and st["evict"] in ("learned", "lru")
+        assert st["evict"] in ("learned", "lru")
+        if tier == "ram":  # the CPU computes and copies there: the session runs no planner (its prefetches are memcpys)
+            assert st["plan_maps"] == 0 and st["plan_prefetches"] == 0
+        else:
+            assert st["plan_prefetches"] > 0 and st["plan_maps"] > 0
     # the Python hook (asked for) decodes without the predictor: it runs in C only
     with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, native=False)) as s:
         assert s.predictor is None and not s.cache.native

@@ -42,7 +42,11 @@ def test_session_with_the_planner_decodes_stocks_tokens(tier: str, fitted_cache:
         assert s.predictor is not None and s.cache.native and s.cache.hooks is None
         assert s.generate(toks, 40, stop_at_eog=False) == ref
         st = s.stats()
-        assert st["plan_prefetches"] > 0 and st["plan_maps"] > 0 and st["evict"] in ("learned", "lru")
+        assert st["evict"] in ("learned", "lru")
+        if tier == "ram":  # the CPU computes and copies there: the session runs no planner (its prefetches are memcpys)
+            assert st["plan_maps"] == 0 and st["plan_prefetches"] == 0
+        else:
+            assert st["plan_prefetches"] > 0 and st["plan_maps"] > 0
         # the whole budget is spent, by layer: the predictor's bytes and slots, to within one expert
         lay = s.layout
         spent = sum(s.cache.usable(L.index) * L.expert_bytes for L in lay.layers) + s.predictor.nbytes
