@@ -219,11 +219,12 @@ class Session:
         # layer-ahead maps feed the native planner, which prefetches the next layers of the token being computed
         # while the readers can land them in time. Nothing of it calls into Python inside a layer.
         learned = self.predictor is not None and self.n_slots < self.layout.n_expert
-        # ... except on the RAM tier with the CPU computing: there a prefetch is a memcpy by a reader thread on the
-        # cores the compute threads run on, and a miss computed from the host copy costs what a hit does. Measured
-        # (smol-moe, 50%, 2 threads, quiet): the planner read 55 MB per token against LRU's 32 and decoded at
-        # 1.49x all-resident's time against LRU's 1.28x.
-        ahead = learned and not (self.tier.name == "ram" and self.device is None)
+        # ... where the link has time to spare: a device, or an emulated link. Not on the CPU tiers, measured quiet
+        # on smol-moe: on the RAM tier a prefetch is a memcpy by a reader thread on the compute threads' cores (the
+        # planner read 55 MB per token against LRU's 32 and decoded at 1.49x all-resident against LRU's 1.28x);
+        # on the disk tier, 67-76% stalled on reads, its prefetches took the link from the misses waited for (40.2
+        # MB per token against LRU's 37.3 at 50%; 58.1 against the reuse maps alone's 54.3 at 30%).
+        ahead = learned and (self.device is not None or self.tier.name.startswith("emulated"))
         self.cache = ExpertCache(self.target, self.layout, self.plan.slots,
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
