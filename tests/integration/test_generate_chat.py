@@ -70,6 +70,8 @@ def test_ctrl_c_stops_the_answer_not_the_repl() -> None:
     from pyspecter.chat import stop_check as _stop_check
 
     seen: list[int] = []
+    # what the REPL had before (a process started in the background inherits SIGINT ignored, not Python's default)
+    before = signal.getsignal(signal.SIGINT)
 
     def fake_generate() -> None:
         cb = _stop_check(seen.append)
@@ -81,7 +83,7 @@ def test_ctrl_c_stops_the_answer_not_the_repl() -> None:
     with pytest.raises(_Stopped):
         _interruptible(fake_generate)
     assert seen == [1]  # the token decided after Ctrl-C is not shown
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the REPL's own handler is back
 
 
 def test_profile_warm_start(tmp_path: Path) -> None:
