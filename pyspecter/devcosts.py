@@ -1,12 +1,17 @@
 """The layer plan's inputs, measured on the model itself on its device in a few seconds, and cached per machine,
 device and model (``~/.cache/pyspecter/devcosts.json``).
 
-Two stock placements of the same model are timed, each at one and at two tokens per decode:
-  A  every layer's experts on the host (--cpu-moe): a token costs base + L (2 split + k cpu_row);
-  B  the last m layers' experts on the device:       base + (L - m)(2 split + k cpu_row) + m k dev_row.
-A one-token step more adds k rows per layer and no switch, so A's and B's differences give k (cpu_row - dev_row)
-and then the switch cost; A's own difference bounds cpu_row from above (it also holds the device's extra work for
-a token, taken as nothing). The link is timed on a few uploads into slots of one layer.
+Two stock placements of the same model are decoded side by side, a round of each in turn (so that other work on
+the machine falls on both alike), each step a new token as decode runs them:
+  A  every layer's experts on the host (--cpu-moe):  a token costs base + L (2 split + k cpu_row);
+  B  the last m layers' experts on the device:        base + (L - m)(2 split + k cpu_row) + m k dev_row.
+Their difference at one token a step is what a host layer costs over a full one, measured as such: the plan's
+main trade. Each one-token step is paired with a step of W distinct tokens: the distinct experts those route to
+beyond k, counted per layer on the CPU with the same tokens, give cpu_row (A's extra time over A's extra rows) and
+dev_row (B's, its host layers' share taken out), and the split is what the host-over-full difference leaves
+(never below 0: the difference is kept exact, the rows give way). Each figure is a median of paired differences,
+so that load on the machine which comes and goes falls on both sides of each. The link is timed on a few uploads
+into slots of one layer.
 """
 
 from __future__ import annotations
@@ -15,13 +20,21 @@ import ctypes
 import json
 import os
 import socket
+import statistics
 import time
 from pathlib import Path
+
+import numpy as np
 
 from pyspecter import native
 from pyspecter.layerplan import DeviceCosts, LayerPlan, choose_plan, n_cpu_moe_for, predict_us, stock_plan
 from pyspecter.layout import ModelLayout
 from pyspecter.native.devices import Device
+from pyspecter.native.hooks import Hooks
+
+# in the cache key: a measurement made another way is measured again, never reused
+VERSION = 2
+WIDTH = 4  # tokens per step of the wide rounds
 
 
 def _cache_file() -> Path:
@@ -30,20 +43,69 @@ def _cache_file() -> Path:
 
 def cache_key(path: str | Path, device: Device) -> str:
     st = Path(path).stat()
-    return f"{socket.gethostname()}|{device.description}|{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return f"v{VERSION}|{socket.gethostname()}|{device.description}|{Path(path).resolve()}|{st.st_size}|" \
+           f"{st.st_mtime_ns}"
 
 
-def _decode_times(model: native.Model, width: int, reps: int, n_threads: int) -> float:
-    """Seconds of one decode of ``width`` tokens, after a warm-up: the fastest of ``reps`` (other work on the
-    machine only ever adds time, and the differences below must not drown in it)."""
-    out = []
-    with native.Context(model, n_ctx=16 + width * (reps + 2), n_threads=n_threads) as ctx:
-        ctx.decode([1] * width, logits=True)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            ctx.decode([1] * width, logits=True)
-            out.append(time.perf_counter() - t0)
-    return min(out)
+def _tokens(n_vocab: int, n: int) -> list[int]:
+    """n distinct token ids spread over the vocabulary (ids that follow each other would route alike)."""
+    return [(1 + 7919 * i) % n_vocab for i in range(n)]
+
+
+def _steps(reps: int, width: int, n_vocab: int) -> list[list[int]]:
+    """The decode steps every timed placement and the routing count run, in order: a warm-up token, then
+    ``reps`` pairs of a one-token step and a ``width``-token step (side by side, so that a change in the machine's
+    load falls on both of a pair)."""
+    toks = _tokens(n_vocab, 1 + reps * (1 + width))
+    out, at = [toks[:1]], 1
+    for _ in range(reps):
+        out += [toks[at:at + 1], toks[at + 1:at + 1 + width]]
+        at += 1 + width
+    return out
+
+
+def _timed_rounds(models: list[native.Model], steps: list[list[int]], n_threads: int) -> list[list[float]]:
+    """Seconds of each step (the warm-up's left out) on each model, the models taking turns step by step."""
+    n_ctx = sum(map(len, steps)) + 16
+    ctxs = [native.Context(m, n_ctx=n_ctx, n_threads=n_threads) for m in models]
+    try:
+        out: list[list[float]] = [[] for _ in models]
+        for i, step in enumerate(steps):
+            for ctx, times in zip(ctxs, out, strict=True):
+                t0 = time.perf_counter()
+                ctx.decode(step, logits=True)
+                if i:
+                    times.append(time.perf_counter() - t0)
+        return out
+    finally:
+        for ctx in ctxs:
+            ctx.close()
+
+
+def _extra_rows(path: str | Path, layout: ModelLayout, steps: list[list[int]], n_threads: int) -> dict[int, float]:
+    """Per MoE layer, the distinct experts a wide step routes to beyond a one-token step's k, on average: counted
+    on the CPU with the same steps (llama.cpp skips the last layer's FFN for rows that are not outputs: counted
+    as it runs)."""
+    k = layout.n_expert_used
+    distinct: dict[int, list[int]] = {L.index: [] for L in layout.layers}
+
+    def on_route(il: int, n_tokens: int, n_used: int, ids_p, _w_p) -> None:
+        if wide[0] and il in distinct:
+            ids = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,))
+            distinct[il].append(len(set(ids[ids >= 0].tolist())))
+
+    wide = [False]
+    with native.Model(path) as model:
+        hooks = Hooks(model, on_route, n_slots=1)  # one slot, never filled: every row on the host path
+        try:
+            with native.Context(model, n_ctx=sum(map(len, steps)) + 16, n_threads=n_threads) as ctx:
+                for step in steps:
+                    wide[0] = len(step) > 1
+                    ctx.decode(step, logits=True)
+                    hooks.check()
+        finally:
+            hooks.close()
+    return {il: (sum(v) / len(v) - k if v else 0.0) for il, v in distinct.items()}
 
 
 def _link_gbps(model: native.Model, layout: ModelLayout, reps: int = 4) -> float:
@@ -61,6 +123,28 @@ def _link_gbps(model: native.Model, layout: ModelLayout, reps: int = 4) -> float
     return reps * layout.layer(il).expert_bytes / dt / 1e9 if dt > 0 else 0.0
 
 
+def solve(layout: ModelLayout, m: int, host_over_full_s: float, wide_a_s: float, wide_b_s: float,
+          extra: dict[int, float], link_gbps: float, step_a_s: float) -> DeviceCosts:
+    """The costs from the measured medians (seconds): A's one-token step less B's (B: the last ``m`` MoE layers
+    full), A's and B's wide step less their one-token step, ``extra`` the distinct experts a wide step adds per
+    layer, and A's one-token step. The host-over-full difference is kept exactly; what noise makes impossible (a
+    negative row or split) gives way to it."""
+    us, k, L = 1e6, layout.n_expert_used, len(layout.layers)
+    moe = sorted(L_.index for L_ in layout.layers)
+    x_all = sum(extra.get(il, 0.0) for il in moe)
+    x_full = sum(extra.get(il, 0.0) for il in moe[L - m:])
+    cpu = max(wide_a_s * us, 0.0) / x_all if x_all > 0 else 0.0
+    dev = max(wide_b_s * us - cpu * (x_all - x_full), 0.0) / x_full if x_full > 0 else cpu
+    host_over_full = host_over_full_s * us / m  # 2 split + k (cpu_row - dev_row)
+    split = (host_over_full - k * (cpu - dev)) / 2
+    if split < 0:
+        split, dev = 0.0, cpu - host_over_full / k
+        if dev < 0:
+            dev, cpu = 0.0, host_over_full / k
+    base = max(step_a_s * us - L * (2 * split + k * cpu), 0.0)
+    return DeviceCosts(split_us=split, link_gbps=link_gbps, cpu_row_us=cpu, dev_row_us=dev, base_us=base)
+
+
 def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int = 5, n_threads: int = 2,
             use_cache: bool = True) -> DeviceCosts:
     """The costs of ``layout``'s model on ``device`` (cached; ``use_cache=False`` measures again)."""
@@ -72,26 +156,25 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
         known = {}
     if use_cache and key in known:
         return DeviceCosts(**known[key])
-    L, k = len(layout.layers), layout.n_expert_used
+    L = len(layout.layers)
     moe = sorted(L_.index for L_ in layout.layers)
     free, _ = device.memory()
     per_layer = max(L_.expert_bytes for L_ in layout.layers) * layout.n_expert
-    m = max(1, min(L, (free // 2 - layout.nonexpert_bytes) // per_layer if per_layer else L, 4))
-    with native.Model(path, device=device) as a:
-        a1 = _decode_times(a, 1, reps, n_threads)
-        a2 = _decode_times(a, 2, reps, n_threads)
+    room = free // 2 - 2 * layout.nonexpert_bytes  # both placements at once, and half the device to spare
+    m = max(1, min(L, room // per_layer if per_layer else L, 4))
+    with native.Model(path, device=device) as a, native.Model(path, device=device, host_layers=moe[: L - m]) as b:
+        steps = _steps(reps, WIDTH, a.n_vocab)
+        ta, tb = _timed_rounds([a, b], steps, n_threads)
         link = _link_gbps(a, layout)
-    with native.Model(path, device=device, host_layers=moe[: L - m]) as b:
-        b1 = _decode_times(b, 1, reps, n_threads)
-        b2 = _decode_times(b, 2, reps, n_threads)
-    us = 1e6
-    k_gap = max(((a2 - a1) - (b2 - b1)) / m * us, 0.0)  # k (cpu_row - dev_row)
-    per_host_layer = max((a1 - b1) / m * us, k_gap)  # 2 split + k (cpu_row - dev_row)
-    split = (per_host_layer - k_gap) / 2
-    cpu_row = max((a2 - a1) * us / (L * k), k_gap / k)
-    dev_row = max(cpu_row - k_gap / k, 0.0)
-    base = max(a1 * us - L * (2 * split + k * cpu_row), 0.0)
-    costs = DeviceCosts(split_us=split, link_gbps=link, cpu_row_us=cpu_row, dev_row_us=dev_row, base_us=base)
+    extra = _extra_rows(path, layout, steps, n_threads)
+
+    def med(x: list[float], y: list[float]) -> float:
+        return statistics.median(p - q for p, q in zip(x, y, strict=True))
+
+    one_a, wide_a, one_b, wide_b = ta[0::2], ta[1::2], tb[0::2], tb[1::2]
+    costs = solve(layout, m, med(one_a, one_b), med(wide_a, one_a), med(wide_b, one_b), extra, link,
+                  statistics.median(one_a))
+    known = {k: v for k, v in known.items() if k.startswith(f"v{VERSION}|")}  # another version's: stale
     known[key] = costs.as_dict()
     try:
         f.parent.mkdir(parents=True, exist_ok=True)

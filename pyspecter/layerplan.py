@@ -123,11 +123,19 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts) -> floa
 def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts) -> LayerPlan:
     """The plan of least predicted time whose experts fit in ``device_bytes``: f full layers (the last ones, as
     stock), s slot layers of n slots, the rest host, over every f, n and s (slots never fewer than top-k, nor E:
-    a layer with every expert is a full layer). Stock's --n-cpu-moe at this memory is among the candidates."""
+    a layer with every expert is a full layer). Stock's placements are among the candidates in their own right
+    (--cpu-moe, every layer host, first: it wins a tie; --n-cpu-moe at this memory, which counts each layer's own
+    bytes), so the plan is never predicted slower than either."""
+    if device_bytes < 0:
+        raise SpecterError("negative device memory for experts")
     layers = [L.index for L in sorted(layout.layers, key=lambda L: L.index)]
     E, k = layout.n_expert, layout.n_expert_used
     eb = max(L.expert_bytes for L in layout.layers)  # plan by the largest layer: every plan below fits
-    best: tuple[float, LayerPlan] | None = None
+    all_host = stock_plan(layout, None)
+    best = (predict_us(all_host, layout, costs), all_host)
+    stock = stock_plan(layout, n_cpu_moe_for(layout, device_bytes))
+    if predict_us(stock, layout, costs) < best[0] - 1e-9:
+        best = (predict_us(stock, layout, costs), stock)
     for f in range(len(layers) + 1):
         left = device_bytes - f * E * eb
         if left < 0:
@@ -142,8 +150,6 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts) -> L
                     kinds[il] = "slots"
                 plan = LayerPlan(kinds, n if s else 0)
                 t = predict_us(plan, layout, costs)
-                if best is None or t < best[0] - 1e-9:
+                if t < best[0] - 1e-9:
                     best = (t, plan)
-    if best is None:
-        raise SpecterError("negative device memory for experts")
     return best[1]

@@ -19,7 +19,7 @@ from conftest import run_cli
 from pyspecter import native
 from pyspecter.cache import ExpertCache
 from pyspecter.engine import SpeculativeDecoder, greedy
-from pyspecter.layerplan import LayerPlan, stock_plan
+from pyspecter.layerplan import DeviceCosts, LayerPlan, choose_plan, predict_us, stock_plan
 from pyspecter.layout import read_layout
 from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
@@ -261,7 +261,12 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     assert pol["plan"]["splits_per_token"] <= pol["stock-cpu-moe"]["splits_per_token"]
     lp = out["layer_plan"]
     assert lp["predicted_ms"] <= lp["predicted_stock_n_cpu_moe_ms"] + 1e-9
+    assert lp["predicted_ms"] <= lp["predicted_stock_cpu_moe_ms"] + 1e-9
     assert lp["device_bytes"] <= out["budget_bytes"]
+    # the plan bench ran is the cost model's choice from the costs it reports
+    lay = read_layout(build_tiny("tiny-qwen3moe"))
+    chosen = choose_plan(lay, out["budget_bytes"], DeviceCosts(**lp["costs"]))
+    assert lp["kinds"] == {str(il): k for il, k in sorted(chosen.kinds.items())}
 
 
 def _stock_greedy(path: Path, dev, toks: list[int], n: int, plan: LayerPlan | None = None) -> tuple[list[int], tuple]:
@@ -291,10 +296,42 @@ def test_session_on_rpc_device_runs_the_plan_bench_chooses(rpc: str) -> None:
         bench_plan, info = plan_for(path, lay, dev, parse_budget("50%", lay.expert_total_bytes))
         assert s.layer_plan.plan == bench_plan
         assert info["predicted_ms"] <= info["predicted_stock_n_cpu_moe_ms"] + 1e-9
+        assert info["predicted_ms"] <= info["predicted_stock_cpu_moe_ms"] + 1e-9
         assert s.layer_plan.why.startswith(f"layer plan: {bench_plan.describe(lay)}; predicted ")
         assert s.generate(toks, 12, stop_at_eog=False) == ref
         assert s.target_splits is not None and s.target_splits[1] <= cpu_moe[1]
         assert s.stats()["slots_text"] == f"layer plan {bench_plan.describe(lay)}"
+
+
+def test_device_costs_measured_on_rpc_device(rpc: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """devcosts.measure on RPC: every cost finite and none negative, a switch (a TCP round trip to the server) above
+    zero, cached under a key with the measurement's version (an entry of an older one is neither reused nor kept),
+    and the plan chosen from it never predicted slower than stock --cpu-moe or --n-cpu-moe at its memory."""
+    import json
+    import math
+
+    from pyspecter.budget import parse_budget
+    from pyspecter.devcosts import cache_key, measure
+    from pyspecter.layerplan import n_cpu_moe_for
+
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    dev = open_device(rpc)
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    key = cache_key(path, dev)
+    stale = key.split("|", 1)[1]  # the same machine, device and model, measured the old way
+    bogus = {"split_us": 1e9, "link_gbps": 1.0, "cpu_row_us": 0.0, "dev_row_us": 0.0, "base_us": 0.0}
+    (tmp_path / "devcosts.json").write_text(json.dumps({stale: bogus}))
+    costs = measure(path, lay, dev)
+    assert all(math.isfinite(v) and v >= 0 for v in costs.as_dict().values()), costs
+    assert costs.split_us > 0 and costs.link_gbps > 0 and costs.split_us != bogus["split_us"], costs
+    assert list(json.loads((tmp_path / "devcosts.json").read_text())) == [key]
+    assert measure(path, lay, dev) == costs  # cached
+    for share in ("30%", "50%", "100%"):
+        budget = parse_budget(share, lay.expert_total_bytes)
+        t = predict_us(choose_plan(lay, budget, costs), lay, costs)
+        assert t <= predict_us(stock_plan(lay, None), lay, costs) + 1e-6
+        assert t <= predict_us(stock_plan(lay, n_cpu_moe_for(lay, budget)), lay, costs) + 1e-6
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])

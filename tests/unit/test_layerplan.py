@@ -75,3 +75,65 @@ def test_the_split_counts_are_read_from_llama_cpps_line() -> None:
     both = _SPLITS.search(b"llama_context: graph (pp bs=512, tg bs=1): nodes = 1500 / 1234, splits = 64 / 62, "
                           b"input objects = 3 / 3, input tensors = 5 / 5\n")
     assert both is not None and (both.group(1), both.group(2)) == (b"64", b"62")
+
+
+def _uneven_layout() -> ModelLayout:
+    """The last layer's experts twice the others' (planning by the largest layer alone would not reach stock's
+    --n-cpu-moe at stock's own memory)."""
+    lay = _layout()
+    last = lay.layers[-1]
+    t = last.tensors["up"]
+    big = MoELayer(last.index, {"up": ExpertTensor(t.name, t.kind, t.ggml_type, t.shape, 0, 2 * EB)})
+    return ModelLayout(path=None, arch="test", name="t", n_layer=lay.n_layer, n_expert=lay.n_expert,  # type: ignore[arg-type]
+                       n_expert_used=lay.n_expert_used, n_shared_expert_layers=0, file_bytes=0,
+                       tensor_bytes=lay.tensor_bytes + 16 * EB, layers=[*lay.layers[:-1], big])
+
+
+def _grid() -> list[DeviceCosts]:
+    """Costs over the corners that matter: switches cheap or dear, the device's rows faster, as fast or slower than
+    the host's, a slow or fast link."""
+    return [DeviceCosts(split_us=s, link_gbps=g, cpu_row_us=40.0, dev_row_us=d, base_us=1000.0)
+            for s in (0.0, 50.0, 700.0, 5000.0) for d in (0.0, 2.0, 40.0, 200.0, 2000.0) for g in (0.1, 2.0, 25.0)]
+
+
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_the_plan_is_never_predicted_slower_than_either_stock_placement(uneven: bool) -> None:
+    lay = _uneven_layout() if uneven else _layout()
+    for costs in _grid():
+        for share in (0.0, 0.1, 0.3, 0.5, 0.75, 0.99, 1.0):
+            budget = int(share * lay.expert_total_bytes)
+            plan = choose_plan(lay, budget, costs)
+            t = predict_us(plan, lay, costs)
+            assert plan.device_bytes(lay) <= budget, (costs, share)
+            assert t <= predict_us(stock_plan(lay, None), lay, costs) + 1e-6, (costs, share)
+            assert t <= predict_us(stock_plan(lay, n_cpu_moe_for(lay, budget)), lay, costs) + 1e-6, (costs, share)
+
+
+def test_stocks_n_cpu_moe_is_a_candidate_where_layers_differ_in_size() -> None:
+    """Full layers beat host ones (no switch): at the memory of stock's last two full layers (one of them twice the
+    others) the plan has both, as stock does."""
+    lay = _uneven_layout()
+    stock = stock_plan(lay, 6)
+    plan = choose_plan(lay, stock.device_bytes(lay), RPC)
+    assert plan.layers("full") == [6, 7] and predict_us(plan, lay, RPC) <= predict_us(stock, lay, RPC) + 1e-6
+
+
+@pytest.mark.parametrize("share", [0.3, 0.5, 1.0])
+def test_all_host_is_chosen_where_the_device_computes_slower_than_a_switch_saves(share: float) -> None:
+    """A device whose expert rows cost more than the host's by more than two switches per layer (as the RPC
+    server's CPU can, beside this process's threads): stock --cpu-moe's placement, every layer host, at any
+    memory, and nothing predicted slower than it."""
+    lay = _layout()
+    slow = DeviceCosts(split_us=500.0, link_gbps=2.0, cpu_row_us=400.0, dev_row_us=1500.0, base_us=3000.0)
+    plan = choose_plan(lay, int(share * lay.expert_total_bytes), slow)
+    assert plan == stock_plan(lay, None)
+
+
+def test_equal_rows_and_dear_switches_put_every_layer_that_fits_on_the_device() -> None:
+    """Host and device rows alike, switches dear: a full layer saves its two switches and a slot layer saves
+    nothing (its misses still go to the host and over the link), so the plan is stock's --n-cpu-moe."""
+    lay = _layout()
+    dear = DeviceCosts(split_us=5000.0, link_gbps=2.0, cpu_row_us=400.0, dev_row_us=400.0, base_us=3000.0)
+    for share in (0.3, 0.5):
+        budget = int(share * lay.expert_total_bytes)
+        assert choose_plan(lay, budget, dear) == stock_plan(lay, n_cpu_moe_for(lay, budget))

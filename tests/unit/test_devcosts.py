@@ -1,0 +1,70 @@
+"""devcosts.solve: the layer plan's inputs from the medians devcosts.measure times. Fed the times the cost model
+itself predicts, it gives the costs back; fed noise that no costs could produce, it keeps the measured
+host-over-full difference and never a negative cost."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from test_layerplan import _layout
+
+from pyspecter.devcosts import VERSION, _steps, cache_key, solve
+from pyspecter.layerplan import DeviceCosts
+
+
+def _times(costs: DeviceCosts, n_layers: int, k: int, m: int, extra: float) -> tuple[float, float, float, float]:
+    """What placements A (every layer host) and B (the last m full) take, as the model says: A - B at one token,
+    A's and B's wide step over their one-token step, A's one-token step (seconds). ``extra`` distinct experts per
+    wide step in every layer but the last (llama.cpp runs its FFN on the output row alone)."""
+    host = 2 * costs.split_us + k * costs.cpu_row_us
+    full = k * costs.dev_row_us
+    step_a = costs.base_us + n_layers * host
+    wide_a = (n_layers - 1) * extra * costs.cpu_row_us
+    wide_b = (n_layers - m) * extra * costs.cpu_row_us + (m - 1) * extra * costs.dev_row_us
+    return m * (host - full) / 1e6, wide_a / 1e6, wide_b / 1e6, step_a / 1e6
+
+
+@pytest.mark.parametrize("costs", [
+    DeviceCosts(split_us=1500.0, link_gbps=1.5, cpu_row_us=450.0, dev_row_us=450.0, base_us=2000.0),  # RPC-like
+    DeviceCosts(split_us=60.0, link_gbps=25.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0),  # GPU-like
+    DeviceCosts(split_us=300.0, link_gbps=1.0, cpu_row_us=100.0, dev_row_us=900.0, base_us=1000.0),  # slow device
+], ids=["rpc", "gpu", "slow-device"])
+def test_solve_gives_back_the_costs_it_is_fed(costs: DeviceCosts) -> None:
+    lay = _layout()
+    L, k, m = len(lay.layers), lay.n_expert_used, 4
+    one, wa, wb, step = _times(costs, L, k, m, extra=3.0)
+    extra = {L_.index: 3.0 for L_ in lay.layers[:-1]} | {lay.layers[-1].index: 0.0}
+    got = solve(lay, m, one, wa, wb, extra, costs.link_gbps, step)
+    for name, want in costs.as_dict().items():
+        assert math.isclose(getattr(got, name), want, rel_tol=1e-9, abs_tol=1e-6), name
+
+
+@pytest.mark.parametrize("wide_a,wide_b,one", [
+    (0.0, 0.0, 0.010),  # the wide steps cost nothing more: rows free, every microsecond a split
+    (0.002, 0.0, 0.001),  # rows dear, the difference small: the split would be negative
+    (0.002, 0.009, -0.004),  # B slower than A: the device's rows dearer than the host's
+    (-0.001, -0.002, 0.0),  # noise below zero everywhere
+])
+def test_noise_gives_way_to_the_measured_host_over_full_difference(wide_a: float, wide_b: float, one: float) -> None:
+    lay = _layout()
+    k, m = lay.n_expert_used, 4
+    extra = {L_.index: 3.0 for L_ in lay.layers}
+    got = solve(lay, m, one, wide_a, wide_b, extra, 1.0, 0.05)
+    assert all(v >= 0 and math.isfinite(v) for v in got.as_dict().values())
+    host_over_full = 2 * got.split_us + k * (got.cpu_row_us - got.dev_row_us)
+    assert math.isclose(host_over_full, one * 1e6 / m, rel_tol=1e-9, abs_tol=1e-6)
+
+
+def test_the_steps_pair_one_token_with_distinct_wide_ones_and_the_key_carries_the_version(tmp_path) -> None:
+    steps = _steps(5, 4, 32000)
+    assert [len(s) for s in steps] == [1] + [1, 4] * 5
+    flat = [t for s in steps for t in s]
+    assert len(set(flat)) == len(flat)  # distinct tokens route to other experts: a wide step adds rows
+
+    class Dev:
+        description = "dev"
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    assert cache_key(f, Dev()).startswith(f"v{VERSION}|")  # type: ignore[arg-type]
