@@ -188,9 +188,11 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
 
 def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes: int) -> tuple[LayerPlan, dict]:
     """The plan the cost model chooses for ``device_bytes`` of experts on the device, and what it predicts per
-    token beside stock's --cpu-moe and --n-cpu-moe at that memory."""
+    token beside stock's --cpu-moe and --n-cpu-moe at that memory. Where every expert fits, every layer is full,
+    as the session runs it (``placement.device_layer_plan``): stock's own placement, no switch to trade."""
     costs = measure(path, layout, device)
-    plan = choose_plan(layout, device_bytes, costs)
+    plan = (stock_plan(layout, 0) if device_bytes >= layout.expert_total_bytes
+            else choose_plan(layout, device_bytes, costs))
     n_cpu = n_cpu_moe_for(layout, device_bytes)
     return plan, {"plan": plan.describe(layout), "kinds": {str(il): k for il, k in sorted(plan.kinds.items())},
                   "n_slots": plan.n_slots, "device_bytes": plan.device_bytes(layout), "costs": costs.as_dict(),

@@ -311,7 +311,7 @@ def test_device_costs_measured_on_rpc_device(rpc: str, tmp_path: Path, monkeypat
     import math
 
     from pyspecter.budget import parse_budget
-    from pyspecter.devcosts import cache_key, measure
+    from pyspecter.devcosts import cache_key, measure, plan_for
     from pyspecter.layerplan import n_cpu_moe_for
 
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
@@ -327,6 +327,12 @@ def test_device_costs_measured_on_rpc_device(rpc: str, tmp_path: Path, monkeypat
     assert costs.split_us > 0 and costs.link_gbps > 0 and costs.split_us != bogus["split_us"], costs
     assert list(json.loads((tmp_path / "devcosts.json").read_text())) == [key]
     assert measure(path, lay, dev) == costs  # cached
+    # a device measured slower per row than the host by more than a layer's switches: all host below the whole
+    # model's memory; where every expert fits, bench's plan is the session's, every layer full
+    slow = {"split_us": 100.0, "link_gbps": 1.0, "cpu_row_us": 10.0, "dev_row_us": 1000.0, "base_us": 0.0}
+    (tmp_path / "devcosts.json").write_text(json.dumps({key: slow}))
+    assert plan_for(path, lay, dev, parse_budget("50%", lay.expert_total_bytes))[0] == stock_plan(lay, None)
+    assert plan_for(path, lay, dev, lay.expert_total_bytes)[0] == stock_plan(lay, 0)
     for share in ("30%", "50%", "100%"):
         budget = parse_budget(share, lay.expert_total_bytes)
         t = predict_us(choose_plan(lay, budget, costs), lay, costs)
