@@ -67,7 +67,7 @@ class ExpertCache:
         configuration allows it (``native_reason``), False: always the Python hook (tests of that path), True:
         refuse a configuration C cannot run; reuse: a ``LearnedPredictor`` whose reuse maps C applies to each
         layer's router input for policy 'predicted' (``duel``: only while they miss less than LRU,
-        ``policies.EvictionDuel``'s rule); ahead: a ``LearnedPredictor`` whose layer-ahead maps the native planner
+        ``study.simulate.EvictionDuel``'s rule); ahead: a ``LearnedPredictor`` whose layer-ahead maps the native planner
         applies (native residency only: ignored on the Python hook)."""
         layout.require_moe()
         if kinds:

@@ -17,7 +17,8 @@ past carries the score, and where it says much, the two together evict best. ``m
 misses per token an LRU cache of s slots had at each layer on the fit text (the budget's slot allocation reads
 them).
 
-What a caller gets (the runtime API; plan.py wires it into prefetching and eviction):
+What a caller gets (the runtime API; the routing op applies the same maps natively, csrc/planner.cpp and
+csrc/residency.cpp, and these are the reference the tests compare it with):
 
     p = LearnedPredictor.for_model(model_path)     # the sidecar fitted for this exact file, or None
     p = LearnedPredictor.load("P.npz")             # an explicit file (or a model path: its sidecar, or an error)
@@ -86,9 +87,9 @@ def model_key(path: str | os.PathLike) -> str:
 class Recency:
     """What one layer's past routing calls say of each expert, the features the reuse blend weighs: used by the
     previous call; share of the last 4 calls and of the last 16 that used it; 1 / (1 + calls since its last
-    use), 0 if never used. ``observe`` only notes a call (every routing call has one, ~2 us); the features are
-    built when a blend needs them, which the lazy reuse scores (plan.py) ask for only on calls that evict. The
-    same class makes the features offline (``features_of``) and at run time, so fit and use agree."""
+    use), 0 if never used. ``observe`` only notes a call; the features are built when a blend needs them. The
+    same class makes the features offline (``features_of``) and for the Python reference of C's blend, so fit and
+    use agree."""
 
     N_FEATURES = 4
     _WINDOW = 16

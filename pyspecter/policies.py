@@ -13,7 +13,7 @@ from typing import Protocol
 
 
 class Scores(Protocol):
-    """Per-expert scores read by index: a list, or the plan's lazily computed reuse scores."""
+    """Per-expert scores read by index (a list, an array)."""
 
     def __getitem__(self, e: int, /) -> float: ...
 
@@ -27,7 +27,7 @@ class LayerSlots(Protocol):
     freq: list[int]  # expert -> times selected
     loaded: list[int]  # slot -> clock its expert was mapped
     prev_call: int  # clock of the layer's previous routing call
-    need: Scores  # expert -> predicted chance of use at the next call
+    scores: Scores  # expert -> predicted reuse (empty: none)
 
 
 class Policy:
@@ -73,15 +73,15 @@ class PrevToken(Policy):
 
 
 class Predicted(Policy):
-    """Eviction by predicted reuse: the resident expert least likely to be needed at the layer's next call goes
-    first (``plan.PrefetchPlan`` keeps the table from every predictor), least recently used among equals; LRU
-    when nothing is predicted."""
+    """Eviction by predicted reuse: the resident expert with the lowest score (``Residency.set_scores``) goes
+    first, least recently used among equals; LRU when nothing is predicted. Decoding runs this rule in C, with the
+    learned reuse maps (csrc/residency.cpp); here it is the Python hook's, which tests compare C's with."""
 
     name = "predicted"
 
     def rank(self, st: LayerSlots, slot: int) -> tuple[float, int]:
-        need = st.need
-        return (need[st.owner[slot]] if need else 0.0, st.last_use[slot])
+        scores = st.scores
+        return (scores[st.owner[slot]] if scores else 0.0, st.last_use[slot])
 
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lfu": LFU, "prev-token": PrevToken, "predicted": Predicted}
@@ -122,79 +122,3 @@ class GhostLRU:
         while len(self._held) > self.capacity:
             self._held.popitem(last=False)
         return misses
-
-
-def ghost_step(resident: dict[int, int], needed, capacity: int, clock: int, scores: Scores | None) -> int:
-    """One routing call of a cache simulated in bookkeeping (expert -> last use): its misses. Victims: the least
-    recently used, or (``scores``) the lowest score, LRU among equals; what does not fit stays out (the host
-    path), as in the real cache."""
-    misses = 0
-    for e in needed:
-        if e in resident:
-            continue
-        misses += 1
-        if len(resident) >= capacity:
-            cands = [v for v in resident if v not in needed]
-            if not cands:
-                continue
-            if scores is None:
-                victim = min(cands, key=resident.__getitem__)
-            else:
-                victim = min(cands, key=lambda v: (scores[v], resident[v]))
-            del resident[victim]
-        resident[e] = clock
-    for e in needed:
-        if e in resident:
-            resident[e] = clock
-    return misses
-
-
-class EvictionDuel:
-    """Set dueling, as CPU caches choose between replacement policies: every MoE layer's cache is simulated in
-    bookkeeping twice, under LRU and under eviction by the learned reuse scores, with the layer's own slot count,
-    and the real cache evicts by whichever missed less lately (decayed counts of one-token calls, with a margin
-    so that a near-tie does not flip it). Counts of misses on the same routing are not noisy the way timings
-    are, and nothing is explored on the real cache: it starts with LRU, the safe choice (or with the scores,
-    for a predictor whose fit already weighed them against recency), and moves to the
-    learned scores only once they have missed less (on smol-moe, a cold start favours LRU for a prompt or so,
-    and steady decoding favours the scores by 13% fewer reads)."""
-
-    def __init__(self, slots: dict[int, int], *, decay: float = 0.998, margin: float = 0.03,
-                 start_learned: bool = False) -> None:
-        """start_learned: evict by the scores until they miss more than LRU (scores whose fit already weighed
-        them against recency on held-out text, ``learned.Recency``: a cold start under LRU only costs reads)."""
-        self.slots = dict(slots)
-        self._lru: dict[int, dict[int, int]] = {il: {} for il in slots}
-        self._learned: dict[int, dict[int, int]] = {il: {} for il in slots}
-        self.decay, self.margin = decay, margin
-        self.clock = 0
-        self.recent = [0.0, 0.0]  # decayed misses: LRU, learned
-        self.totals = [0, 0]  # misses since the start: LRU, learned
-        self.use_learned = self.trust_learned = start_learned
-        self.switches = 0
-
-    def observe(self, il: int, needed, scores: Scores | None, *, count: bool = True) -> None:
-        """Layer il's routing call needed ``needed``; ``scores``: the reuse scores it would have evicted by (None:
-        none were computed, the learned simulation falls back to LRU for this call). ``count``: a one-token call
-        (a prompt's batch moves both simulations but is not what decode speed depends on)."""
-        if il not in self.slots:
-            return
-        self.clock += 1
-        cap = self.slots[il]
-        a = ghost_step(self._lru[il], needed, cap, self.clock, None)
-        b = ghost_step(self._learned[il], needed, cap, self.clock, scores)
-        if not count:
-            return
-        d = self.decay
-        self.recent = [self.recent[0] * d + a, self.recent[1] * d + b]
-        self.totals[0] += a
-        self.totals[1] += b
-        lru, learned = self.recent
-        m = self.margin  # the trusted side keeps a near-tie
-        if self.trust_learned:
-            use = lru >= (1 - m) * learned if self.use_learned else learned <= lru
-        else:
-            use = learned < (1 - m) * lru if not self.use_learned else learned <= lru
-        if use != self.use_learned:
-            self.use_learned = use
-            self.switches += 1

@@ -2,7 +2,7 @@
 
 On the Python decision path (the configurations ``native_residency.native_reason`` leaves to Python) this table
 is the one source of truth for residency, and this module writes it: the cache, the miss handlers and the
-surrogates call the methods below (the one other writer is the Python prefetch plan's ``need`` row, plan.py).
+surrogates call the methods below.
 The C remap table (expert -> slot) that the routing op reads is a mirror, written only from here
 (``assign``/``evict``), between decodes or from inside the routing hook. Under native residency C owns the
 table and this one only carries each layer's slot counts. An upload in flight is *pending*: its slot is neither
@@ -38,7 +38,7 @@ class LayerSlots:
     loaded: list[int] = field(default_factory=list)  # slot -> clock its expert was mapped (FIFO order)
     prev_call: int = 0  # clock of this layer's previous routing call (the previous token's, in decode)
     last_call: int = 0  # ... and of its latest
-    need: Scores = field(default_factory=list)  # expert -> predicted chance of use at the next call (plan.py)
+    scores: Scores = field(default_factory=list)  # expert -> predicted reuse, policy 'predicted' (set_scores)
     # Slots [0, n_usable) are handed out; [n_usable, n_regular) are held (a draft's memory) until release_held;
     # the reserved ones (surrogates) follow from n_regular. Per layer: layers may have different counts
     n_usable: int = 0
@@ -127,6 +127,12 @@ class Residency:
             else:
                 missing.append(e)
         return missing
+
+    def set_scores(self, il: int, scores: Scores) -> None:
+        """Layer il's predicted reuse per expert, which policy 'predicted' evicts by (empty: LRU)."""
+        st = self.layers.get(il)
+        if st is not None:
+            st.scores = scores
 
     def protect(self, il: int, experts: Iterable[int]) -> None:
         """Experts predicted for the window in flight: ``victim`` spares them until ``unprotect_all``."""

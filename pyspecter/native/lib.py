@@ -488,7 +488,7 @@ def llama_pyspecter_set_reuse_map(model: ModelPtr, il: int, R: int, rb: int, n_e
                  _i32)
 def llama_pyspecter_set_duel(model: ModelPtr, enabled: bool, start_learned: bool, decay: float, margin: float,
                              /) -> int:
-    """Set dueling between LRU and the reuse scores (policies.EvictionDuel's rule, in C)."""
+    """Set dueling between LRU and the reuse scores (the rule of study.simulate.EvictionDuel, its reference)."""
     ...
 
 

@@ -10,7 +10,7 @@ from pyspecter.budget import MemoryPlan, check_slots, parse_budget, slots_for_bu
 from pyspecter.errors import SpecterError
 from pyspecter.governor import OFF, KGovernor
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
-from pyspecter.policies import LFU, LRU, GhostLRU, make_policy
+from pyspecter.policies import LFU, LRU, GhostLRU, Predicted, make_policy
 from pyspecter.residency import Residency
 from pyspecter.sampling import Sampler, SamplingParams
 from pyspecter.study.simulate import lru_stack_positions
@@ -147,6 +147,22 @@ def test_policies_rank() -> None:
     assert LFU().rank(st, 2) < LFU().rank(st, 3) < LFU().rank(st, 0) and LFU().rank(st, 1) < LFU().rank(st, 2)
     with pytest.raises(SpecterError):
         make_policy("fifo")
+
+
+def test_predicted_evicts_the_lowest_score_and_lru_among_equals_or_without_scores() -> None:
+    res = Residency(model=type("M", (), {"ptr": 1})(), layout=_layout(), n_slots=3, n_usable=3, policy=Predicted(),
+                    api=_Api())
+    for slot, e in enumerate((1, 2, 3)):
+        res.assign(0, e, slot)
+    res.layers[0].last_use[:] = [5, 1, 3]
+    assert res.victim(0, protected={7}) == 1  # no scores: LRU (expert 2)
+    res.set_scores(0, [0.0, 0.1, 0.9, 0.5, 0, 0, 0, 0])  # the next tokens need expert 2, not expert 1
+    assert res.victim(0, protected={7}) == 0
+    res.set_scores(0, [0.0, 0.9, 0.9, 0.2, 0, 0, 0, 0])
+    assert res.victim(0, protected={7}) == 2
+    res.set_scores(0, [0.0] * 8)  # all equal: LRU
+    assert res.victim(0, protected={7}) == 1
+    res.set_scores(5, [1.0] * 8)  # not a MoE layer: nothing to rank
 
 
 def test_ghost_lru_matches_the_reference_lru() -> None:
