@@ -25,7 +25,7 @@ from pyspecter import native as _native  # for __init__, whose `native` argument
 from pyspecter.budget import check_slots
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
-from pyspecter.misses import MISS_MODES, CacheStats, make_miss_handler
+from pyspecter.misses import MISS_MODES, CacheStats, make_miss_handler, upload_to_victim
 from pyspecter.native.hooks import Hooks
 from pyspecter.native_residency import NativeResidency, native_reason
 from pyspecter.policies import POLICIES, make_policy
@@ -318,18 +318,14 @@ class ExpertCache:
         st = self.layers.get(il)
         if st is None:
             return 0
-        res = self.residency
         inflight = st.inflight()
+        keep = set(experts)
         issued = 0
         for e in experts:
             if st.where[e] >= 0 or e in inflight:
                 continue
-            slot = res.victim(il, set(experts))
-            if slot < 0:
+            if not upload_to_victim(self, il, e, keep, need=False):
                 break
-            res.evict(il, slot)
-            res.start_upload(il, e, slot, self.tier.upload_async(il, e, slot))
-            self.count_upload(il)
             issued += 1
         return issued
 

@@ -55,6 +55,26 @@ class MissHost(Protocol):
     def count_upload(self, il: int) -> None: ...
 
 
+def upload_into(host: MissHost, il: int, expert: int, slot: int, *, now: bool = False) -> None:
+    """Give ``slot`` of layer il to ``expert``: evict what it holds, start the read (``now``: ahead of queued
+    ones, for an expert the compute thread waits for) and count it. The slot is pending until the read lands."""
+    res, tier = host.residency, host.tier
+    res.evict(il, slot)
+    read = tier.upload_now if now else tier.upload_async
+    res.start_upload(il, expert, slot, read(il, expert, slot))
+    host.count_upload(il)
+
+
+def upload_to_victim(host: MissHost, il: int, expert: int, keep: set[int], *, need: bool) -> bool:
+    """Read ``expert`` in the background into a victim's slot of layer il (never one holding an expert of ``keep``;
+    ``need``: a protected expert may yield, as for an expert needed now). False: no slot to give."""
+    slot = host.residency.victim(il, keep, need=need)
+    if slot < 0:
+        return False
+    upload_into(host, il, expert, slot)
+    return True
+
+
 class MissHandler:
     name = "?"
     wants_wait_hook = False
@@ -94,15 +114,6 @@ class MissHandler:
             self.res.reap(il, block_for=due)
             self.cache.stats.waited += len(due)
 
-    def _upload_in_background(self, il: int, expert: int, needed: set[int]) -> bool:
-        slot = self.res.victim(il, needed, need=True)
-        if slot < 0:
-            return False
-        self.res.evict(il, slot)
-        self.res.start_upload(il, expert, slot, self.cache.tier.upload_async(il, expert, slot))
-        self.cache.count_upload(il)
-        return True
-
     def _take_back_queued(self, il: int, st: LayerSlots, missing: list[int], inflight: dict) -> None:
         # a prefetch still queued behind others is taken back and read now as a demand read
         for slot, (e, h) in list(st.pending.items()):
@@ -118,7 +129,7 @@ class CpuMisses(MissHandler):
         inflight = st.inflight()
         self._wait_for_due(il, missing, inflight)
         for e in missing:
-            if e not in inflight and not self._upload_in_background(il, e, needed):
+            if e not in inflight and not upload_to_victim(self.cache, il, e, needed, need=True):
                 break
 
 
@@ -165,9 +176,7 @@ class OrderedWaitMisses(MissHandler):
                 if slot < 0:  # more distinct experts in this ubatch than slots: the host computes the rest
                     self.cache.stats.overflow_rows += 1
                     continue
-                self.res.evict(il, slot)
-                self.res.start_upload(il, e, slot, self.cache.tier.upload_now(il, e, slot))
-                self.cache.count_upload(il)
+                upload_into(self.cache, il, e, slot, now=True)
             else:
                 self.cache.stats.waited += 1
             self.res.mark_late(il, e, slot)
@@ -220,7 +229,7 @@ class SurrogateMisses(MissHandler):
             if st.where[e] >= 0:
                 continue
             if e not in inflight:  # the full expert, in the background, for next time
-                self._upload_in_background(il, e, needed)
+                upload_to_victim(self.cache, il, e, needed, need=True)
             if not free:
                 continue  # more misses than reserved slots: the host path computes this one exactly
             r = next((x for x in free if st.sur_in.get(x) == e), free[0])
