@@ -228,20 +228,26 @@ llama_pyspecter_layer * pyspecter_layer_of(const llama_model * model, int32_t il
 
 void pyspecter_log_exception(const char * where, const char * what) noexcept;
 
+// Runs f (returning a status) so that no exception leaves a C entry point: out of memory and anything else thrown
+// become statuses, what an exception says is logged under `where`.
+template <typename F>
+int32_t pyspecter_guarded(const char * where, F && f) noexcept {
+    try {
+        return f();
+    } catch (const std::bad_alloc &) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    } catch (const std::exception & e) {
+        pyspecter_log_exception(where, e.what());
+        return LLAMA_PYSPECTER_ERR_INTERNAL;
+    } catch (...) {
+        return LLAMA_PYSPECTER_ERR_INTERNAL;
+    }
+}
+
 // Runs one accepted copy: a failure is counted and reported as a status, and no exception gets out.
 template <typename F>
 int32_t pyspecter_run_copy(llama_pyspecter_counters & counters, F && copy) noexcept {
-    int32_t rc;
-    try {
-        rc = copy();
-    } catch (const std::bad_alloc &) {
-        rc = LLAMA_PYSPECTER_ERR_NO_MEMORY;
-    } catch (const std::exception & e) {
-        pyspecter_log_exception("upload", e.what());
-        rc = LLAMA_PYSPECTER_ERR_INTERNAL;
-    } catch (...) {
-        rc = LLAMA_PYSPECTER_ERR_INTERNAL;
-    }
+    const int32_t rc = pyspecter_guarded("upload", copy);
     if (rc != LLAMA_PYSPECTER_OK) {
         counters.upload_failures++;
     }

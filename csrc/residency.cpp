@@ -1030,7 +1030,7 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
             params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_ORDERED) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
-    try {
+    return pyspecter_guarded(__func__, [&]() -> int32_t {
         std::unique_ptr<pyspecter_residency, llama_pyspecter_slots::residency_deleter> R(new pyspecter_residency());
         R->s = s;
         R->p = *params;
@@ -1065,12 +1065,7 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         R->start(std::max(1, params->n_readers));
         s->res = std::move(R);
         return LLAMA_PYSPECTER_OK;
-    } catch (const std::bad_alloc &) {
-        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
-    } catch (const std::exception & e) {
-        LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
-        return LLAMA_PYSPECTER_ERR_INTERNAL;
-    }
+    });
 }
 
 bool llama_pyspecter_residency_enabled(const llama_model * model) {

@@ -234,7 +234,7 @@ int32_t llama_pyspecter_slots_init_layers(llama_model * model, int32_t n_slots, 
     if (n_expert <= 0) {
         return LLAMA_PYSPECTER_ERR_DENSE;
     }
-    try {
+    return pyspecter_guarded(__func__, [&]() -> int32_t {
         auto s = std::make_shared<llama_pyspecter_slots>();
         s->n_slots  = std::min(n_slots, n_expert);
         s->n_expert = n_expert;
@@ -267,14 +267,7 @@ int32_t llama_pyspecter_slots_init_layers(llama_model * model, int32_t n_slots, 
         s->uploads.start();
         model->pyspecter_slots = std::move(s);
         return LLAMA_PYSPECTER_OK;
-    } catch (const std::bad_alloc &) {
-        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
-    } catch (const std::exception & e) {
-        LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
-        return LLAMA_PYSPECTER_ERR_INTERNAL;
-    } catch (...) {
-        return LLAMA_PYSPECTER_ERR_INTERNAL;
-    }
+    });
 }
 
 int32_t llama_pyspecter_n_slots(const llama_model * model) {
