@@ -33,7 +33,7 @@ from pyspecter.native.devices import Device
 from pyspecter.native.hooks import Hooks
 
 # in the cache key: a measurement made another way is measured again, never reused
-VERSION = 2
+VERSION = 3
 WIDTH = 4  # tokens per step of the wide rounds
 
 
@@ -128,7 +128,8 @@ def solve(layout: ModelLayout, m: int, host_over_full_s: float, wide_a_s: float,
     """The costs from the measured medians (seconds): A's one-token step less B's (B: the last ``m`` MoE layers
     full), A's and B's wide step less their one-token step, ``extra`` the distinct experts a wide step adds per
     layer, and A's one-token step. The host-over-full difference is kept exactly; what noise makes impossible (a
-    negative row or split) gives way to it."""
+    negative row or split) gives way to it. Host layers that would cost more than A's whole step are scaled down
+    to fit in it."""
     us, k, L = 1e6, layout.n_expert_used, len(layout.layers)
     moe = sorted(L_.index for L_ in layout.layers)
     x_all = sum(extra.get(il, 0.0) for il in moe)
@@ -141,7 +142,12 @@ def solve(layout: ModelLayout, m: int, host_over_full_s: float, wide_a_s: float,
         split, dev = 0.0, cpu - host_over_full / k
         if dev < 0:
             dev, cpu = 0.0, host_over_full / k
-    base = max(step_a_s * us - L * (2 * split + k * cpu), 0.0)
+    host_layers = L * (2 * split + k * cpu)
+    if host_layers > step_a_s * us > 0:  # the differences outgrew the step they are parts of: load came and went
+        # scaled down together, what is put where stays as measured (only the link's share of a slot grows)
+        f = step_a_s * us / host_layers
+        split, cpu, dev, host_layers = split * f, cpu * f, dev * f, step_a_s * us
+    base = step_a_s * us - host_layers if step_a_s > 0 else 0.0
     return DeviceCosts(split_us=split, link_gbps=link_gbps, cpu_row_us=cpu, dev_row_us=dev, base_us=base)
 
 

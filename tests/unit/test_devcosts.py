@@ -68,3 +68,17 @@ def test_the_steps_pair_one_token_with_distinct_wide_ones_and_the_key_carries_th
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
     assert cache_key(f, Dev()).startswith(f"v{VERSION}|")  # type: ignore[arg-type]
+
+
+def test_differences_bigger_than_the_step_are_scaled_into_it() -> None:
+    """Load that came and went made the paired differences bigger than A's step itself: the host layers are scaled
+    down to fill the step (base 0), their split and rows in the same proportions."""
+    lay = _layout()
+    extra = {L_.index: 3.0 for L_ in lay.layers}
+    big = solve(lay, 4, 0.8, 0.1, 0.05, extra, 1.0, 100.0)  # a step long enough: as measured
+    got = solve(lay, 4, 0.8, 0.1, 0.05, extra, 1.0, 0.05)
+    k, L = lay.n_expert_used, len(lay.layers)
+    assert got.base_us == 0.0 and math.isclose(L * (2 * got.split_us + k * got.cpu_row_us), 0.05e6)
+    f = got.split_us / big.split_us
+    assert 0 < f < 1 and math.isclose(got.cpu_row_us, big.cpu_row_us * f) and \
+        math.isclose(got.dev_row_us, big.dev_row_us * f)
