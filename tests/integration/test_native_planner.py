@@ -1,7 +1,8 @@
 """The native planner on the real path: the learned layer-ahead maps applied inside the routing op (csrc/planner.cpp)
 give LearnedPredictor.predict's probabilities, queue prefetches that are found resident at need more often than
-without them, and leave greedy output as stock's, on the ram and disk tiers, with no Python inside a layer. A
-predictor fitted for tiny-qwen3moe; one llama.cpp thread (2 shared cores on the test machines)."""
+without them, and leave greedy output as stock's, on the ram and disk tiers, with no Python inside a layer; so do
+the session (what generate and chat run) and bench's `learned`, `learned-evict` and `engine` policies. A predictor
+fitted for tiny-qwen3moe; one llama.cpp thread (2 shared cores on the test machines)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import numpy as np
 import pytest
 
 from pyspecter import native
+from pyspecter.budget import parse_budget
 from pyspecter.cache import ExpertCache
 from pyspecter.engine import greedy
 from pyspecter.layout import read_layout
 from pyspecter.learned import LearnedPredictor
 from pyspecter.models.tiny import build_tiny
 from pyspecter.session import Session, SessionConfig
+from pyspecter.study.bench import run_bench
+from pyspecter.study.bench_runs import run_specter
 from pyspecter.study.predictor_fit import fit_model
 from pyspecter.tiers import make_tier
 
@@ -118,6 +122,9 @@ def test_the_planner_stands_aside_while_the_link_is_the_bottleneck(fitted: Learn
 
 @pytest.mark.parametrize("tier", ["ram", "disk", "emulated:2"])
 def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor) -> None:
+    """What generate and chat run: the reuse maps evict in C, the layer-ahead maps feed the native planner where the
+    link has time to spare; stock's tokens, the whole budget spent. Without the predictor, or on the Python hook
+    (which runs none: it runs in C only), the same tokens."""
     model = build_tiny("tiny-qwen3moe")
     with native.Model(model) as m, native.Context(m) as ctx:
         toks = m.tokenize(TEXT)
@@ -131,10 +138,41 @@ def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor
             assert st["plan_maps"] == 0 and st["plan_prefetches"] == 0
         else:
             assert st["plan_prefetches"] > 0 and st["plan_maps"] > 0
-    # the Python hook (asked for) decodes without the predictor: it runs in C only
+        # the whole budget is spent, by layer: the predictor's bytes and slots, to within one expert
+        lay = s.layout
+        spent = sum(s.cache.usable(L.index) * L.expert_bytes for L in lay.layers) + s.predictor.nbytes
+        assert parse_budget("25%", lay.expert_total_bytes) - max(L.expert_bytes for L in lay.layers) < spent
+        assert spent <= parse_budget("25%", lay.expert_total_bytes)
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, predictor="off")) as s:
+        assert s.predictor is None and s.stats().get("plan_prefetches") is None
+        assert s.generate(toks, 40, stop_at_eog=False) == ref
     with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, native=False)) as s:
         assert s.predictor is None and not s.cache.native
         assert s.generate(toks, 40, stop_at_eog=False) == ref
+
+
+def test_bench_learned_and_engine_policies_are_exact(fitted: LearnedPredictor) -> None:
+    r = run_bench(build_tiny("tiny-qwen3moe"), tier="ram", budget="25%", repeat=1, n=12, n_threads=1,
+                  policies=["stock", "on-demand-lru", "learned", "learned-evict", "engine"])
+    pol = r["policies"]
+    for p in ("on-demand-lru", "learned", "learned-evict", "engine"):
+        # teacher-forced (a random-weight fixture): stock's logits at every step of the held-out text
+        assert pol[p]["decode"] == "teacher-forced" and pol[p]["same_logits_as_stock"] is True, p
+    assert pol["learned"]["prefetches"] > 0 and pol["learned-evict"]["prefetches"] == 0
+    assert pol["learned"]["slots_per_layer"] <= r["slots_per_layer"]  # the predictor's bytes came out of it
+
+
+def test_the_engine_row_times_each_token_as_the_others_do(fitted: LearnedPredictor) -> None:
+    """Without a draft the engine decodes one token per step: its row holds per-token times, as every other
+    policy's does, not one mean repeated (a mean beside the others' medians made it look slower on a disk whose
+    stalls come now and then)."""
+    model = build_tiny("tiny-qwen3moe")
+    budget = parse_budget("25%", read_layout(model).expert_total_bytes)
+    with native.Model(model) as m:
+        prompts = [m.tokenize("one prompt"), m.tokenize("and another one, a little longer")]
+    r = run_specter(model, None, budget, True, "ram", prompts, 10, 1, 4)
+    assert len(r.tpots) == 20 and len(set(r.tpots)) > 10
+    assert 0 < r.load_s and 0 < r.first_prefill_s <= r.prefill_s
 
 
 def test_the_drafts_routing_feeds_the_same_queue(tmp_path) -> None:

@@ -5,6 +5,7 @@ Python path where both are deterministic; failed reads leave experts to the host
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -79,25 +80,37 @@ def test_native_decides_as_python_does(policy: str) -> None:
     assert w_nat == w_py
 
 
-def test_native_prefetch_protect_and_link_counters() -> None:
-    path = build_tiny("tiny-mixtral")
-    lay = read_layout(path)
+def _prompt_on_disk(name: str, prepare: Callable[[ExpertCache], None]) -> tuple[float, dict]:
+    """A prompt through a native disk-tier cache with half the experts' slots, ``prepare``d before the context
+    exists: how far its logits are from stock's, and its counters."""
+    path = build_tiny(name)
     with native.Model(path) as stock, native.Context(stock, n_threads=2) as ctx:
         ref = ctx.decode(stock.tokenize(PROMPT), logits_all=True)
+    lay = read_layout(path)
     with native.Model(path) as m:
         cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=make_tier("disk"), native=True)
+        try:
+            prepare(cache)
+            with native.Context(m, n_threads=2) as ctx:
+                got = ctx.decode(m.tokenize(PROMPT), logits_all=True)
+            cache.check()
+            return float(abs(ref - got).max()), cache.counters()
+        finally:
+            cache.close()
+
+
+def test_native_prefetch_protect_and_link_counters() -> None:
+    lay = read_layout(build_tiny("tiny-mixtral"))
+
+    def prefetch_and_protect(cache: ExpertCache) -> None:
         for L in lay.layers:
             assert cache.prefetch(L.index, [0, 1]) == 2
             cache.protect(L.index, [0, 1])
         cache.drain()
         assert all(st.where[0] >= 0 and st.where[1] >= 0 for st in cache.layers.values())
-        with native.Context(m, n_threads=2) as ctx:
-            got = ctx.decode(m.tokenize(PROMPT), logits_all=True)
-        cache.check()
-        c = cache.counters()
-        cache.unprotect_all()
-        cache.close()
-    assert abs(ref - got).max() <= TOL
+
+    diff, c = _prompt_on_disk("tiny-mixtral", prefetch_and_protect)
+    assert diff <= TOL
     assert c["prefetches"] >= 2 * len(lay.layers) and c["route_us_per_layer"] > 0
     # reads in flight while waiting: at most the readers (a read may land before the wait starts, so no floor)
     assert c["read_bytes"] > 0 and c["wait_ms"] > 0 and 0.0 <= c["reads_in_flight"] <= 8.0
@@ -106,20 +119,14 @@ def test_native_prefetch_protect_and_link_counters() -> None:
 def test_failed_native_reads_leave_experts_to_the_host() -> None:
     """Every read comes back short (the file swapped for /dev/null under the readers): nothing is mapped, the
     failures are counted, and the output is still stock's."""
-    path = build_tiny("tiny-qwen3moe")
-    lay = read_layout(path)
-    with native.Model(path) as stock, native.Context(stock, n_threads=2) as ctx:
-        ref = ctx.decode(stock.tokenize(PROMPT), logits_all=True)
-    with native.Model(path) as m:
-        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=make_tier("disk"), native=True)
+
+    def swap_the_file(cache: ExpertCache) -> None:
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, cache.tier.fd)
         os.close(null)
-        with native.Context(m, n_threads=2) as ctx:
-            got = ctx.decode(m.tokenize(PROMPT), logits_all=True)
-        c = cache.counters()
-        cache.close()
-    assert abs(ref - got).max() <= TOL
+
+    diff, c = _prompt_on_disk("tiny-qwen3moe", swap_the_file)
+    assert diff <= TOL
     assert c["failed_uploads"] > 0 and c["slot_row_rate"] == 0.0
 
 
