@@ -260,7 +260,31 @@ class Session:
 
     def stream(self, prompt: list[int], *, stop_at_eog: bool = True, reuse: bool = False) -> Iterator[int]:
         """Tokens after ``prompt`` as they are decided (speculatively with a draft): from a fresh context, or with
-        ``reuse`` keeping what the KV cache already holds of ``prompt`` (a chat turn processes only what is new)."""
+        ``reuse`` keeping what the KV cache already holds of ``prompt`` (a chat turn processes only what is new).
+        Each token counts in ``stats()`` (tokens, tok/s, first token) as it is yielded, with the time spent
+        deciding it: not the caller's between tokens, and a caller that stops early counts what it took."""
+        t0 = time.perf_counter()
+        n = 0
+        gen = self._tokens(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
+        try:
+            while True:
+                t = time.perf_counter()
+                try:
+                    tok = next(gen)
+                except StopIteration:
+                    return
+                finally:
+                    self.decode_s += time.perf_counter() - t
+                self.tokens_out += 1
+                n += 1
+                if n == 1:  # prefill and the first sample, as generate times it
+                    self.first_token_s = time.perf_counter() - t0
+                yield tok
+        finally:
+            gen.close()
+
+    def _tokens(self, prompt: list[int], *, stop_at_eog: bool, reuse: bool) -> Iterator[int]:
+        """``stream``'s tokens, counted by the caller."""
         if not prompt:
             raise SpecterError("empty prompt: nothing to continue from (this model adds no BOS token)")
         if self.decoder is not None:
@@ -298,7 +322,7 @@ class Session:
                 # the decoder's own bounded loop: it never drafts past n
                 self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=emit, reuse=reuse)
             else:
-                gen = self.stream(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
+                gen = self._tokens(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
                 try:
                     for tok in gen:
                         emit(tok)
