@@ -76,6 +76,11 @@ struct llama_pyspecter_layer {
     std::vector<uint8_t> prot;                             // expert -> predicted for the window in flight
     std::vector<uint8_t> mark;                             // expert -> scratch of one routing call
     int32_t n_usable = 0;                                  // slots [0, n_usable) are handed out
+    // a draft's memory (set_held): slots [n_usable, n_usable + n_held) held back until release_held, and plain LRU
+    // over both simulated in bookkeeping (expert -> stamp of its last use, -1: out; empty: no ghost)
+    int32_t n_held = 0, ghost_cap = 0;
+    std::vector<int64_t> ghost_held;
+    int64_t ghost_stamp = 0, ghost_held_misses = 0;
     uint64_t prev_call = 0, last_call = 0;                 // clock of the layer's previous and latest calls
     int64_t file_off[LLAMA_PYSPECTER_N_KINDS] = { -1, -1, -1, -1 }; // where expert 0 of each kind is in the file
     // reuse map (SCORE policy from the router input) and what it blends with: the layer's own past calls
@@ -113,6 +118,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> wait_ns{0}, stall_reads_ns{0}, read_bytes{0}, read_busy_ns{0}, lookahead{0}, late{0};
     std::atomic<int64_t> late_lost{0}, route_cpu_ns{0}, copy_cpu_ns{0};
     std::atomic<int64_t> ahead_maps{0}, ahead_prefetches{0}, ahead_late{0}, ahead_refused{0}; // the planner
+    std::atomic<int64_t> ghost_misses{0}; // the held slots' ghost LRU (set_held)
     // device tables (llama_pyspecter_device_stats)
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
     std::atomic<int64_t> async_batches{0}; // upload batches sent on an upload stream and awaited by their event

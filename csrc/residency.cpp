@@ -268,6 +268,20 @@ struct pyspecter_residency {
     // everything else as a demand read (false).
     bool take_back(pyspecter_read * r) {
         std::lock_guard<std::mutex> lk(qmu);
+        if (cancel_locked(r)) {
+            return true;
+        }
+        r->cls = CLS_DEMAND;
+        return false;
+    }
+
+    // A queued read taken back whole when none of it has started (true); one started is left to land.
+    bool cancel(pyspecter_read * r) {
+        std::lock_guard<std::mutex> lk(qmu);
+        return cancel_locked(r);
+    }
+
+    bool cancel_locked(pyspecter_read * r) {
         if (!r->started && !r->done) {
             queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const pyspecter_task & t) {
                 if (t.r.get() != r) {
@@ -280,7 +294,6 @@ struct pyspecter_residency {
             r->done = true;
             return true;
         }
-        r->cls = CLS_DEMAND;
         return false;
     }
 
@@ -458,6 +471,33 @@ static int32_t ghost_step(std::vector<int64_t> & res, const std::vector<int32_t>
         if (res[e] >= 0) {
             res[e] = clock;
         }
+    }
+    return misses;
+}
+
+// The held slots' ghost, GhostLRU's bookkeeping (policies.py, the tests' reference): this call's misses are the
+// needed experts it does not hold; then each needed one, in order, becomes the most recent, and the least recent
+// go until the ghost holds no more than its capacity.
+static int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed) {
+    auto & g = L->ghost_held;
+    int32_t misses = 0, n_in = 0;
+    for (int32_t e : needed) {
+        misses += g[e] < 0;
+    }
+    for (int32_t e : needed) {
+        g[e] = ++L->ghost_stamp;
+    }
+    for (int64_t v : g) {
+        n_in += v >= 0;
+    }
+    for (; n_in > L->ghost_cap; --n_in) {
+        int32_t oldest = -1;
+        for (int32_t v = 0; v < (int32_t) g.size(); ++v) {
+            if (g[v] >= 0 && (oldest < 0 || g[v] < g[oldest])) {
+                oldest = v;
+            }
+        }
+        g[oldest] = -1;
     }
     return misses;
 }
@@ -808,6 +848,11 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     for (int32_t e : needed) {
         L->freq[e]++;
     }
+    if (!L->ghost_held.empty()) {
+        const int32_t g = held_ghost_observe(L, needed);
+        L->ghost_held_misses += g;
+        c.ghost_misses += g;
+    }
     reap(R, L);
     std::vector<int32_t> missing;
     for (int32_t e : needed) {
@@ -1097,6 +1142,66 @@ int32_t llama_pyspecter_set_usable(llama_model * model, int32_t il, int32_t n) {
     }
     L->n_usable = n;
     return LLAMA_PYSPECTER_OK;
+}
+
+int32_t llama_pyspecter_set_held(llama_model * model, int32_t il, int32_t n_held) {
+    auto * R = residency_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!R || !L || n_held < 0) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    try {
+        std::lock_guard<std::mutex> lk(R->mu);
+        if (L->n_usable + n_held > (int32_t) L->owner.size()) {
+            return LLAMA_PYSPECTER_ERR_ARG;
+        }
+        L->n_held = n_held;
+        L->ghost_cap = L->n_usable + n_held;
+        L->ghost_held.assign(n_held ? L->remap.size() : 0, -1);
+        L->ghost_stamp = L->ghost_held_misses = 0;
+        return LLAMA_PYSPECTER_OK;
+    } catch (const std::bad_alloc &) {
+        return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+    }
+}
+
+int32_t llama_pyspecter_release_held(llama_model * model) {
+    auto * R = residency_of(model);
+    if (!R) {
+        return LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    int32_t released = 0;
+    for (auto * L : R->order) {
+        released += L->n_held;
+        L->n_usable += L->n_held;
+        L->n_held = L->ghost_cap = 0;
+        L->ghost_held.clear();
+        std::fill(L->prot.begin(), L->prot.end(), 0);
+        // the dropped draft's predictions still queued were for windows already verified: what the next tokens
+        // need is read on demand, ahead of nothing stale
+        for (auto & r : L->pending) {
+            if (r && r->cls == CLS_PREFETCH && R->cancel(r.get())) {
+                r.reset(); // its slot was evicted when the read was scheduled: free again
+                L->parent->counters.uploads--;
+            }
+        }
+    }
+    return released;
+}
+
+int32_t llama_pyspecter_held(const llama_model * model, int32_t il, int64_t * ghost_misses) {
+    auto * s = pyspecter_slots_of(model);
+    auto * R = s ? s->res.get() : nullptr;
+    const auto * L = R ? pyspecter_layer_of(model, il) : nullptr;
+    if (!L) {
+        return R ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    if (ghost_misses) {
+        *ghost_misses = L->ghost_held_misses;
+    }
+    return L->n_held;
 }
 
 int32_t llama_pyspecter_set_scores(llama_model * model, int32_t il, const float * scores, int32_t n) {

@@ -54,6 +54,7 @@ void llama_pyspecter_get_stats(const llama_model * model, llama_pyspecter_stats 
         out->ahead_prefetches = c.ahead_prefetches.load();
         out->ahead_late       = c.ahead_late.load();
         out->ahead_refused    = c.ahead_refused.load();
+        out->ghost_misses     = c.ghost_misses.load();
     }
 }
 
@@ -65,7 +66,7 @@ void llama_pyspecter_stats_reset(llama_model * model) {
                           &c.prefetches, &c.waited, &c.overflow, &c.wait_ns, &c.stall_reads_ns, &c.read_bytes,
                           &c.read_busy_ns, &c.lookahead, &c.late, &c.late_lost, &c.route_cpu_ns,
                           &c.copy_cpu_ns, &c.ahead_maps, &c.ahead_prefetches,
-                          &c.ahead_late, &c.ahead_refused }) {
+                          &c.ahead_late, &c.ahead_refused, &c.ghost_misses }) {
             *v = 0;
         }
         for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes, &c.async_batches }) {

@@ -8,8 +8,7 @@ Either way an expert still not resident when the decision is made is computed ex
 can change the model's output, only its speed.
 
 Why this module is long: one class serves both paths behind the same methods (prefetch, protect, warm, drain,
-counters, a running cache handing itself to C when a draft's slots are released), so that the engine, the
-session and the bench never ask which one runs.
+counters, a draft's held slots), so that the engine, the session and the bench never ask which one runs.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ class Totals:
     """Since the cache was made (reset_counters leaves them): what the engine compares its steps by."""
 
     misses: int = 0  # experts not resident when their layer asked
-    ghost_misses: int = 0  # misses plain LRU over all allocated slots, held ones included, would have had
+    ghost_misses: int = 0  # misses plain LRU over all allocated slots, held ones included, would have had (C's)
     hook_ns: int = 0  # time in the routing and wait hooks, waits for uploads included
 
 
@@ -57,7 +56,8 @@ class ExpertCache:
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
         lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
         held=N allocates N more slots per layer than it uses until ``release_held()``: memory that a draft holds
-        now and the slots get once the draft is dropped (CPU slots never written take no memory); on_input(il, x):
+        now and the slots get once the draft is dropped (CPU slots never written take no memory); C holds them and
+        runs their ghost LRU, so held slots need native residency; on_input(il, x):
         each MoE layer's router input before its routing call (learned predictors); ``route_observer``, when
         set, hears ``on_route(il, needed, n_tokens)`` after each routing call; extra: layer -> regular slots that
         layer uses beyond ``n_slots`` (a budget spread by layer: ``budget.allocate_slots``/``split_counts``); kinds:
@@ -102,14 +102,16 @@ class ExpertCache:
         if rc != 0:
             raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
         self.tier = tier or RamTier()
-        why_not = native_reason(policy, miss, self.tier, hook=hook, held=held, surrogates=surrogates is not None,
+        why_not = native_reason(policy, miss, self.tier, hook=hook, surrogates=surrogates is not None,
                                 reuse=reuse is not None and reuse.has_reuse)
         if native and why_not:
             raise SpecterError(f"native residency cannot run this configuration: {why_not}")
         use_c = native is not False and not why_not
+        if held and not use_c:
+            raise SpecterError(f"held slots (a draft's memory) need native residency: {why_not or 'native=False'}")
         # slots eviction may use now: the regular ones less those held back for later
-        self.residency = Residency(model, layout, self.n_alloc, self.n_regular - held, pol,
-                                   ghost_capacity=self.n_regular if held else None, held=held, extra=self.extra)
+        self.residency = Residency(model, layout, self.n_alloc, self.n_regular - held, pol, held=held,
+                                   extra=self.extra)
         self.tier.bind(model, layout)
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
         self.layer_pos = {L.index: j for j, L in enumerate(layout.layers)}  # order in the forward pass
@@ -122,12 +124,10 @@ class ExpertCache:
         self.hooks = None
         self._observer = None
         self.nat: NativeResidency | None = None
-        self._pre_native: dict[str, int] = {}  # counts of the Python hook before a running cache went native
-        self._pre_totals = Totals()
         if use_c:
             self.nat = NativeResidency(model, layout, self.tier, self._usable(), policy=policy, miss=miss,
                                        ordered=ordered, lookahead=self.lookahead, trace=self._trace, reuse=reuse,
-                                       duel=duel, ahead=ahead)
+                                       duel=duel, ahead=ahead, held=held)
             self.residency.retire()  # C's slot table is the only one
             if on_input is not None:
                 self.hooks = Hooks(model, None, on_input=on_input)
@@ -165,9 +165,9 @@ class ExpertCache:
         """Since the cache was made: misses, ghost misses, time deciding (C's counters under native residency)."""
         if self.nat is None:
             return self._totals
-        n, p = self.nat.since_start, self._pre_totals
-        return Totals(misses=p.misses + n("needed") - n("resident_at_need"), ghost_misses=p.ghost_misses,
-                      hook_ns=p.hook_ns + n("route_ns"))
+        n = self.nat.since_start
+        return Totals(misses=n("needed") - n("resident_at_need"), ghost_misses=n("ghost_misses"),
+                      hook_ns=n("route_ns"))
 
     @property
     def route_observer(self):
@@ -250,13 +250,12 @@ class ExpertCache:
             needed = set(ids_p[: n_tokens * n_used])
             if self.trace is not None:
                 self.trace.append((il, tuple(sorted(needed))))
-            ghost_misses = res.note_needed(il, needed)
+            res.note_needed(il, needed)
             self.misses.begin(il, st)
             missing = res.split(il, needed)
             self.stats.needed += len(needed)
             self.stats.resident_at_need += len(needed) - len(missing)
             self._totals.misses += len(missing)
-            self._totals.ghost_misses += ghost_misses
             if n_tokens > 1 and self.lookahead:
                 self._prefill_lookahead(il, len(needed))
             if missing:
@@ -330,30 +329,11 @@ class ExpertCache:
         return issued
 
     def release_held(self) -> None:
-        """The memory held back (a draft's) is free now: every allocated slot may be used from here on. The held
-        slots were what kept residency in Python (their ghost LRU): it moves to C now where it can."""
+        """The memory held back (a draft's) is free now: every allocated slot may be used from here on. C releases
+        them between decodes (and drops the draft's queued prefetches); nothing is handed over."""
         self.residency.release_held()
-        self._go_native()
-
-    def _go_native(self) -> bool:
-        """Hand a running cache's residency to C (between decodes). The C remap already holds Python's table (every
-        change was mirrored); uploads in flight land first. The graphs built so far keep their shape: a late path
-        or a router input they were built with serve C the same way."""
-        if self.native or self.hooks is None or native_reason(self.policy, self.miss, self.tier,
-                                                              surrogates=self.surrogates is not None):
-            return False
-        self.residency.drain()
-        c = self.counters()
-        # what the Python hook counted so far, carried into C's counts (C's own row and byte counters ran all along)
-        self._pre_native = {k: c[k] for k in ("needed", "resident_at_need", "uploads", "prefetches", "waited",
-                                              "overflow_rows", "late", "lookahead")}
-        self._pre_totals = self._totals
-        self.hooks.close()
-        self.hooks = None
-        self.nat = NativeResidency(self.model, self.layout, self.tier, self._usable(), policy=self.policy,
-                                   miss=self.miss, ordered=self.ordered, lookahead=self.lookahead, trace=self._trace)
-        self.residency.retire()
-        return True
+        if self.nat is not None:
+            self.nat.release_held()
 
     def check(self) -> None:
         """Re-raise an error a hook parked (call after each decode); report failed uploads once, in one line."""
@@ -421,13 +401,8 @@ class ExpertCache:
         }
 
     def _native_counters(self) -> dict:
-        """counters() of native residency: C's, plus what the Python hook counted before a cache went native
-        (since the last reset)."""
-        out = self.nat.counters()
-        for k, v in self._pre_native.items():
-            out[k] += v
-        out["hit_rate"] = out["resident_at_need"] / out["needed"] if out["needed"] else 0.0
-        return out
+        """counters() of native residency: C's since the last reset."""
+        return self.nat.counters()
 
     def link_gbps(self) -> float | None:
         """The slow tier's speed as measured on this session's uploads so far (None before any)."""
@@ -440,7 +415,6 @@ class ExpertCache:
 
     def reset_counters(self) -> None:
         self.stats = CacheStats()
-        self._pre_native = {}
         if self.nat is not None:  # totals and failures count from the cache's start: keep what the reset takes
             self.nat.reset()
         self.api.stats_reset(self.model.ptr)

@@ -19,12 +19,12 @@ from pyspecter.tiers import DiskTier, EmulatedTier, RamTier, Tier
 Trace = list[tuple[int, tuple[int, ...]]]
 
 
-def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, held: int = 0,
-                  surrogates: bool = False, reuse: bool = False) -> str:
+def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, surrogates: bool = False,
+                  reuse: bool = False) -> str:
     """Why the routing op cannot own residency in C for this configuration ('' when it can). What stays in Python:
-    surrogates (approximate, opt-in), a draft's held slots (their ghost LRU) and tiers C does not know (tests'
-    fault-injecting ones). A learned predictor runs in C whole: its reuse maps evict, its layer-ahead maps feed the
-    native planner (policy 'predicted'; without reuse maps C evicts LRU)."""
+    surrogates (approximate, opt-in) and tiers C does not know (tests' fault-injecting ones). A learned predictor
+    runs in C whole: its reuse maps evict, its layer-ahead maps feed the native planner (policy 'predicted';
+    without reuse maps C evicts LRU). A draft's held slots and their ghost LRU are C's too (``set_held``)."""
     del reuse  # C applies whatever maps the predictor has
     if not hook:
         return "no routing hook (static residency)"
@@ -34,8 +34,6 @@ def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, held
         return f"miss mode {miss!r} is Python's"
     if surrogates:
         return "surrogates are expanded from Python"
-    if held:
-        return "held slots (a draft's memory) keep a Python ghost LRU"
     if type(tier) not in (RamTier, EmulatedTier, DiskTier):
         return f"tier {type(tier).__name__} has no native reader"
     return ""
@@ -68,14 +66,15 @@ class NativeResidency:
 
     def __init__(self, model: native.Model, layout: ModelLayout, tier: Tier, usable: dict[int, int], *,
                  policy: str, miss: str, ordered: bool, lookahead: bool, trace: Trace | None,
-                 reuse=None, duel: bool = True, ahead=None, min_prob: float = 0.5) -> None:
-        """usable: layer -> slots it hands out; trace: a list to append the routing trace to (None: not recorded;
-        a list already holding the Python hook's calls keeps them); reuse: a ``LearnedPredictor`` whose reuse maps
-        C applies for policy 'predicted' (``duel``: only while they miss less than LRU); ahead: a
-        ``LearnedPredictor`` whose layer-ahead maps the native planner applies in each routing op of decoding,
-        prefetching what they predict at ``min_prob`` or more (below an even chance a prefetch costs a link-bound
-        tier more than it saves: on smol-moe's disk tier at 50%, prefetching at p >= 0.25 read 47 MiB per token
-        against LRU's 29 and ran 0.76x LRU)."""
+                 reuse=None, duel: bool = True, ahead=None, min_prob: float = 0.5, held: int = 0) -> None:
+        """usable: layer -> slots it hands out; held: slots every layer holds back after those (a draft's memory, until
+        ``release_held``), with a ghost LRU over both counting what dropping the draft would leave; trace: a list to
+        append the routing trace to (None: not recorded; a list already holding calls keeps them); reuse: a
+        ``LearnedPredictor`` whose reuse maps C applies for policy 'predicted' (``duel``: only while they miss less than
+        LRU); ahead: a ``LearnedPredictor`` whose layer-ahead maps the native planner applies in each routing op of
+        decoding, prefetching what they predict at ``min_prob`` or more (below an even chance a prefetch costs a
+        link-bound tier more than it saves: on smol-moe's disk tier at 50%, prefetching at p >= 0.25 read 47 MiB per
+        token against LRU's 29 and ran 0.76x LRU)."""
         self.api, self.model, self.layout = native.slots(), model, layout
         p = native.ResidencyParams(
             policy=native.NATIVE_POLICIES["score" if policy == "predicted" else policy],
@@ -88,6 +87,8 @@ class NativeResidency:
         self._check(self.api.residency_init(model.ptr, ctypes.byref(p)), "could not enable native residency")
         for L in layout.layers:
             self._check(self.api.set_usable(model.ptr, L.index, usable[L.index]), f"layer {L.index}: slot count")
+            if held:
+                self._check(self.api.set_held(model.ptr, L.index, held), f"layer {L.index}: {held} held slots")
             if isinstance(tier, DiskTier):
                 for kind, t in L.tensors.items():
                     self._check(self.api.set_file_offset(model.ptr, L.index, native.KIND_NAMES[kind], t.offset),
@@ -100,6 +101,7 @@ class NativeResidency:
         self.trace_list = trace
         self.base = native.Stats()  # counters from before the last reset
         self.usable = dict(usable)
+        self.n_held = held
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -183,6 +185,25 @@ class NativeResidency:
 
     def drain(self) -> None:
         self.api.drain(self.model.ptr)
+
+    def release_held(self) -> int:
+        """The draft is dropped (between decodes): C hands out every layer's held slots from here on, ends their
+        ghosts and protections, and takes back the prefetches still queued. The slots released."""
+        n = self.api.release_held(self.model.ptr)
+        self._check(min(n, 0), "could not release the held slots")
+        self.usable = {il: u + self.n_held for il, u in self.usable.items()}
+        self.n_held = 0
+        return n
+
+    def held(self, il: int) -> int:
+        """Layer il's held slots now (0 once released)."""
+        return max(self.api.held(self.model.ptr, il, None), 0)
+
+    def ghost_misses(self, il: int) -> int:
+        """Layer il's ghost LRU's misses since its slots were held."""
+        g = ctypes.c_int64()
+        self._check(min(self.api.held(self.model.ptr, il, ctypes.byref(g)), 0), f"layer {il}: no residency")
+        return g.value
 
     def layers(self) -> dict[int, NativeLayer]:
         n_slots = self.api.n_slots(self.model.ptr)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pyspecter import native
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
-from pyspecter.policies import GhostLRU, Policy, Scores
+from pyspecter.policies import Policy, Scores
 
 
 @dataclass
@@ -34,12 +34,12 @@ class LayerSlots:
     sur_in: dict = field(default_factory=dict)  # reserved slot -> expert whose surrogate it holds
     sur_mapped: set = field(default_factory=set)  # experts routed to a reserved slot for the current ubatch
     late: dict = field(default_factory=dict)  # ordered mode: expert -> slot, computed after the resident ones
-    ghost: GhostLRU | None = None  # held slots: plain LRU over every allocated slot, in bookkeeping only
     loaded: list[int] = field(default_factory=list)  # slot -> clock its expert was mapped (FIFO order)
     prev_call: int = 0  # clock of this layer's previous routing call (the previous token's, in decode)
     last_call: int = 0  # ... and of its latest
     scores: Scores = field(default_factory=list)  # expert -> predicted reuse, policy 'predicted' (set_scores)
-    # Slots [0, n_usable) are handed out; [n_usable, n_regular) are held (a draft's memory) until release_held;
+    # Slots [0, n_usable) are handed out; [n_usable, n_regular) are held (a draft's memory, native residency's:
+    # C holds them and runs their ghost LRU) until release_held;
     # the reserved ones (surrogates) follow from n_regular. Per layer: layers may have different counts
     n_usable: int = 0
     n_regular: int = 0
@@ -55,12 +55,12 @@ class Residency:
     dropped) and reserved ones (surrogates)."""
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, n_usable: int, policy: Policy,
-                 ghost_capacity: int | None = None, api=None, *, held: int = 0,
+                 api=None, *, held: int = 0,
                  extra: Mapping[int, int] | None = None) -> None:
         """n_slots: slots allocated per layer (the C side's count); n_usable: regular slots every layer uses from
         the start, and ``held`` more once ``release_held`` is called; extra: layer -> regular slots that layer uses
-        beyond the others (a budget spread by layer), numbered before its held and reserved ones. ghost_capacity:
-        the held-slot ghost's size in a layer without extra slots. api: the C slot functions (``native.slots()``);
+        beyond the others (a budget spread by layer), numbered before its held and reserved ones. api: the C slot
+        functions (``native.slots()``);
         tests pass a stand-in that records the mirror."""
         self.model, self.policy = model, policy
         self.api = api if api is not None else native.slots()
@@ -78,7 +78,7 @@ class Residency:
                                    f"{n_slots} allocated")
             self.layers[L.index] = LayerSlots(
                 owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E,
-                ghost=GhostLRU(ghost_capacity + x) if ghost_capacity else None, loaded=[0] * n_slots,
+                loaded=[0] * n_slots,
                 n_usable=n_usable + x, n_regular=n_usable + held + x)
         self.clock = 0
         self.failed_uploads = 0
@@ -105,13 +105,11 @@ class Residency:
             st.prev_call, st.last_call = st.last_call, self.clock
         return st
 
-    def note_needed(self, il: int, needed: set[int]) -> int:
-        """Layer il's routing call needs ``needed``: count the uses (LFU, prefill's lookahead) and feed the held
-        slots' ghost. Returns the ghost's misses (0 without one)."""
+    def note_needed(self, il: int, needed: set[int]) -> None:
+        """Layer il's routing call needs ``needed``: count the uses (LFU, prefill's lookahead)."""
         st = self.layers[il]
         for e in needed:
             st.freq[e] += 1
-        return st.ghost.observe(needed) if st.ghost is not None else 0
 
     def split(self, il: int, needed: set[int]) -> list[int]:
         """Let landed uploads map, stamp the resident experts of ``needed`` as used now, and return the others
@@ -249,7 +247,6 @@ class Residency:
         """The memory held back (a draft's) is free now: every allocated regular slot may be used."""
         for st in self.layers.values():
             st.n_usable = st.n_regular
-            st.ghost = None
 
     def retire(self) -> None:
         """C owns residency from here (native residency): drop this table, keeping each layer's slot counts, so
@@ -260,4 +257,3 @@ class Residency:
                 raise SpecterError("uploads still in flight: drain before handing residency to C")
             st.owner, st.where, st.last_use, st.freq, st.loaded = [], [], [], [], []
             st.protected.clear()
-            st.ghost = None

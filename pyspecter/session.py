@@ -161,6 +161,10 @@ class Session:
                                           spread=True, device=self.device is not None,
                                           curves=self.predictor.miss_curves if self.predictor else None)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
+        if self.held and (cfg.native is False or native_reason(cfg.policy, self.miss, self.tier,
+                                                               surrogates=self.surrogates is not None)):
+            # held slots and their ghost LRU are native residency's: on the Python hook the draft keeps its memory
+            self.held = 0
         if self.device is not None and self.layer_plan is None:
             check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)
         # every expert resident in RAM: llama.cpp as users run it (its repacked weights where the CPU has kernels
@@ -225,7 +229,7 @@ class Session:
         # on the disk tier, 67-76% stalled on reads, its prefetches took the link from the misses waited for (40.2
         # MB per token against LRU's 37.3 at 50%; 58.1 against the reuse maps alone's 54.3 at 30%).
         ahead = learned and (self.device is not None or self.tier.name.startswith("emulated"))
-        self.cache = ExpertCache(self.target, self.layout, self.plan.slots,
+        self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held,
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
                                  extra=self.plan.extra, native=True if learned else cfg.native,

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 15
+#define LLAMA_PYSPECTER_VERSION 16
 
 #ifdef __cplusplus
 extern "C" {
@@ -204,6 +204,17 @@ LLAMA_API bool    llama_pyspecter_residency_enabled(const struct llama_model * m
 LLAMA_API int32_t llama_pyspecter_set_file_offset(struct llama_model * model, int32_t il, int32_t kind, int64_t offset);
 // slots [0, n) of layer il are handed out (the rest are held back, e.g. a draft's memory); n <= n_slots
 LLAMA_API int32_t llama_pyspecter_set_usable(struct llama_model * model, int32_t il, int32_t n);
+// A draft's memory: layer il holds back n_held slots after its usable ones (set_usable first) until release_held,
+// and simulates plain LRU over both (n_usable + n_held experts) in bookkeeping on its routing calls: the misses it
+// has are counted in ghost_misses (stats), what dropping the draft would leave. n_held = 0: none, no ghost.
+LLAMA_API int32_t llama_pyspecter_set_held(struct llama_model * model, int32_t il, int32_t n_held);
+// The draft is dropped (between decodes): every layer hands out its held slots from here on and its ghost ends;
+// protections end and the prefetches still queued unread (the dropped draft's predictions) are taken back.
+// Returns the slots released over all layers, or a negative status.
+LLAMA_API int32_t llama_pyspecter_release_held(struct llama_model * model);
+// Layer il's held slots now (a negative status on error), and its ghost's misses since set_held into
+// *ghost_misses (may be null)
+LLAMA_API int32_t llama_pyspecter_held(const struct llama_model * model, int32_t il, int64_t * ghost_misses);
 // SCORE policy: layer il's eviction scores, one per expert (higher: keep); copied
 LLAMA_API int32_t llama_pyspecter_set_scores(struct llama_model * model, int32_t il, const float * scores, int32_t n);
 // SCORE policy from a reuse map, computed in the routing op from the layer's router input x (its last row) when an
@@ -310,6 +321,7 @@ struct llama_pyspecter_stats {
     int64_t ahead_prefetches; // prefetches they queued (in prefetches too)
     int64_t ahead_late;       // predictions >= min_prob left out: the link could not land them by their deadline
     int64_t ahead_refused;    // ... left out: no slot whose expert is less likely to be needed
+    int64_t ghost_misses;     // misses of the held slots' ghost LRU (set_held), summed over layers
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);

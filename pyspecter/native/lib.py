@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 15
+PATCH_SERIES_VERSION = 16
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -213,6 +213,7 @@ class Stats(ctypes.Structure):
         ("ahead_prefetches", ctypes.c_int64),  # prefetches they queued (in prefetches too)
         ("ahead_late", ctypes.c_int64),  # predictions >= min_prob the link could not land by their deadline
         ("ahead_refused", ctypes.c_int64),  # ... with no slot holding a less likely expert
+        ("ghost_misses", ctypes.c_int64),  # misses of the held slots' ghost LRU (set_held), summed over layers
     ]
 
     route_calls: int
@@ -467,6 +468,25 @@ def llama_pyspecter_set_file_offset(model: ModelPtr, il: int, kind: int, offset:
 @ctypes_function("llama_pyspecter_set_usable", [_model, _i32, _i32], _i32)
 def llama_pyspecter_set_usable(model: ModelPtr, il: int, n: int, /) -> int:
     """Slots [0, n) of layer il are handed out."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_held", [_model, _i32, _i32], _i32)
+def llama_pyspecter_set_held(model: ModelPtr, il: int, n_held: int, /) -> int:
+    """Layer il holds back n_held slots after its usable ones (a draft's memory), with a ghost LRU over both."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_release_held", [_model], _i32)
+def llama_pyspecter_release_held(model: ModelPtr, /) -> int:
+    """The draft is dropped: every layer's held slots are handed out, ghosts end, queued prefetches are taken
+    back. The slots released, or a negative status."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_held", [_model, _i32, ctypes.POINTER(_i64)], _i32)
+def llama_pyspecter_held(model: ModelPtr, il: int, ghost_misses: Any, /) -> int:
+    """Layer il's held slots now, and its ghost's misses since set_held into *ghost_misses (may be None)."""
     ...
 
 

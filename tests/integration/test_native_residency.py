@@ -134,41 +134,49 @@ def test_what_stays_in_python_is_named() -> None:
     assert native_reason("lru", "cpu", RamTier()) == ""
     assert native_reason("predicted", "wait", RamTier()) == ""  # a learned predictor runs in C whole
     assert "surrogate" in native_reason("lru", "surrogate", RamTier())
-    assert "held" in native_reason("lru", "wait", RamTier(), held=2)
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
-    with native.Model(path) as m, pytest.raises(Exception, match="native residency cannot run"):
-        ExpertCache(m, lay, lay.n_expert_used + 2, held=1, native=True)
+    with native.Model(path) as m, pytest.raises(Exception, match="held slots .* need native residency"):
+        ExpertCache(m, lay, lay.n_expert_used + 2, held=1, native=False)
 
 
 @pytest.mark.parametrize(("tier", "ordered"), [("ram", False), ("disk", True)])
-def test_a_running_cache_goes_native_when_held_slots_are_released(tier: str, ordered: bool) -> None:
-    """A draft's held slots keep residency in Python (their ghost LRU); once the draft is dropped the cache hands
-    its table to C between decodes, and decoding stays exact and keeps its trace and counts."""
+def test_held_slots_are_native_and_released_in_c(tier: str, ordered: bool) -> None:
+    """A draft's held slots are C's from the first token: the routing hook is never entered, C hands out only
+    the usable slots while they are held, and releasing them between decodes (the drop) hands out every slot,
+    with no table handed over. Exact across the switch."""
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
     k = lay.n_expert_used
 
-    def run(cache_args: dict | None) -> tuple[np.ndarray, dict, list]:
+    def run(cache_args: dict | None) -> tuple[np.ndarray, dict, list, list]:
+        owners = []
         with native.Model(path) as m:
             cache = ExpertCache(m, lay, k + 2, **cache_args) if cache_args else None
             with native.Context(m, n_threads=2) as ctx:
                 out = [ctx.decode(m.tokenize(PROMPT), logits_all=True)[-1]]
                 for i in range(12):
                     if cache is not None and i == 4:
-                        assert not cache.native
-                        cache.release_held()
                         assert cache.native and cache.hooks is None
+                        assert [cache.nat.held(il) for il in cache.layer_pos] == [2] * len(lay.layers)
+                        owners.append(max(s for st in cache.layers.values() for s, e in enumerate(st.owner) if e >= 0))
+                        cache.release_held()
+                        assert [cache.nat.held(il) for il in cache.layer_pos] == [0] * len(lay.layers)
+                        assert set(cache.usable_per_layer().values()) == {k + 2}
                     out.append(ctx.decode([int(out[-1].argmax())]))
                     if cache is not None:
                         cache.check()
+                if cache is not None:
+                    owners.append(max(s for st in cache.layers.values() for s, e in enumerate(st.owner) if e >= 0))
             c, trace = (cache.counters(), list(cache.trace)) if cache else ({}, [])
             if cache is not None:
+                assert cache.stats.hook_calls == 0 and cache.api.stats(m.ptr).hook_ns == 0  # no Python in a layer
                 cache.close()
-        return np.array(out), c, trace
+        return np.array(out), c, trace, owners
 
-    ref, _, _ = run(None)
-    got, c, trace = run(dict(miss="wait", ordered=ordered, tier=make_tier(tier), held=2, record=True))
+    ref, _, _, _ = run(None)
+    got, c, trace, owners = run(dict(miss="wait", ordered=ordered, tier=make_tier(tier), held=2, record=True))
     assert np.abs(ref - got).max() <= TOL
     assert c["native"] and c["needed"] >= c["resident_at_need"] > 0
-    assert len(trace) == c["route_calls"]  # the Python hook's calls and C's, one list
+    assert len(trace) == c["route_calls"]
+    assert owners[0] < k and owners[1] >= k  # the held slots were filled only after the release

@@ -274,15 +274,13 @@ def test_each_layer_hands_out_its_own_count() -> None:
 def test_held_and_reserved_stay_uniform_beside_the_extra() -> None:
     lay = _layout([100] * 2, n_expert=16, k=2)
     # 8 allocated = 2 usable + 2 held + at most 4 extra; reserved (surrogates) follow each layer's regular ones
-    res = Residency(_MODEL, lay, 8, 2, LRU(), ghost_capacity=4, api=_Api(), held=2, extra={1: 4})
+    res = Residency(_MODEL, lay, 8, 2, LRU(), api=_Api(), held=2, extra={1: 4})
     assert [res.usable(il) for il in range(2)] == [2, 6]
-    assert [res.layers[il].ghost.capacity for il in range(2)] == [4, 8]
     assert res.reserved(0, 2) == range(4, 6) and res.reserved(1, 2) == range(8, 10)
     _fill(res, 0, range(10))
     assert all(e < 0 for e in res.layers[0].owner[2:])  # held slots are not handed out before release
     res.release_held()
     assert [res.usable(il) for il in range(2)] == [4, 8] and res.n_usable == 4
-    assert all(st.ghost is None for st in res.layers.values())
     _fill(res, 0, range(6, 16))
     assert sum(e >= 0 for e in res.layers[0].owner) == 4
 
