@@ -7,8 +7,7 @@ protected by a prediction). Lower rank is evicted first.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -101,24 +100,3 @@ def hot_experts(counts: Sequence[int], n: int) -> list[int]:
     = times expert e was selected), most used first; ties go to the lower id, so a profile gives one answer."""
     order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
     return order[: max(n, 0)]
-
-
-class GhostLRU:
-    """Plain LRU over ``capacity`` experts in bookkeeping only: the misses it would have had on the same routing.
-    The cache runs one per layer over all allocated slots, held ones included, to estimate what dropping the
-    draft (whose memory the held slots are) would buy."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._held: OrderedDict[int, None] = OrderedDict()  # oldest first
-
-    def observe(self, needed: Iterable[int]) -> int:
-        """One ubatch's experts; returns how many of them LRU would have missed."""
-        needed = list(needed)
-        misses = sum(1 for e in needed if e not in self._held)
-        for e in needed:
-            self._held[e] = None
-            self._held.move_to_end(e)
-        while len(self._held) > self.capacity:
-            self._held.popitem(last=False)
-        return misses

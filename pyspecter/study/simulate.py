@@ -20,7 +20,8 @@ Two families of LRU, because they answer different questions:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -242,3 +243,25 @@ def belady_misses(trace: Trace, slots: int, extra: Mapping[int, int] | None = No
         total += (sum(len(set(s)) for s in steps) - simulate_cache(steps, n, "belady")
                   - min(n, len({e for s in steps for e in s if e >= 0})))
     return total
+
+
+class GhostLRU:
+    """Plain LRU over ``capacity`` experts in bookkeeping only: the misses it would have had on the same routing.
+    The reference of the held slots' ghost, which C runs per layer over all of a layer's regular slots, held ones
+    included, to estimate what dropping the draft (whose memory the held slots are) would buy (csrc/residency.cpp,
+    ``held_ghost_observe``): needed experts in the order given (ascending, as C serves them)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: OrderedDict[int, None] = OrderedDict()  # oldest first
+
+    def observe(self, needed: Iterable[int]) -> int:
+        """One ubatch's experts; returns how many of them LRU would have missed."""
+        needed = list(needed)
+        misses = sum(1 for e in needed if e not in self._held)
+        for e in needed:
+            self._held[e] = None
+            self._held.move_to_end(e)
+        while len(self._held) > self.capacity:
+            self._held.popitem(last=False)
+        return misses

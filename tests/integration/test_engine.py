@@ -15,8 +15,8 @@ from pyspecter.governor import KGovernor
 from pyspecter.layout import read_layout
 from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
-from pyspecter.policies import GhostLRU
 from pyspecter.predict import DraftRouting
+from pyspecter.study.simulate import GhostLRU
 
 
 @pytest.fixture(scope="session")

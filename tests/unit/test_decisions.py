@@ -10,10 +10,10 @@ from pyspecter.budget import MemoryPlan, check_slots, parse_budget, slots_for_bu
 from pyspecter.errors import SpecterError
 from pyspecter.governor import OFF, KGovernor
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
-from pyspecter.policies import LFU, LRU, GhostLRU, Predicted, make_policy
+from pyspecter.policies import LFU, LRU, Predicted, make_policy
 from pyspecter.residency import Residency
 from pyspecter.sampling import Sampler, SamplingParams
-from pyspecter.study.simulate import lru_stack_positions
+from pyspecter.study.simulate import GhostLRU, lru_stack_positions
 
 
 def test_governor_turns_speculation_off_when_it_does_not_pay() -> None:
