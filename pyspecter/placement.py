@@ -123,16 +123,17 @@ def place(model: ModelLayout | str | os.PathLike, *, tier: str | None = None, bu
     return Placement(tier, budget)
 
 
-def _check_device_room(device, layout: ModelLayout, expert_bytes: int) -> None:
-    """Refuse, with the numbers, experts the device cannot hold beside the non-expert weights (compute buffers
-    come on top, so this is a floor)."""
-    need = layout.nonexpert_bytes + expert_bytes
+def _check_device_room(device, layout: ModelLayout, expert_bytes: int, draft_bytes: int = 0) -> None:
+    """Refuse, with the numbers, experts (and a draft) the device cannot hold beside the non-expert weights
+    (compute buffers come on top, so this is a floor)."""
+    need = layout.nonexpert_bytes + expert_bytes + draft_bytes
     free, _ = device.memory()
     if need > free:
         gib = 2**30
+        draft = f" + draft {draft_bytes / gib:.2f} GiB" if draft_bytes else ""
         raise SpecterError(f"{device.name}: {need / gib:.2f} GiB needed (non-expert weights "
-                           f"{layout.nonexpert_bytes / gib:.2f} GiB + experts {expert_bytes / gib:.2f} GiB) but "
-                           f"the device has {free / gib:.2f} GiB free; lower --budget or --layer-plan")
+                           f"{layout.nonexpert_bytes / gib:.2f} GiB + experts {expert_bytes / gib:.2f} GiB{draft}) "
+                           f"but the device has {free / gib:.2f} GiB free; lower --budget or --layer-plan")
 
 
 @dataclass(frozen=True)
@@ -160,24 +161,26 @@ def parse_layer_plan(spec: str) -> str | int:
 
 
 def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str | LayerPlan | None = None, *,
-                      why_not: str | None = None) -> DevicePlan | None:
+                      why_not: str | None = None, draft_bytes: int = 0) -> DevicePlan | None:
     """What each MoE layer is on ``device`` (a ``native.devices.Device``) for ``budget`` (device memory for
     experts; None: all of them): ``spec`` as ``--layer-plan`` gives it (None: auto), or a ``LayerPlan`` itself.
     None: slots in every layer. ``why_not``: what keeps this session on slots in every layer (a draft, the
-    surrogates: they index every layer's slots); auto then gives slots, an explicit plan is refused."""
+    surrogates: they index every layer's slots); auto then gives slots, an explicit plan is refused. With no
+    budget (the whole model fits the device), auto is every layer full whatever ``why_not`` says: stock's
+    placement, no slot to index; ``draft_bytes``: a draft beside it on the device."""
     if spec is None:
         spec = "auto"
     want = spec if isinstance(spec, LayerPlan) else parse_layer_plan(spec)
     if want == "slots":
         return None
-    if why_not is not None:
+    budget_bytes = (parse_budget(budget, layout.expert_total_bytes) if budget is not None
+                    else layout.expert_total_bytes)
+    if why_not is not None and not (want == "auto" and budget is None):
         if want == "auto":
             return None
         raise SpecterError(f"a layer plan other than slots in every layer runs without {why_not}")
-    budget_bytes = (parse_budget(budget, layout.expert_total_bytes) if budget is not None
-                    else layout.expert_total_bytes)
     if want == "auto":  # the budget asked for is refused before anything is measured on the device
-        _check_device_room(device, layout, budget_bytes)
+        _check_device_room(device, layout, budget_bytes, draft_bytes)
     if isinstance(want, LayerPlan):
         plan, info, how = want, None, "as given"
     elif isinstance(want, int):

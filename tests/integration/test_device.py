@@ -340,6 +340,25 @@ def test_device_costs_measured_on_rpc_device(rpc: str, tmp_path: Path, monkeypat
         assert t <= predict_us(stock_plan(lay, n_cpu_moe_for(lay, budget)), lay, costs) + 1e-6
 
 
+def test_session_with_a_draft_on_a_device_that_holds_the_model_runs_all_full(rpc: str, tmp_path: Path) -> None:
+    """The whole model fits the device and a draft is given: every layer full (stock's placement, no slot, no
+    routing hook), the draft speculating beside it, stock's greedy tokens and splits."""
+    from pyspecter.session import Session, SessionConfig
+
+    dev = open_device(rpc)
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    draft = make_draft(path, tmp_path / "draft.gguf", experts_type="Q4_0", progress=False)
+    with native.Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
+        toks = m.tokenize(LONG_PROMPT)
+    ref, splits = _stock_greedy(path, dev, toks, 12, stock_plan(lay, 0))
+    with Session(SessionConfig(model=path, device=rpc, draft=draft, n_ctx=256)) as s:
+        assert s.placement.budget is None and s.layer_plan is not None
+        assert s.layer_plan.plan == stock_plan(lay, 0) and s.cache is None and s.decoder is not None
+        assert s.generate(toks, 12, stop_at_eog=False) == ref
+        assert s.target_splits == splits
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])
 def test_session_layer_plans_on_rpc_device_are_exact(name: str, rpc: str) -> None:
     """Mixed plans given to the session, stock's --n-cpu-moe N by name and slots in every layer: stock's greedy
