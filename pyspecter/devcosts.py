@@ -41,10 +41,11 @@ def _cache_file() -> Path:
     return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "pyspecter")) / "devcosts.json"
 
 
-def cache_key(path: str | Path, device: Device) -> str:
+def cache_key(path: str | Path, device: Device, n_threads: int = 2) -> str:
+    """Machine, device, model file and the host's threads (a host row's cost depends on them)."""
     st = Path(path).stat()
-    return f"v{VERSION}|{socket.gethostname()}|{device.description}|{Path(path).resolve()}|{st.st_size}|" \
-           f"{st.st_mtime_ns}"
+    return f"v{VERSION}|{socket.gethostname()}|{device.description}|t{n_threads}|{Path(path).resolve()}|" \
+           f"{st.st_size}|{st.st_mtime_ns}"
 
 
 def _tokens(n_vocab: int, n: int) -> list[int]:
@@ -154,7 +155,7 @@ def solve(layout: ModelLayout, m: int, host_over_full_s: float, wide_a_s: float,
 def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int = 5, n_threads: int = 2,
             use_cache: bool = True) -> DeviceCosts:
     """The costs of ``layout``'s model on ``device`` (cached; ``use_cache=False`` measures again)."""
-    key = cache_key(path, device)
+    key = cache_key(path, device, n_threads)
     f = _cache_file()
     try:
         known = json.loads(f.read_text()) if f.exists() else {}
@@ -192,11 +193,13 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
     return costs
 
 
-def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes: int) -> tuple[LayerPlan, dict]:
+def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes: int,
+             n_threads: int = 2) -> tuple[LayerPlan, dict]:
     """The plan the cost model chooses for ``device_bytes`` of experts on the device, and what it predicts per
-    token beside stock's --cpu-moe and --n-cpu-moe at that memory. Where every expert fits, every layer is full,
-    as the session runs it (``placement.device_layer_plan``): stock's own placement, no switch to trade."""
-    costs = measure(path, layout, device)
+    token beside stock's --cpu-moe and --n-cpu-moe at that memory, measured with the host's ``n_threads``. Where
+    every expert fits, every layer is full, as the session runs it (``placement.device_layer_plan``): stock's own
+    placement, no switch to trade."""
+    costs = measure(path, layout, device, n_threads=n_threads)
     plan = (stock_plan(layout, 0) if device_bytes >= layout.expert_total_bytes
             else choose_plan(layout, device_bytes, costs))
     n_cpu = n_cpu_moe_for(layout, device_bytes)

@@ -147,7 +147,8 @@ class Session:
         why_not = "a draft" if cfg.draft else "surrogates" if self.surrogates else None
         why_not = why_not or (f"the {self.tier.name} tier" if self.tier.name != "ram" else None)
         self.layer_plan = device_layer_plan(self.layout, self.device, cfg.budget, cfg.layer_plan, why_not=why_not,
-                                            draft_bytes=self.draft_bytes) if self.device is not None else None
+                                            draft_bytes=self.draft_bytes, n_threads=cfg.n_threads) \
+            if self.device is not None else None
         if self.layer_plan is not None:
             self.predictor = None
         # On the CPU, what whole slot rows leave of the budget is spent too, by layer (otherwise a 5 MiB predictor

@@ -275,7 +275,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
     say(f"measuring the {tier} tier's link", 0, 0)
     link_gbps = measure_link(path, tier, device=dev)
-    plan, plan_info = plan_for(path, layout, dev, budget_bytes) if dev is not None and "plan" in policies \
+    plan, plan_info = plan_for(path, layout, dev, budget_bytes, n_threads) if dev is not None and "plan" in policies \
         else (None, None)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
     say("an untimed warm-up run", 0, 0)

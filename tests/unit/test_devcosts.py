@@ -56,7 +56,7 @@ def test_noise_gives_way_to_the_measured_host_over_full_difference(wide_a: float
     assert math.isclose(host_over_full, one * 1e6 / m, rel_tol=1e-9, abs_tol=1e-6)
 
 
-def test_the_steps_pair_one_token_with_distinct_wide_ones_and_the_key_carries_the_version(tmp_path) -> None:
+def test_the_steps_pair_one_token_with_distinct_wide_ones_and_the_key_carries_version_and_threads(tmp_path) -> None:
     steps = _steps(5, 4, 32000)
     assert [len(s) for s in steps] == [1] + [1, 4] * 5
     flat = [t for s in steps for t in s]
@@ -68,6 +68,7 @@ def test_the_steps_pair_one_token_with_distinct_wide_ones_and_the_key_carries_th
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
     assert cache_key(f, Dev()).startswith(f"v{VERSION}|")  # type: ignore[arg-type]
+    assert cache_key(f, Dev(), 4) != cache_key(f, Dev(), 2)  # type: ignore[arg-type]  # a host row's cost
 
 
 def test_differences_bigger_than_the_step_are_scaled_into_it() -> None:
