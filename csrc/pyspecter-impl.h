@@ -119,6 +119,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> late_lost{0}, route_cpu_ns{0}, copy_cpu_ns{0};
     std::atomic<int64_t> ahead_maps{0}, ahead_prefetches{0}, ahead_late{0}, ahead_refused{0}; // the planner
     std::atomic<int64_t> ghost_misses{0}; // the held slots' ghost LRU (set_held)
+    std::atomic<int64_t> read_ops{0}, taken_back{0}; // chunk reads finished; prefetches a demand took back
     // device tables (llama_pyspecter_device_stats)
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
     std::atomic<int64_t> async_batches{0}; // upload batches sent on an upload stream and awaited by their event
@@ -270,6 +271,40 @@ int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t sl
 int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
                            void * buf, size_t buf_size, bool drop_cache);
 
+// O_DIRECT wants file offset, length and memory aligned to this (a page; every block size we meet divides it)
+constexpr int64_t PYSPECTER_IO_ALIGN = 4096;
+
+// Bytes [lo, hi) of one expert's tensor that starts at `offset` in the file: the aligned file range that holds them
+inline void pyspecter_file_span(int64_t offset, int64_t lo, int64_t hi, int64_t * start, int64_t * end) {
+    *start = (offset + lo) / PYSPECTER_IO_ALIGN * PYSPECTER_IO_ALIGN;
+    *end   = (offset + hi + PYSPECTER_IO_ALIGN - 1) / PYSPECTER_IO_ALIGN * PYSPECTER_IO_ALIGN;
+}
+
+// A chunk: bytes [lo, hi) of one kind of one expert (at `offset` in the file), read into the same bytes of its
+// slot. read_range reads the chunk's aligned span into buf and lands it; land_range copies a span already read
+// (got bytes of it, from its aligned start) into the slot: ERR_IO where got falls short of the chunk.
+int32_t pyspecter_read_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
+                             int64_t lo, int64_t hi, void * buf, size_t buf_size, bool drop_cache);
+int32_t pyspecter_land_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t offset, int64_t lo,
+                             int64_t hi, const void * buf, size_t got);
+
+// io_uring without liburing (io_ring.cpp): one ring of depth reads, opened where the kernel and its sandbox allow
+// it (null otherwise: the caller falls back to pread threads). Submission and completion run on one thread; only
+// wake() may be called from others.
+struct pyspecter_ring;
+struct pyspecter_ring_cqe {
+    uint64_t user_data;
+    int32_t  res; // bytes read, or -errno
+};
+pyspecter_ring * pyspecter_ring_open(uint32_t depth);
+void pyspecter_ring_close(pyspecter_ring * ring) noexcept;
+// queue a read of len bytes at off into buf (submitted by the next wait); false: the submission queue is full
+bool pyspecter_ring_read(pyspecter_ring * ring, int fd, void * buf, uint32_t len, int64_t off, uint64_t user_data);
+// submit what is queued, then block until at least one read completes or wake() is called; returns the
+// completions (wakes are not among them), or fails (-errno) with nothing submitted
+int32_t pyspecter_ring_wait(pyspecter_ring * ring, std::vector<pyspecter_ring_cqe> & out);
+void pyspecter_ring_wake(pyspecter_ring * ring) noexcept;
+
 // madvise(DONTNEED) of the host copy's expert pages that live in a file mapping; the bytes released
 size_t pyspecter_release_experts(llama_pyspecter_slots * s);
 
@@ -297,6 +332,7 @@ bool pyspecter_native_prefetch(llama_pyspecter_layer * D, int32_t e, float p, in
 float pyspecter_native_min_prob(const llama_pyspecter_slots * s); // < 0: the planner is off
 void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept;
 bool pyspecter_native_late(const llama_pyspecter_slots * s); // ordered misses: graphs get the late path
+bool pyspecter_native_io_uring(const llama_pyspecter_slots * s); // file reads go through io_uring
 void pyspecter_native_wait(llama_pyspecter_layer * L);       // the wait op: L's late reads have landed on return
 
 // the model layer's expert tensors by kind (null where the layer has none)

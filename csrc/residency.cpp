@@ -22,7 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 
-// One expert being read into one slot: a task per kind (file) or one task for all kinds (host copy).
+// One expert being read into one slot: a task per chunk of each kind (file) or one task for all kinds (host copy).
 struct pyspecter_read {
     llama_pyspecter_layer * L = nullptr;
     int32_t expert = -1, slot = -1;
@@ -38,7 +38,8 @@ struct pyspecter_read {
 
 struct pyspecter_task {
     std::shared_ptr<pyspecter_read> r;
-    int32_t kind; // a kind to read from the file; -1: every kind from the host copy; -2: advise (readahead)
+    int32_t kind;        // a kind to read from the file; -1: every kind from the host copy; -2: advise (readahead)
+    int64_t lo = 0, hi = 0; // a file read: the chunk, bytes [lo, hi) of the expert's tensor of that kind
 };
 
 enum { CLS_DEMAND = 0, CLS_BACKGROUND = 1, CLS_PREFETCH = 2, CLS_ADVISE = 3 };
@@ -66,10 +67,14 @@ struct pyspecter_residency {
     std::vector<std::thread> readers;
     bool stopping = false;
     uint64_t seq = 0;
-    int32_t running = 0;  // reads on the wire
+    int32_t running = 0;  // reads on the wire (chunks, for file reads)
     int32_t stalled = 0;  // the routing op is waiting
     int64_t t_mark = 0;
-    size_t buf_size = 0;
+    size_t buf_size = 0;  // a whole kind of the biggest expert, aligned: the late path's read again
+    int64_t chunk = 0;    // a file read's aligned span at most
+    size_t read_buf = 0;  // a reader's buffer: one chunk's span
+    pyspecter_ring * ring = nullptr; // file reads go through io_uring (one thread); null: pread threads
+    bool ring_waiting = false;       // under qmu: the ring's thread is blocked for completions (wake it)
     std::atomic<int64_t> queued_bytes{0}; // bytes of the tasks queued and not yet taken by a reader
 
     // the planner (planner.cpp): on/off, its least probability, and the layer-time its deadlines are counted in
@@ -97,8 +102,17 @@ struct pyspecter_residency {
 
     void start(int32_t n) {
         t_mark = pyspecter_now_ns();
+        if (p.fd >= 0 && p.io == LLAMA_PYSPECTER_IO_AUTO) {
+            ring = pyspecter_ring_open((uint32_t) n);
+        }
+        if (ring) {
+            // the ring keeps n chunk reads in flight; a thread of its own gives the advice, which blocks
+            readers.emplace_back([this, n] { run_ring(n); });
+            readers.emplace_back([this] { run(/*files=*/false); });
+            return;
+        }
         for (int32_t i = 0; i < n; ++i) {
-            readers.emplace_back([this] { run(); });
+            readers.emplace_back([this] { run(/*files=*/true); });
         }
     }
 
@@ -120,6 +134,9 @@ struct pyspecter_residency {
         }
         cv_work.notify_all();
         cv_done.notify_all();
+        if (ring) {
+            pyspecter_ring_wake(ring);
+        }
         for (auto & t : readers) {
             if (t.joinable()) {
                 try {
@@ -128,6 +145,8 @@ struct pyspecter_residency {
                 }
             }
         }
+        pyspecter_ring_close(ring); // its thread has drained the reads in flight
+        ring = nullptr;
     }
 
     static int64_t task_bytes(const pyspecter_task & t) {
@@ -135,7 +154,7 @@ struct pyspecter_residency {
             return 0;
         }
         if (t.kind >= 0) {
-            return (int64_t) t.r->L->host[t.kind]->nb[2];
+            return t.hi - t.lo;
         }
         int64_t n = 0;
         for (auto * h : t.r->L->host) {
@@ -157,31 +176,75 @@ struct pyspecter_residency {
         return a.seq < b.seq;
     }
 
-    void run() {
+    // the tasks a reader takes: a ring's thread the file reads, the thread beside it the rest (advice)
+    bool takes(const pyspecter_task & t, bool files) const {
+        return ring ? (t.kind >= 0) == files : true;
+    }
+
+    bool has_work(bool files) const {
+        return std::any_of(queue.begin(), queue.end(), [&](const pyspecter_task & t) { return takes(t, files); });
+    }
+
+    // qmu held, has_work(files): the first task by class, deadline, priority and order, taken off the queue
+    pyspecter_task take(bool files) {
+        size_t best = queue.size();
+        for (size_t i = 0; i < queue.size(); ++i) {
+            if (takes(queue[i], files) && (best == queue.size() || before(*queue[i].r, *queue[best].r))) {
+                best = i;
+            }
+        }
+        pyspecter_task t = std::move(queue[best]);
+        queue.erase(queue.begin() + (ptrdiff_t) best);
+        queued_bytes -= task_bytes(t);
+        t.r->started = true;
+        if (t.kind != -2) { // advice is no read: it counts neither as one in flight nor as link time
+            mark_locked();
+            ++running;
+        }
+        return t;
+    }
+
+    // a task taken has finished (rc) after nbytes
+    void finish(pyspecter_task & t, int32_t rc, size_t nbytes) {
+        {
+            std::lock_guard<std::mutex> lk(qmu);
+            if (t.kind != -2) {
+                mark_locked();
+                --running;
+                s->counters.read_bytes += (int64_t) nbytes;
+            }
+            if (t.kind >= 0) {
+                s->counters.read_ops++;
+            }
+            if (rc != LLAMA_PYSPECTER_OK) {
+                t.r->failed = true;
+            }
+            if (--t.r->tasks_left == 0) {
+                t.r->done = true;
+            }
+        }
+        t.r.reset();
+        cv_done.notify_all();
+    }
+
+    int64_t file_offset(const pyspecter_task & t) const {
+        return t.r->L->file_off[t.kind] + (int64_t) (t.r->L->host[t.kind]->nb[2] * t.r->expert);
+    }
+
+    void run(bool files) {
         void * buf = nullptr;
-        if (p.fd >= 0 && posix_memalign(&buf, 4096, buf_size) != 0) {
+        if (p.fd >= 0 && files && posix_memalign(&buf, PYSPECTER_IO_ALIGN, read_buf) != 0) {
             buf = nullptr; // every file read of this thread then fails: its experts stay on the host path
         }
         for (;;) {
             pyspecter_task t;
             {
                 std::unique_lock<std::mutex> lk(qmu);
-                cv_work.wait(lk, [&] { return stopping || !queue.empty(); });
+                cv_work.wait(lk, [&] { return stopping || has_work(files); });
                 if (stopping) {
                     break;
                 }
-                size_t best = 0;
-                for (size_t i = 1; i < queue.size(); ++i) {
-                    if (before(*queue[i].r, *queue[best].r)) {
-                        best = i;
-                    }
-                }
-                t = std::move(queue[best]);
-                queue.erase(queue.begin() + (ptrdiff_t) best);
-                queued_bytes -= task_bytes(t);
-                t.r->started = true;
-                mark_locked();
-                ++running;
+                t = take(files);
             }
             int32_t rc = LLAMA_PYSPECTER_OK;
             size_t nbytes = 0;
@@ -201,29 +264,124 @@ struct pyspecter_residency {
                     nbytes += h ? h->nb[2] : 0;
                 }
             } else {
-                const int64_t off = L->file_off[t.kind] + (int64_t) (L->host[t.kind]->nb[2] * t.r->expert);
+                const int64_t off = file_offset(t);
                 rc = !buf ? (int32_t) LLAMA_PYSPECTER_ERR_NO_MEMORY : pyspecter_run_copy(s->counters, [&] {
-                    return pyspecter_read_one(L, t.kind, t.r->slot, p.fd, off, buf, buf_size, p.drop_cache);
+                    return pyspecter_read_range(L, t.kind, t.r->slot, p.fd, off, t.lo, t.hi, buf, read_buf,
+                                                p.drop_cache);
                 });
-                nbytes = L->host[t.kind]->nb[2];
+                nbytes = (size_t) (t.hi - t.lo);
             }
-            {
-                std::lock_guard<std::mutex> lk(qmu);
-                mark_locked();
-                --running;
-                if (t.kind != -2) {
-                    s->counters.read_bytes += (int64_t) nbytes;
-                }
-                if (rc != LLAMA_PYSPECTER_OK) {
-                    t.r->failed = true;
-                }
-                if (--t.r->tasks_left == 0) {
-                    t.r->done = true;
-                }
-            }
-            cv_done.notify_all();
+            finish(t, rc, nbytes);
         }
         free(buf);
+    }
+
+    // The ring's thread: up to depth chunk reads in flight, each landed (copied into its slot) here as it
+    // completes. On stop it takes nothing new and drains what is in flight (the kernel writes into its buffers).
+    void run_ring(int32_t depth) {
+        struct op {
+            pyspecter_task t;
+            void * buf = nullptr;
+            int64_t start = 0, len = 0, got = 0;
+            bool busy = false;
+        };
+        std::vector<op> ops((size_t) depth);
+        for (auto & o : ops) {
+            if (posix_memalign(&o.buf, PYSPECTER_IO_ALIGN, read_buf) != 0) {
+                o.buf = nullptr; // a read given to it fails: its expert stays on the host path
+            }
+        }
+        std::vector<pyspecter_ring_cqe> done;
+        std::vector<size_t> refused; // taken without a buffer: failed outside the lock
+        int32_t n_busy = 0;
+        bool warned = false;
+        auto submit = [&](size_t i) {
+            op & o = ops[i];
+            return pyspecter_ring_read(ring, p.fd, (char *) o.buf + o.got, (uint32_t) (o.len - o.got),
+                                       o.start + o.got, (uint64_t) i);
+        };
+        for (;;) {
+            {
+                std::unique_lock<std::mutex> lk(qmu);
+                if (n_busy == 0) {
+                    cv_work.wait(lk, [&] { return stopping || has_work(true); });
+                    if (stopping) {
+                        break;
+                    }
+                }
+                for (size_t i = 0; i < ops.size() && !stopping && has_work(true); ++i) {
+                    op & o = ops[i];
+                    if (o.busy) {
+                        continue;
+                    }
+                    o.t = take(true);
+                    o.busy = true;
+                    ++n_busy;
+                    int64_t end = 0;
+                    pyspecter_file_span(file_offset(o.t), o.t.lo, o.t.hi, &o.start, &end);
+                    o.len = end - o.start;
+                    o.got = 0;
+                    if (!o.buf || !submit(i)) {
+                        refused.push_back(i);
+                    }
+                }
+                ring_waiting = refused.empty();
+            }
+            for (size_t i : refused) {
+                finish(ops[i].t, LLAMA_PYSPECTER_ERR_NO_MEMORY, 0);
+                ops[i].busy = false;
+                --n_busy;
+            }
+            if (!refused.empty() || n_busy == 0) {
+                refused.clear();
+                continue;
+            }
+            const int32_t rc = pyspecter_ring_wait(ring, done);
+            {
+                std::lock_guard<std::mutex> lk(qmu);
+                ring_waiting = false;
+            }
+            if (rc != 0) {
+                // the probe at open passed, so this is the kernel short of resources for now: try again
+                if (!warned) {
+                    LLAMA_LOG_WARN("pyspecter: io_uring_enter failed (%s), retrying\n", std::strerror(-rc));
+                    warned = true;
+                }
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                continue;
+            }
+            for (const auto & c : done) {
+                op & o = ops[(size_t) c.user_data];
+                if (c.res == -EINTR || c.res == -EAGAIN) {
+                    if (submit((size_t) c.user_data)) {
+                        continue;
+                    }
+                } else if (c.res > 0) {
+                    o.got += c.res;
+                    if (o.got < o.len && submit((size_t) c.user_data)) {
+                        continue; // short: read the rest (the end of the file answers 0)
+                    }
+                }
+                // an error or the end of the file: land_range judges whether what came covers the chunk
+                llama_pyspecter_layer * L = o.t.r->L;
+                const int64_t off = file_offset(o.t);
+                const int32_t rc_land = pyspecter_run_copy(s->counters, [&] {
+                    return pyspecter_land_range(L, o.t.kind, o.t.r->slot, off, o.t.lo, o.t.hi, o.buf,
+                                                (size_t) o.got);
+                });
+#ifdef POSIX_FADV_DONTNEED
+                if (p.drop_cache) {
+                    posix_fadvise(p.fd, o.start, o.len, POSIX_FADV_DONTNEED);
+                }
+#endif
+                finish(o.t, rc_land, (size_t) (o.t.hi - o.t.lo));
+                o.busy = false;
+                --n_busy;
+            }
+        }
+        for (auto & o : ops) {
+            free(o.buf);
+        }
     }
 
     // mu held (the caller's pending table); queues the tasks of r
@@ -244,8 +402,7 @@ struct pyspecter_residency {
             } else if (p.fd >= 0) {
                 for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
                     if (L->host[k]) {
-                        queue.push_back({ r, k });
-                        r->tasks_left++;
+                        push_chunks(r, k);
                     }
                 }
             } else {
@@ -257,10 +414,43 @@ struct pyspecter_residency {
                 queued_bytes += task_bytes(queue[i]);
             }
         }
+        if (ring) {
+            // two waiters that take different tasks: wake both (notify_one might pick the wrong one); the ring's
+            // thread blocked for completions hears it through the ring
+            cv_work.notify_all();
+            bool wake = false;
+            {
+                std::lock_guard<std::mutex> lk(qmu);
+                wake = ring_waiting;
+            }
+            if (wake) {
+                pyspecter_ring_wake(ring);
+            }
+            return;
+        }
         // one reader per task: waking them all would have the idle ones compete with the compute threads for the
         // cores, inside the routing op's time
         for (size_t i = 0; i < n_tasks; ++i) {
             cv_work.notify_one();
+        }
+    }
+
+    // qmu held: the chunks of kind k of r's expert. Its tensor's aligned file span is cut into equal aligned
+    // pieces of at most `chunk` bytes, so one expert spreads over several readers
+    void push_chunks(const std::shared_ptr<pyspecter_read> & r, int32_t k) {
+        const llama_pyspecter_layer * L = r->L;
+        const int64_t n = (int64_t) L->host[k]->nb[2];
+        const int64_t off = L->file_off[k] + n * r->expert;
+        int64_t start = 0, end = 0;
+        pyspecter_file_span(off, 0, n, &start, &end);
+        const int64_t pieces = (end - start + chunk - 1) / chunk;
+        const int64_t per = ((end - start) / pieces + PYSPECTER_IO_ALIGN - 1) / PYSPECTER_IO_ALIGN * PYSPECTER_IO_ALIGN;
+        for (int64_t cs = start; cs < end; cs += per) {
+            const int64_t lo = std::max(cs, off) - off, hi = std::min(cs + per, off + n) - off;
+            if (hi > lo) {
+                queue.push_back({ r, k, lo, hi });
+                r->tasks_left++;
+            }
         }
     }
 
@@ -681,6 +871,7 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
         if (R->take_back(r)) {
             L->pending[r->slot].reset(); // its slot was evicted when the read was scheduled: free again
             c.uploads--;
+            c.taken_back++;
         } else {
             landing.push_back(r);
         }
@@ -991,6 +1182,10 @@ void llama_pyspecter_slots::residency_deleter::operator()(pyspecter_residency * 
     delete r;
 }
 
+bool pyspecter_native_io_uring(const llama_pyspecter_slots * s) {
+    return s && s->res && s->res->ring;
+}
+
 bool pyspecter_native_late(const llama_pyspecter_slots * s) {
     if (!s || !s->res || s->res->p.miss != LLAMA_PYSPECTER_MISS_ORDERED) {
         return false;
@@ -1072,7 +1267,8 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         return LLAMA_PYSPECTER_ERR_ENABLED;
     }
     if (params->policy < LLAMA_PYSPECTER_POLICY_LRU || params->policy > LLAMA_PYSPECTER_POLICY_SCORE ||
-            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_ORDERED) {
+            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_ORDERED ||
+            params->io < LLAMA_PYSPECTER_IO_AUTO || params->io > LLAMA_PYSPECTER_IO_THREADS) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
     return pyspecter_guarded(__func__, [&]() -> int32_t {
@@ -1107,6 +1303,9 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
             }
         }
         R->buf_size = (biggest + 2 * 4096 + 4095) / 4096 * 4096;
+        const int64_t chunk = params->read_chunk > 0 ? params->read_chunk : 256 * 1024;
+        R->chunk = (chunk + PYSPECTER_IO_ALIGN - 1) / PYSPECTER_IO_ALIGN * PYSPECTER_IO_ALIGN;
+        R->read_buf = std::min(R->buf_size, (size_t) R->chunk);
         R->start(std::max(1, params->n_readers));
         s->res = std::move(R);
         return LLAMA_PYSPECTER_OK;

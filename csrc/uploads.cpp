@@ -208,8 +208,9 @@ public:
         }
     }
 
-    void copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n) {
-        const size_t off = (size_t) slot * slot_t->nb[2];
+    // n bytes into slot, at byte `at` of the slot's expert (a chunk of it)
+    void copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n, size_t at = 0) {
+        const size_t off = (size_t) slot * slot_t->nb[2] + at;
         if (st) {
             ggml_backend_tensor_set_async(st->backend, slot_t, src, off, n);
         } else {
@@ -331,14 +332,26 @@ int32_t llama_pyspecter_load_expert(llama_model * model, int32_t il, int32_t exp
     return pyspecter_run_copy(L->parent->counters, [=] { return pyspecter_load_one(L, expert, slot); });
 }
 
-int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
-                           void * buf, size_t buf_size, bool drop_cache) {
+int32_t pyspecter_land_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t offset, int64_t lo,
+                             int64_t hi, const void * buf, size_t got) {
+    int64_t start = 0, end = 0;
+    pyspecter_file_span(offset, lo, hi, &start, &end);
+    if (got < (size_t) (offset + hi - start)) {
+        return LLAMA_PYSPECTER_ERR_IO; // short: an error, or the end of the file came first
+    }
+    upload_batch b(L);
+    b.copy(L->slot[kind], slot, (const char *) buf + (offset + lo - start), (size_t) (hi - lo), (size_t) lo);
+    b.finish();
+    return LLAMA_PYSPECTER_OK;
+}
+
+int32_t pyspecter_read_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
+                             int64_t lo, int64_t hi, void * buf, size_t buf_size, bool drop_cache) {
 #if defined(__unix__) || defined(__APPLE__)
-    const int64_t align = 4096;
-    const size_t  n     = L->slot[kind]->nb[2];
-    const int64_t start = offset / align * align;
-    const int64_t end   = (offset + (int64_t) n + align - 1) / align * align;
-    if (fd < 0 || offset < 0 || (uintptr_t) buf % align != 0 || (size_t) (end - start) > buf_size) {
+    int64_t start = 0, end = 0;
+    pyspecter_file_span(offset, lo, hi, &start, &end);
+    if (fd < 0 || offset < 0 || lo < 0 || hi <= lo || hi > (int64_t) L->slot[kind]->nb[2] ||
+            (uintptr_t) buf % PYSPECTER_IO_ALIGN != 0 || (size_t) (end - start) > buf_size) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
     size_t got = 0;
@@ -357,15 +370,33 @@ int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot
         posix_fadvise(fd, start, end - start, POSIX_FADV_DONTNEED);
     }
 #endif
-    if (got < (size_t) (offset - start) + n) {
-        return LLAMA_PYSPECTER_ERR_IO;
-    }
-    return write_one(L, kind, slot, (const char *) buf + (offset - start), n);
+    return pyspecter_land_range(L, kind, slot, offset, lo, hi, buf, got);
 #else
-    GGML_UNUSED(L); GGML_UNUSED(kind); GGML_UNUSED(slot); GGML_UNUSED(fd);
-    GGML_UNUSED(offset); GGML_UNUSED(buf); GGML_UNUSED(buf_size); GGML_UNUSED(drop_cache);
+    GGML_UNUSED(L); GGML_UNUSED(kind); GGML_UNUSED(slot); GGML_UNUSED(fd); GGML_UNUSED(offset); GGML_UNUSED(lo);
+    GGML_UNUSED(hi); GGML_UNUSED(buf); GGML_UNUSED(buf_size); GGML_UNUSED(drop_cache);
     return LLAMA_PYSPECTER_ERR_IO; // no pread here: every disk read fails, its expert stays on the host path
 #endif
+}
+
+int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
+                           void * buf, size_t buf_size, bool drop_cache) {
+    return pyspecter_read_range(L, kind, slot, fd, offset, 0, (int64_t) L->slot[kind]->nb[2], buf, buf_size,
+                                drop_cache);
+}
+
+int32_t llama_pyspecter_slot_get(const llama_model * model, int32_t il, int32_t kind, int32_t slot, void * out,
+                                 size_t nbytes) {
+    const llama_pyspecter_layer * L = nullptr;
+    if (!model || !pyspecter_slots_of(model)) {
+        return model ? LLAMA_PYSPECTER_ERR_NO_SLOTS : LLAMA_PYSPECTER_ERR_ARG;
+    }
+    L = pyspecter_layer_of(model, il);
+    if (!L || kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->slot[kind] || slot < 0 ||
+            slot >= L->parent->n_slots || !out || nbytes != L->slot[kind]->nb[2]) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    ggml_backend_tensor_get(L->slot[kind], out, (size_t) slot * nbytes, nbytes);
+    return LLAMA_PYSPECTER_OK;
 }
 
 int32_t llama_pyspecter_read_slot(llama_model * model, int32_t il, int32_t kind, int32_t slot, int32_t fd,

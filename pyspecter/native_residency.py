@@ -84,6 +84,7 @@ class NativeResidency:
             # as many readers as the Python path's demand and prefetch pools together: misses of one layer and
             # the kinds of one expert are read side by side, so the disk's queue stays several deep
             p.fd, p.drop_cache, p.n_readers = tier.fd, not tier.direct, 2 * tier.queue_depth
+            p.read_chunk, p.io = tier.read_chunk, native.NATIVE_IO[tier.io]
         self._check(self.api.residency_init(model.ptr, ctypes.byref(p)), "could not enable native residency")
         for L in layout.layers:
             self._check(self.api.set_usable(model.ptr, L.index, usable[L.index]), f"layer {L.index}: slot count")
@@ -270,9 +271,12 @@ class NativeResidency:
             # thread was descheduled, not deciding
             "route_cpu_us_per_layer": (c.route_cpu_ns - c.copy_cpu_ns) / 1e3 / calls if calls else 0.0,
             "wait_ms": c.wait_ns / 1e6,
-            # mean reads outstanding while the routing op waited (a deep queue keeps the disk busy)
+            # mean reads outstanding while the routing op waited (a deep queue keeps the disk busy); a disk
+            # read is one chunk (DiskTier.read_chunk) of one kind of one expert
             "reads_in_flight": c.stall_reads_ns / c.wait_ns if c.wait_ns else 0.0,
-            "read_bytes": c.read_bytes,
+            "read_bytes": c.read_bytes, "read_ops": c.read_ops, "taken_back": c.taken_back,
+            # a flag, not a count: disk reads go through io_uring (1) or pread threads (0)
+            "io_uring": c.io_uring,
             # the native planner: maps applied, prefetches they queued, predictions left to the miss path
             "ahead_maps": c.ahead_maps, "ahead_prefetches": c.ahead_prefetches, "ahead_late": c.ahead_late,
             "ahead_refused": c.ahead_refused,

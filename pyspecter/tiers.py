@@ -173,13 +173,22 @@ class DiskTier(Tier):
 
     Reads go through a small pool, one tensor of one expert per read: an SSD serves one read at a time at about
     half its speed (measured here: 0.65 GB/s at queue depth 1, 1.14 at 2, 1.29 at 4), so an expert's tensors and
-    a layer's misses are read side by side."""
+    a layer's misses are read side by side.
+
+    Native residency reads each kind of an expert as aligned chunks of at most ``read_chunk`` bytes (0: C's
+    256 KiB), so a layer's one or two misses still keep several reads outstanding, through io_uring where the
+    kernel allows it (``io="auto"``) or on pread threads (``io="threads"``, also forced by SPECTER_DISK_IO=threads,
+    for a sandbox whose io_uring misbehaves)."""
 
     name = "disk"
     ALIGN = 4096
 
-    def __init__(self, queue_depth: int = 4) -> None:
+    def __init__(self, queue_depth: int = 4, read_chunk: int = 0, io: str | None = None) -> None:
         self.queue_depth = max(1, queue_depth)
+        self.read_chunk = read_chunk
+        self.io = io or os.environ.get("SPECTER_DISK_IO") or "auto"
+        if self.io not in native.NATIVE_IO:
+            raise SpecterError(f"disk reads: unknown io {self.io!r}: use {' or '.join(native.NATIVE_IO)}")
 
     def _release(self) -> int:
         released = self.api.release_host_experts(self.model.ptr)

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 16
+#define LLAMA_PYSPECTER_VERSION 17
 
 #ifdef __cplusplus
 extern "C" {
@@ -125,6 +125,11 @@ LLAMA_API int32_t llama_pyspecter_read_slot(struct llama_model * model, int32_t 
                                             int32_t fd, int64_t offset, void * buf, size_t buf_size,
                                             bool drop_cache);
 
+// Copy a slot's bytes of one kind out (nbytes == expert_nbytes), from wherever the slot lives: what a read
+// landed there, for checks. 0 or a negative status.
+LLAMA_API int32_t llama_pyspecter_slot_get(const struct llama_model * model, int32_t il, int32_t kind, int32_t slot,
+                                           void * out, size_t nbytes);
+
 LLAMA_API int32_t llama_pyspecter_upload_status(struct llama_model * model, int64_t ticket);
 LLAMA_API int32_t llama_pyspecter_upload_wait  (struct llama_model * model, int64_t ticket);
 LLAMA_API bool    llama_pyspecter_upload_done  (struct llama_model * model, int64_t ticket);
@@ -190,12 +195,21 @@ enum llama_pyspecter_miss {
 struct llama_pyspecter_residency_params {
     int32_t policy;     // llama_pyspecter_policy
     int32_t miss;       // llama_pyspecter_miss
-    int32_t n_readers;  // reader threads (reads in flight at most); <= 0: 1
+    int32_t n_readers;  // reads in flight at most (reader threads, or the ring's depth); <= 0: 1
     int32_t fd;         // >= 0: read experts from this file (the GGUF; O_DIRECT or not), offsets by set_file_offset;
                         // < 0: copy them from the model's host copy (RAM, through the emulated link if set)
     bool    drop_cache; // fd is buffered: give each read's pages back to the kernel afterwards
     bool    lookahead;  // multi-token ubatch: read the next layer's most used experts while this layer computes
     bool    record;     // keep the routing trace for trace_take
+    int32_t read_chunk; // fd >= 0: bytes per file read at most (rounded up to 4096); one expert's kind is split
+                        // into equal 4096-aligned chunks read side by side, so a layer's few misses keep the disk's
+                        // queue several deep; <= 0: 256 KiB
+    int32_t io;         // llama_pyspecter_io: how file reads are issued
+};
+enum llama_pyspecter_io {
+    LLAMA_PYSPECTER_IO_AUTO    = 0, // io_uring (n_readers reads in flight on one ring) where the kernel and its
+                                    // sandbox allow it, else pread on n_readers threads; stats.io_uring says which
+    LLAMA_PYSPECTER_IO_THREADS = 1, // pread on n_readers threads
 };
 LLAMA_API int32_t llama_pyspecter_residency_init(struct llama_model * model,
                                                  const struct llama_pyspecter_residency_params * params);
@@ -322,6 +336,11 @@ struct llama_pyspecter_stats {
     int64_t ahead_late;       // predictions >= min_prob left out: the link could not land them by their deadline
     int64_t ahead_refused;    // ... left out: no slot whose expert is less likely to be needed
     int64_t ghost_misses;     // misses of the held slots' ghost LRU (set_held), summed over layers
+    // file reads
+    int64_t read_ops;         // chunk reads the readers finished (read_chunk bytes at most each)
+    int64_t taken_back;       // queued prefetches a demand took back whole (none of their chunks started) and
+                              // read again as demand reads; one started is promoted instead (counted in waited)
+    int64_t io_uring;         // not a counter: 1 while file reads go through io_uring, 0 on pread threads
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);

@@ -17,6 +17,7 @@ from pyspecter.native.lib import (
     KIND_GATE_UP,
     KIND_NAMES,
     KIND_UP,
+    NATIVE_IO,
     NATIVE_MISS,
     NATIVE_POLICIES,
     PATCH_SERIES_VERSION,
@@ -38,7 +39,7 @@ from pyspecter.native.model import Context, Model
 
 __all__ = [
     "ERR_IO", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
-    "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ResidencyParams",
+    "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ResidencyParams",
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits", "read_table",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 16
+PATCH_SERIES_VERSION = 17
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -214,6 +214,10 @@ class Stats(ctypes.Structure):
         ("ahead_late", ctypes.c_int64),  # predictions >= min_prob the link could not land by their deadline
         ("ahead_refused", ctypes.c_int64),  # ... with no slot holding a less likely expert
         ("ghost_misses", ctypes.c_int64),  # misses of the held slots' ghost LRU (set_held), summed over layers
+        # file reads
+        ("read_ops", ctypes.c_int64),  # chunk reads the readers finished
+        ("taken_back", ctypes.c_int64),  # queued prefetches a demand took back whole (read again as demand)
+        ("io_uring", ctypes.c_int64),  # not a counter: 1 while file reads go through io_uring, 0 on pread threads
     ]
 
     route_calls: int
@@ -247,6 +251,7 @@ class Stats(ctypes.Structure):
 # enum llama_pyspecter_policy / llama_pyspecter_miss
 NATIVE_POLICIES = {"lru": 0, "lfu": 1, "prev-token": 2, "score": 3}
 NATIVE_MISS = {"cpu": 0, "wait": 1, "ordered": 2}
+NATIVE_IO = {"auto": 0, "threads": 1}  # enum llama_pyspecter_io
 
 
 class ResidencyParams(ctypes.Structure):
@@ -260,6 +265,8 @@ class ResidencyParams(ctypes.Structure):
         ("drop_cache", ctypes.c_bool),
         ("lookahead", ctypes.c_bool),
         ("record", ctypes.c_bool),
+        ("read_chunk", ctypes.c_int32),  # bytes per file read at most (<= 0: 256 KiB)
+        ("io", ctypes.c_int32),  # NATIVE_IO
     ]
 
 
@@ -335,6 +342,14 @@ def llama_pyspecter_read_slot(model: ModelPtr, il: int, kind: int, slot: int, fd
                               buf: int | ctypes.c_void_p, buf_size: int, drop_cache: bool, /) -> int:
     """Read one kind of one expert from fd at offset (through the caller's page-aligned buf of buf_size bytes)
     into slot, in one call with the GIL released. 0, ERR_IO (failed or short; the slot untouched) or another
+    negative status."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_slot_get", [_model, _i32, _i32, _i32, ctypes.c_void_p, _size], _i32)
+def llama_pyspecter_slot_get(model: ModelPtr, il: int, kind: int, slot: int, out: int | ctypes.c_void_p,
+                             nbytes: int, /) -> int:
+    """Copy a slot's bytes of one kind (nbytes == expert_nbytes) into out: what a read landed there. 0 or a
     negative status."""
     ...
 

@@ -335,11 +335,13 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             "stall_ms_per_token": statistics.mean(hook_ms) / n_decode,
             "route_us_per_call": c.get("route_us_per_call", 0.0), "hook_us_per_call": c.get("hook_us_per_call", 0.0),
             # native residency only (None otherwise): decision time per MoE layer, read waits left out; mean
-            # reads outstanding while a token waited
+            # reads outstanding while a token waited (on the disk tier a read is one chunk of one kind of an
+            # expert, 256 KiB at most), and how they were issued (io_uring or pread threads)
             "route_us_per_layer": c.get("route_us_per_layer"),
             # ... and the CPU that took: far below route_us_per_layer, the op's thread waited for a core
             "route_cpu_us_per_layer": c.get("route_cpu_us_per_layer"),
             "reads_in_flight": c.get("reads_in_flight"), "native": bool(c.get("native")),
+            "read_io": ("io_uring" if c.get("io_uring") else "pread") if c.get("read_ops") else None,
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
             "slots_mean": c.get("slots_mean"),  # usable slots per layer, on average (layers may differ)
             # per run, capped children only: pages read back from the file, and times the cgroup hit its cap

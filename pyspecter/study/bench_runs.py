@@ -72,6 +72,8 @@ def merge_counters(parts: list[dict]) -> dict:
     for k in ("route_us_per_call", "hook_us_per_call", "route_us_per_layer", "route_cpu_us_per_layer"):
         if any(k in p for p in parts):
             out[k] = sum(p.get(k, 0.0) * p.get("route_calls", 0) for p in parts) / calls if calls else 0.0
+    if "io_uring" in out:  # a flag, not a count
+        out["io_uring"] = max(p.get("io_uring", 0) for p in parts)
     wait = out.get("wait_ms", 0.0)
     if any("reads_in_flight" in p for p in parts):  # weighted by the time waited
         out["reads_in_flight"] = sum(p.get("reads_in_flight", 0.0) * p.get("wait_ms", 0.0) for p in parts) / wait \

@@ -1,0 +1,192 @@
+"""Native disk reads (csrc/residency.cpp's readers, csrc/io_ring.cpp): each kind of an expert is read as aligned
+chunks side by side, through io_uring where the kernel allows it or on pread threads. The chunks land the file's
+bytes exactly; an expert whose chunk fails is never mapped (the host computes it); a demand still takes back or
+promotes a queued prefetch of its expert. Both I/O paths, each test."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+import pytest
+
+from pyspecter import native
+from pyspecter.cache import ExpertCache
+from pyspecter.layout import read_layout
+from pyspecter.models.tiny import build_tiny
+from pyspecter.tiers import DiskTier
+
+TOL = 1e-4
+PROMPT = "Once upon a time there was a tiny mixture of experts, and it routed every token somewhere."
+IOS = ["auto", "threads"]
+ALIGN = 4096
+CHUNK = ALIGN  # the tiny models' 8 KiB experts then span three chunks per kind, the first and last partial
+
+
+def _io_uring_allowed() -> bool:
+    """io_uring_setup(2) asked directly, as C's run-time choice asks it (425 on x86-64 and arm64 alike)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params
+    fd = libc.syscall(425, 4, params)
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+def _chunks(offset: int, n: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+    """The reads C cuts one kind of one expert into, as file ranges of its bytes: its aligned span in equal
+    aligned pieces of at most chunk bytes."""
+    start, end = offset // ALIGN * ALIGN, -(-(offset + n) // ALIGN) * ALIGN
+    pieces = -(-(end - start) // chunk)
+    per = -(-((end - start) // pieces) // ALIGN) * ALIGN
+    spans = [(max(cs, offset), min(cs + per, offset + n)) for cs in range(start, end, per)]
+    return [(lo, hi) for lo, hi in spans if hi > lo]
+
+
+def _n_chunks(offset: int, n: int) -> int:
+    return len(_chunks(offset, n))
+
+
+def _slot_bytes(m: native.Model, il: int, kind: str, slot: int, n: int) -> bytes:
+    buf = (ctypes.c_char * n)()
+    assert native.slots().slot_get(m.ptr, il, native.KIND_NAMES[kind], slot, buf, n) == 0
+    return buf.raw
+
+
+def _stock(path, n_tokens: int | None = None) -> object:
+    """Stock llama.cpp's logits of the prompt (its first n_tokens)."""
+    with native.Model(path) as stock, native.Context(stock, n_threads=2) as ctx:
+        return ctx.decode(stock.tokenize(PROMPT)[:n_tokens], logits_all=True)
+
+
+def _check_resident_bytes(m: native.Model, lay, data: bytes) -> int:
+    """Every expert mapped in a slot holds the file's bytes of it, whole; returns how many are mapped."""
+    api, mapped = native.slots(), 0
+    for L in lay.layers:
+        for e in range(lay.n_expert):
+            slot = api.slot_of(m.ptr, L.index, e)
+            if slot < 0:
+                continue
+            mapped += 1
+            for kind, t in L.tensors.items():
+                off = t.expert_offset(e)
+                assert _slot_bytes(m, L.index, kind, slot, t.expert_bytes) == data[off: off + t.expert_bytes], \
+                    (L.index, e, kind)
+    return mapped
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_chunked_reads_land_the_files_bytes(io: str) -> None:
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    data = path.read_bytes()
+    ref = _stock(path)
+    want = list(range(0, lay.n_expert, 2))[: lay.n_expert // 2]
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io),
+                            native=True)
+        for L in lay.layers:
+            assert cache.prefetch(L.index, want) == len(want)
+        cache.drain()
+        c = cache.counters()
+        assert _check_resident_bytes(m, lay, data) == len(want) * len(lay.layers)
+        with native.Context(m, n_threads=2) as ctx:
+            got = ctx.decode(m.tokenize(PROMPT), logits_all=True)
+        cache.check()
+        after = cache.counters()
+        assert _check_resident_bytes(m, lay, data) > 0
+        cache.close()
+    assert abs(ref - got).max() <= TOL
+    kinds = [t for L in lay.layers for t in L.tensors.values()]
+    expected = sum(_n_chunks(t.expert_offset(e), t.expert_bytes) for t in kinds for e in want)
+    assert expected > len(kinds) * len(want)  # more than one read per kind: the chunking is what is tested
+    assert c["read_ops"] == expected and c["uploads"] == len(want) * len(lay.layers)
+    assert c["read_bytes"] == sum(t.expert_bytes for t in kinds) * len(want)
+    assert c["failed_uploads"] == 0 and after["failed_uploads"] == 0
+    assert c["io_uring"] == (1 if io == "auto" and _io_uring_allowed() else 0)
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_a_failed_chunk_fails_its_expert(io: str, tmp_path) -> None:
+    """The file behind the readers ends halfway into one expert of the last layer: that expert's first chunks
+    land, its last fails, and it is never mapped; the experts before it land whole. The output is stock's."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    data = path.read_bytes()
+    ref = _stock(path)
+    last = lay.layers[-1]
+    cut_t = max(last.tensors.values(), key=lambda t: t.offset)  # the file's last expert tensor
+    cut_expert = lay.n_expert // 2
+    cut = cut_t.expert_offset(cut_expert) + cut_t.expert_bytes // 2
+    short = tmp_path / "short.gguf"
+    shutil.copyfile(path, short)
+    os.truncate(short, cut)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io),
+                            native=True)
+        fd = os.open(short, os.O_RDONLY)
+        os.dup2(fd, cache.tier.fd)
+        os.close(fd)
+        early, late = [0, 1], [cut_expert]
+        assert cache.prefetch(last.index, early + late) == 3
+        cache.drain()
+        c = cache.counters()
+        api = native.slots()
+        assert all(api.slot_of(m.ptr, last.index, e) >= 0 for e in early)
+        assert api.slot_of(m.ptr, last.index, cut_expert) < 0
+        # every chunk is read, the short one and those past the end too; each failed chunk is a failed copy,
+        # and the expert left unmapped one more
+        assert c["read_ops"] == sum(
+            _n_chunks(t.expert_offset(e), t.expert_bytes) for t in last.tensors.values() for e in early + late)
+        failed = [hi for hi in (h for _, h in _chunks(cut_t.expert_offset(cut_expert), cut_t.expert_bytes))
+                  if hi > cut]
+        assert len(failed) == 2 and c["failed_uploads"] == len(failed) + 1
+        _check_resident_bytes(m, lay, data)
+        with native.Context(m, n_threads=2) as ctx:
+            got = ctx.decode(m.tokenize(PROMPT), logits_all=True)
+        cache.check()
+        _check_resident_bytes(m, lay, data)
+        cache.close()
+    assert abs(ref - got).max() <= TOL
+
+
+@pytest.mark.parametrize("io", IOS)
+def test_a_demand_takes_back_a_queued_prefetch(io: str) -> None:
+    """Prefetches of the first layer's experts queue behind a slow link (200 KB/s: each chunk's copy waits for it),
+    the ones a token needs there last, behind about 1.4 s of others. Its routing op finds them still queued and
+    takes them back whole: read again as demand reads, ahead of the rest (a prefetch partly read when its demand
+    comes is promoted instead, counted in waited). The output is stock's and every mapped expert holds the file's
+    bytes."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    data = path.read_bytes()
+    n_slots = lay.n_expert // 2
+    first = lay.layers[0].index
+    with native.Model(path) as m:  # which experts the token needs in the first layer (routing is deterministic)
+        tokens = m.tokenize(PROMPT)[:1]
+        cache = ExpertCache(m, lay, n_slots, miss="wait", native=True, lookahead=False, record=True)
+        with native.Context(m, n_threads=2) as ctx:
+            ctx.decode(tokens)
+        il, needed = cache.trace[0]
+        cache.close()
+    assert il == first and len(needed) == lay.n_expert_used
+    ref = _stock(path, 1)
+    order = [e for e in range(lay.n_expert) if e not in needed][: n_slots - len(needed)] + list(needed)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, n_slots, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io), native=True,
+                            lookahead=False)
+        native.slots().set_link_gbps(m.ptr, 0.0002)
+        with native.Context(m, n_threads=2) as ctx:
+            assert cache.prefetch(first, order) == n_slots
+            got = ctx.decode(tokens, logits_all=True)
+        native.slots().set_link_gbps(m.ptr, 0.0)
+        cache.drain()
+        cache.check()
+        c = cache.counters()
+        _check_resident_bytes(m, lay, data)
+        cache.close()
+    assert abs(ref - got).max() <= TOL
+    assert c["failed_uploads"] == 0
+    assert c["taken_back"] == len(needed), c
