@@ -1389,6 +1389,16 @@ int32_t llama_pyspecter_release_held(llama_model * model) {
     return released;
 }
 
+int32_t llama_pyspecter_set_policy(llama_model * model, int32_t policy) {
+    auto * R = residency_of(model);
+    if (!R || policy < LLAMA_PYSPECTER_POLICY_LRU || policy > LLAMA_PYSPECTER_POLICY_SCORE) {
+        return R ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    R->p.policy = policy;
+    return LLAMA_PYSPECTER_OK;
+}
+
 int32_t llama_pyspecter_held(const llama_model * model, int32_t il, int64_t * ghost_misses) {
     auto * s = pyspecter_slots_of(model);
     auto * R = s ? s->res.get() : nullptr;

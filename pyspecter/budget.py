@@ -192,13 +192,16 @@ def smallest_budget(layout: ModelLayout, budget: str, budget_bytes: int, *, draf
 class MemoryPlan:
     """Slots per layer for a budget: ``slots`` allocated in all, of which ``held`` wait for the draft's memory
     (used once a draft that does not pay is dropped) and ``reserved`` hold surrogates; ``extra``: layer -> regular
-    slots that layer has beyond ``slots`` (a budget spread by layer; pass it on as ``ExpertCache(extra=...)``)."""
+    slots that layer has beyond ``slots`` (a budget spread by layer; pass it on as ``ExpertCache(extra=...)``);
+    ``held_extra``: layer -> slots that layer holds beyond ``held``, so that once the draft is dropped every layer
+    has what the budget without a draft spreads to it (``ExpertCache(held_extra=...)``)."""
 
     slots: int
     held: int = 0
     reserved: int = 0
     budget_bytes: int | None = None  # None: no budget, every expert resident
     extra: dict[int, int] = field(default_factory=dict)
+    held_extra: dict[int, int] = field(default_factory=dict)
 
     @property
     def usable(self) -> int:
@@ -273,14 +276,20 @@ class MemoryPlan:
             raise SpecterError(f"budget {budget} buys {have} expert slots per layer, {need}"
                                + (" once the draft is counted" if draft_bytes else "")) from None
         slots, extra = split_counts(counts)
-        held = 0
+        held, held_extra = 0, {}
         if draft_bytes and not reserved:
-            # what the draft's memory buys back, in whole rows on top of every layer's count, within the full
-            # budget and n_expert (the extra slots already spent part of what would be the held rows' remainder)
-            row = sum(L.expert_bytes for L in layout.layers)
-            rows = (full - slot_bytes(layout, counts)) // row if row else 0
-            held = max(0, min(rows, layout.n_expert - max(counts.values())))
-        plan = cls(slots=slots + held, held=held, reserved=reserved, budget_bytes=left, extra=extra)
+            # what the draft's memory buys back: once it is dropped each layer gets what the budget without the
+            # draft spreads to it (the engine's counts), where that spread gives no layer fewer slots than now
+            after = allocate_slots(layout, left + draft_bytes, curves=curves, base=k)
+            if all(after[il] >= n for il, n in counts.items()):
+                held = min(after[il] - n for il, n in counts.items())
+                held_extra = {il: after[il] - n - held for il, n in counts.items() if after[il] - n > held}
+            else:  # in whole rows on top of every layer's count, within the full budget and n_expert
+                row = sum(L.expert_bytes for L in layout.layers)
+                rows = (full - slot_bytes(layout, counts)) // row if row else 0
+                held = max(0, min(rows, layout.n_expert - max(counts.values())))
+        plan = cls(slots=slots + held, held=held, reserved=reserved, budget_bytes=left, extra=extra,
+                   held_extra=held_extra)
         check_slots(layout, plan.slots, reserved=reserved, held=held)
         return plan
 

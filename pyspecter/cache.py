@@ -51,13 +51,14 @@ class ExpertCache:
                  surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0,
                  on_input=None, extra: Mapping[int, int] | None = None,
                  kinds: Mapping[int, int] | None = None, native: bool | None = None,
-                 reuse=None, duel: bool = True, ahead=None) -> None:
+                 reuse=None, duel: bool = True, ahead=None, held_extra: Mapping[int, int] | None = None) -> None:
         """hook=False leaves residency static (no Python on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
         lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
         held=N allocates N more slots per layer than it uses until ``release_held()``: memory that a draft holds
         now and the slots get once the draft is dropped (CPU slots never written take no memory); C holds them and
-        runs their ghost LRU, so held slots need native residency; on_input(il, x):
+        runs their ghost LRU, so held slots need native residency; held_extra: layer -> slots it holds beyond
+        ``held`` (numbered after them); on_input(il, x):
         each MoE layer's router input before its routing call (learned predictors); ``route_observer``, when
         set, hears ``on_route(il, needed, n_tokens)`` after each routing call; extra: layer -> regular slots that
         layer uses beyond ``n_slots`` (a budget spread by layer: ``budget.allocate_slots``/``split_counts``); kinds:
@@ -86,6 +87,8 @@ class ExpertCache:
         check_slots(layout, n_slots, reserved=self.n_reserved, held=held)
         self.n_regular = n_slots - self.n_reserved
         self.extra = self._check_extra(model, layout, n_slots, extra)
+        held_extra = {il: x for il, x in (held_extra or {}).items() if x}
+        held_by = {L.index: held + held_extra.get(L.index, 0) for L in layout.layers}
         self._totals = Totals()
         self.surrogates = surrogates
         self.model, self.layout, self.n_slots = model, layout, n_slots
@@ -93,7 +96,7 @@ class ExpertCache:
         self.api = _native.slots()
         # the C side allocates one count in every layer: the largest. On the CPU a slot never written takes no
         # memory, and a layer never writes past its own count, so the spread costs only what it uses
-        self.n_alloc = n_slots + max(self.extra.values(), default=0)
+        self.n_alloc = n_slots + max(self.extra.get(il, 0) + held_by[il] - held for il in held_by)
         if kinds:
             arr = (ctypes.c_int32 * model.n_layer)(*[kinds.get(il, _native.LAYER_SLOTS) for il in range(model.n_layer)])
             rc = self.api.slots_init_layers(model.ptr, self.n_alloc, arr, model.n_layer)
@@ -107,11 +110,11 @@ class ExpertCache:
         if native and why_not:
             raise SpecterError(f"native residency cannot run this configuration: {why_not}")
         use_c = native is not False and not why_not
-        if held and not use_c:
+        if any(held_by.values()) and not use_c:
             raise SpecterError(f"held slots (a draft's memory) need native residency: {why_not or 'native=False'}")
         # slots eviction may use now: the regular ones less those held back for later
         self.residency = Residency(model, layout, self.n_alloc, self.n_regular - held, pol, held=held,
-                                   extra=self.extra)
+                                   extra=self.extra, held_extra=held_extra)
         self.tier.bind(model, layout)
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
         self.layer_pos = {L.index: j for j, L in enumerate(layout.layers)}  # order in the forward pass
@@ -127,7 +130,7 @@ class ExpertCache:
         if use_c:
             self.nat = NativeResidency(model, layout, self.tier, self._usable(), policy=policy, miss=miss,
                                        ordered=ordered, lookahead=self.lookahead, trace=self._trace, reuse=reuse,
-                                       duel=duel, ahead=ahead, held=held)
+                                       duel=duel, ahead=ahead, held=held_by)
             self.residency.retire()  # C's slot table is the only one
             if on_input is not None:
                 self.hooks = Hooks(model, None, on_input=on_input)

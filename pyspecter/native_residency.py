@@ -8,6 +8,7 @@ here mirrors its slot table (``NativeLayer`` reads it on demand, for tests and s
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -66,8 +67,9 @@ class NativeResidency:
 
     def __init__(self, model: native.Model, layout: ModelLayout, tier: Tier, usable: dict[int, int], *,
                  policy: str, miss: str, ordered: bool, lookahead: bool, trace: Trace | None,
-                 reuse=None, duel: bool = True, ahead=None, min_prob: float = 0.5, held: int = 0) -> None:
-        """usable: layer -> slots it hands out; held: slots every layer holds back after those (a draft's memory, until
+                 reuse=None, duel: bool = True, ahead=None, min_prob: float = 0.5,
+                 held: Mapping[int, int] | None = None) -> None:
+        """usable: layer -> slots it hands out; held: layer -> slots it holds back after those (a draft's memory, until
         ``release_held``), with a ghost LRU over both counting what dropping the draft would leave; trace: a list to
         append the routing trace to (None: not recorded; a list already holding calls keeps them); reuse: a
         ``LearnedPredictor`` whose reuse maps C applies for policy 'predicted' (``duel``: only while they miss less than
@@ -76,8 +78,13 @@ class NativeResidency:
         link-bound tier more than it saves: on smol-moe's disk tier at 50%, prefetching at p >= 0.25 read 47 MiB per
         token against LRU's 29 and ran 0.76x LRU)."""
         self.api, self.model, self.layout = native.slots(), model, layout
+        self.policy_after = native.NATIVE_POLICIES["score" if policy == "predicted" else policy]
+        # While a draft's predictions fill the slots they evict LRU: the reuse scores, fitted on the target's own
+        # routing, gave the draft's prefetches up before their use (smol-moe, disk tier, 50%: 47.5 prefetches and
+        # 144 MB read per token against LRU's 29.7 and 104 while the draft ran); the scores evict from the drop on
+        held_lru = any((held or {}).values()) and policy == "predicted"
         p = native.ResidencyParams(
-            policy=native.NATIVE_POLICIES["score" if policy == "predicted" else policy],
+            policy=native.NATIVE_POLICIES["lru"] if held_lru else self.policy_after,
             miss=native.NATIVE_MISS["ordered" if ordered else miss], n_readers=1, fd=-1, drop_cache=False,
             lookahead=lookahead, record=trace is not None)
         if isinstance(tier, DiskTier):
@@ -88,8 +95,9 @@ class NativeResidency:
         self._check(self.api.residency_init(model.ptr, ctypes.byref(p)), "could not enable native residency")
         for L in layout.layers:
             self._check(self.api.set_usable(model.ptr, L.index, usable[L.index]), f"layer {L.index}: slot count")
-            if held:
-                self._check(self.api.set_held(model.ptr, L.index, held), f"layer {L.index}: {held} held slots")
+            h = (held or {}).get(L.index, 0)
+            if h:
+                self._check(self.api.set_held(model.ptr, L.index, h), f"layer {L.index}: {h} held slots")
             if isinstance(tier, DiskTier):
                 for kind, t in L.tensors.items():
                     self._check(self.api.set_file_offset(model.ptr, L.index, native.KIND_NAMES[kind], t.offset),
@@ -102,7 +110,7 @@ class NativeResidency:
         self.trace_list = trace
         self.base = native.Stats()  # counters from before the last reset
         self.usable = dict(usable)
-        self.n_held = held
+        self.n_held = {il: (held or {}).get(il, 0) for il in usable}
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -192,8 +200,9 @@ class NativeResidency:
         ghosts and protections, and takes back the prefetches still queued. The slots released."""
         n = self.api.release_held(self.model.ptr)
         self._check(min(n, 0), "could not release the held slots")
-        self.usable = {il: u + self.n_held for il, u in self.usable.items()}
-        self.n_held = 0
+        self._check(self.api.set_policy(self.model.ptr, self.policy_after), "could not set the eviction policy")
+        self.usable = {il: u + self.n_held[il] for il, u in self.usable.items()}
+        self.n_held = dict.fromkeys(self.usable, 0)
         return n
 
     def held(self, il: int) -> int:

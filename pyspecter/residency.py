@@ -55,31 +55,31 @@ class Residency:
     dropped) and reserved ones (surrogates)."""
 
     def __init__(self, model: native.Model, layout: ModelLayout, n_slots: int, n_usable: int, policy: Policy,
-                 api=None, *, held: int = 0,
-                 extra: Mapping[int, int] | None = None) -> None:
+                 api=None, *, held: int = 0, extra: Mapping[int, int] | None = None,
+                 held_extra: Mapping[int, int] | None = None) -> None:
         """n_slots: slots allocated per layer (the C side's count); n_usable: regular slots every layer uses from
         the start, and ``held`` more once ``release_held`` is called; extra: layer -> regular slots that layer uses
-        beyond the others (a budget spread by layer), numbered before its held and reserved ones. api: the C slot
-        functions (``native.slots()``);
-        tests pass a stand-in that records the mirror."""
+        beyond the others (a budget spread by layer), numbered before its held and reserved ones; held_extra: layer
+        -> slots that layer holds beyond ``held``. api: the C slot functions (``native.slots()``); tests pass a
+        stand-in that records the mirror."""
         self.model, self.policy = model, policy
         self.api = api if api is not None else native.slots()
         self.n_slots, self.held = n_slots, held
-        extra = dict(extra or {})
-        unknown = set(extra) - {L.index for L in layout.layers}
+        extra, held_extra = dict(extra or {}), dict(held_extra or {})
+        unknown = (set(extra) | set(held_extra)) - {L.index for L in layout.layers}
         if unknown:
             raise SpecterError(f"extra slots for layers that are not MoE layers: {sorted(unknown)}")
         E = layout.n_expert
         self.layers: dict[int, LayerSlots] = {}
         for L in layout.layers:
-            x = extra.get(L.index, 0)
-            if x < 0 or n_usable + held + x > n_slots:
-                raise SpecterError(f"layer {L.index}: {n_usable + held + x} regular slots do not fit in the "
+            x, h = extra.get(L.index, 0), held + held_extra.get(L.index, 0)
+            if x < 0 or h < held or n_usable + h + x > n_slots:
+                raise SpecterError(f"layer {L.index}: {n_usable + h + x} regular slots do not fit in the "
                                    f"{n_slots} allocated")
             self.layers[L.index] = LayerSlots(
                 owner=[-1] * n_slots, where=[-1] * E, last_use=[0] * n_slots, freq=[0] * E,
                 loaded=[0] * n_slots,
-                n_usable=n_usable + x, n_regular=n_usable + held + x)
+                n_usable=n_usable + x, n_regular=n_usable + h + x)
         self.clock = 0
         self.failed_uploads = 0
 

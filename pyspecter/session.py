@@ -135,7 +135,8 @@ class Session:
                 raise SpecterError("miss mode 'surrogate' needs the surrogates' neuron groups")
             self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
-        self.predictor = None if cfg.draft or cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
+        # with a draft too: its reuse maps evict in C while the draft runs and after it is dropped, as the engine's
+        self.predictor = None if cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
         if self.predictor is not None and (cfg.native is False or native_reason(
                 "predicted", self.miss, self.tier, surrogates=self.surrogates is not None)):
             # a learned predictor runs in C (its reuse maps evict, its layer-ahead maps feed the native planner):
@@ -154,18 +155,19 @@ class Session:
         # On the CPU, what whole slot rows leave of the budget is spent too, by layer (otherwise a 5 MiB predictor
         # would cost smol-moe a whole 50 MB row of slots): one more slot per layer while it lasts, or by the
         # predictor's miss curves where they promise clearly fewer misses (budget.allocate_slots)
-        self.plan = MemoryPlan(self.layer_plan.plan.n_slots) if self.layer_plan else MemoryPlan.for_budget(
-                                          self.layout, cfg.budget, draft_bytes=self.draft_bytes,
-                                          count_draft=cfg.draft_counts_in_budget,
-                                          surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0,
-                                          predictor_bytes=self.predictor.nbytes if self.predictor else 0,
-                                          spread=True, device=self.device is not None,
-                                          curves=self.predictor.miss_curves if self.predictor else None)
+        try:
+            self.plan = self._memory_plan()
+        except SpecterError:
+            if not (cfg.draft and self.predictor is not None):
+                raise
+            self.predictor = None  # a budget that fits the draft but not the predictor beside it runs without it
+            self.plan = self._memory_plan()
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
-        if self.held and (cfg.native is False or native_reason(cfg.policy, self.miss, self.tier,
-                                                               surrogates=self.surrogates is not None)):
+        self.held_extra = dict(self.plan.held_extra)  # layer -> slots it holds beyond `held`
+        if (self.held or self.held_extra) and (cfg.native is False or native_reason(
+                cfg.policy, self.miss, self.tier, surrogates=self.surrogates is not None)):
             # held slots and their ghost LRU are native residency's: on the Python hook the draft keeps its memory
-            self.held = 0
+            self.held, self.held_extra = 0, {}
         if self.device is not None and self.layer_plan is None:
             check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)
         # every expert resident in RAM: llama.cpp as users run it (its repacked weights where the CPU has kernels
@@ -186,6 +188,17 @@ class Session:
         self.decode_s = 0.0
         self.first_token_s: float | None = None  # of the latest generate
         self.sampler = Sampler(self.sampling, cfg.seed)
+
+    def _memory_plan(self) -> MemoryPlan:
+        cfg = self.cfg
+        if self.layer_plan:
+            return MemoryPlan(self.layer_plan.plan.n_slots)
+        return MemoryPlan.for_budget(self.layout, cfg.budget, draft_bytes=self.draft_bytes,
+                                     count_draft=cfg.draft_counts_in_budget,
+                                     surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0,
+                                     predictor_bytes=self.predictor.nbytes if self.predictor else 0,
+                                     spread=True, device=self.device is not None,
+                                     curves=self.predictor.miss_curves if self.predictor else None)
 
     def _build(self, dlay: ModelLayout | None) -> None:
         cfg = self.cfg
@@ -209,7 +222,7 @@ class Session:
                                               routing=self.routing, slots=self.cache if self.routing else None,
                                               min_confidence=cfg.min_confidence, temperature=self.sampling,
                                               seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert,
-                                              drop_draft=self._drop_draft if self.held else None)
+                                              drop_draft=self._drop_draft if self.held or self.held_extra else None)
             if self.cache is not None:
                 self.decoder.check = self.cache.check
         self.tctx.warmup()
@@ -229,11 +242,14 @@ class Session:
         # planner read 55 MB per token against LRU's 32 and decoded at 1.49x all-resident against LRU's 1.28x);
         # on the disk tier, 67-76% stalled on reads, its prefetches took the link from the misses waited for (40.2
         # MB per token against LRU's 37.3 at 50%; 58.1 against the reuse maps alone's 54.3 at 30%).
-        ahead = learned and (self.device is not None or self.tier.name.startswith("emulated"))
+        # (not beside a draft, whose routing is that session's prediction)
+        ahead = learned and not self.draft_bytes and (self.device is not None
+                                                      or self.tier.name.startswith("emulated"))
         self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held,
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
-                                 extra=self.plan.extra, native=True if learned else cfg.native,
+                                 held_extra=self.held_extra, extra=self.plan.extra,
+                                 native=True if learned else cfg.native,
                                  kinds=self.layer_plan.plan.native_kinds() if self.layer_plan else None,
                                  reuse=self.predictor if learned else None, ahead=self.predictor if ahead else None)
         if cfg.profile is not None:
@@ -248,6 +264,7 @@ class Session:
         self.cache.release_held()
         self.n_slots += self.held
         self.held = self.draft_bytes = 0
+        self.held_extra = {}
 
     def _close_draft(self) -> None:
         if self.routing is not None:

@@ -226,6 +226,9 @@ LLAMA_API int32_t llama_pyspecter_set_held(struct llama_model * model, int32_t i
 // protections end and the prefetches still queued unread (the dropped draft's predictions) are taken back.
 // Returns the slots released over all layers, or a negative status.
 LLAMA_API int32_t llama_pyspecter_release_held(struct llama_model * model);
+// The eviction policy from the next routing call on (between decodes; llama_pyspecter_policy): a draft session
+// evicts LRU while the draft's predictions fill the slots, and by the reuse maps once it is dropped
+LLAMA_API int32_t llama_pyspecter_set_policy(struct llama_model * model, int32_t policy);
 // Layer il's held slots now (a negative status on error), and its ghost's misses since set_held into
 // *ghost_misses (may be null)
 LLAMA_API int32_t llama_pyspecter_held(const struct llama_model * model, int32_t il, int64_t * ghost_misses);

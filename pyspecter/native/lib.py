@@ -499,6 +499,12 @@ def llama_pyspecter_release_held(model: ModelPtr, /) -> int:
     ...
 
 
+@ctypes_function("llama_pyspecter_set_policy", [_model, _i32], _i32)
+def llama_pyspecter_set_policy(model: ModelPtr, policy: int, /) -> int:
+    """The eviction policy from the next routing call on (between decodes)."""
+    ...
+
+
 @ctypes_function("llama_pyspecter_held", [_model, _i32, ctypes.POINTER(_i64)], _i32)
 def llama_pyspecter_held(model: ModelPtr, il: int, ghost_misses: Any, /) -> int:
     """Layer il's held slots now, and its ghost's misses since set_held into *ghost_misses (may be None)."""

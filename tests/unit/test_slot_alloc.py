@@ -204,15 +204,20 @@ def test_plan_spread_by_curves() -> None:
     assert plan.slots == min(counts.values())
 
 
-def test_plan_spread_with_a_draft_stays_in_the_full_budget_once_released() -> None:
+@pytest.mark.parametrize("with_curves", [False, True])
+def test_plan_spread_with_a_draft_gives_the_draftless_spread_once_released(with_curves: bool) -> None:
+    """Once the draft is dropped each layer has the slots the budget without the draft spreads to it (what the
+    engine's session gets), within the full budget: the held slots are per layer, not whole rows."""
     lay = _layout([100] * 4, n_expert=16, k=2)
+    curves = [_lru_like(16, s) for s in (2.0, 0.3, 1.0, 0.6)] if with_curves else None
     for full, draft in ((4000, 1050), (4000, 950), (2600, 330), (6300, 100)):
-        plan = MemoryPlan.for_budget(lay, str(full), draft_bytes=draft, spread=True)
+        plan = MemoryPlan.for_budget(lay, str(full), draft_bytes=draft, spread=True, curves=curves)
         assert plan.usable * 400 + slot_bytes(lay, plan.extra) <= full - draft
-        # once the draft is dropped every layer gets the held slots too
-        assert plan.slots * 400 + slot_bytes(lay, plan.extra) <= full, (full, draft, plan)
-        assert plan.slots + max(plan.extra.values(), default=0) <= lay.n_expert
-        assert plan.held == (full - slot_bytes(lay, {il: plan.usable_in(il) for il in range(4)})) // 400
+        after = {il: plan.usable_in(il) + plan.held + plan.held_extra.get(il, 0) for il in range(4)}
+        assert after == allocate_slots(lay, full, curves=curves), (full, draft, plan)
+        assert slot_bytes(lay, after) <= full and max(after.values()) <= lay.n_expert
+        assert plan.held == min(after[il] - plan.usable_in(il) for il in range(4))
+        assert sum(after.values()) > sum(plan.usable_in(il) for il in range(4))  # the draft's memory comes back
 
 
 def test_plan_spread_with_surrogates_keeps_reserved_uniform() -> None:
