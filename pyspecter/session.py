@@ -3,6 +3,9 @@
 `generate`, `chat` and the `specter` benchmark policy all build one of these, so they run the same code. This is
 the one place that builds everything, frees it in the right order, and owns the draft's lifecycle (it drops a
 draft that does not pay and gives its memory to the slots).
+
+Why this module is long: that placement (tier, budget, the draft's and the predictor's bytes, held slots per layer)
+and the build of every part, in the order each needs the others, are one sequence, read top to bottom.
 """
 
 from __future__ import annotations
@@ -135,7 +138,6 @@ class Session:
                 raise SpecterError("miss mode 'surrogate' needs the surrogates' neuron groups")
             self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
-        # with a draft too: its reuse maps evict in C while the draft runs and after it is dropped, as the engine's
         self.predictor = None if cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
         if self.predictor is not None and (cfg.native is False or native_reason(
                 "predicted", self.miss, self.tier, surrogates=self.surrogates is not None)):
@@ -162,8 +164,9 @@ class Session:
                 raise
             self.predictor = None  # a budget that fits the draft but not the predictor beside it runs without it
             self.plan = self._memory_plan()
+        # held_extra: layer -> slots it holds beyond `held` (the draft's memory comes back as the engine's spread)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
-        self.held_extra = dict(self.plan.held_extra)  # layer -> slots it holds beyond `held`
+        self.held_extra = self.plan.held_extra
         if (self.held or self.held_extra) and (cfg.native is False or native_reason(
                 cfg.policy, self.miss, self.tier, surrogates=self.surrogates is not None)):
             # held slots and their ghost LRU are native residency's: on the Python hook the draft keeps its memory
@@ -263,8 +266,7 @@ class Session:
         self._close_draft()
         self.cache.release_held()
         self.n_slots += self.held
-        self.held = self.draft_bytes = 0
-        self.held_extra = {}
+        self.held, self.draft_bytes, self.held_extra = 0, 0, {}
 
     def _close_draft(self) -> None:
         if self.routing is not None:

@@ -279,19 +279,16 @@ _i32, _i64, _size = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 @ctypes_function("llama_pyspecter_version", [], _i32)
 def llama_pyspecter_version() -> int:
     """LLAMA_PYSPECTER_VERSION of the loaded library."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_slots_init", [_model, _i32], _i32)
 def llama_pyspecter_slots_init(model: ModelPtr, n_slots: int, /) -> int:
     """Allocate n_slots expert slots in every MoE layer; before creating a context. 0 or a negative status."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_n_slots", [_model], _i32)
 def llama_pyspecter_n_slots(model: ModelPtr, /) -> int:
     """Slots per MoE layer; 0 when slots are not enabled."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_is_moe_layer", [_model, _i32], ctypes.c_bool)
@@ -302,38 +299,32 @@ def llama_pyspecter_is_moe_layer(model: ModelPtr, il: int, /) -> bool:
 @ctypes_function("llama_pyspecter_expert_nbytes", [_model, _i32, _i32], _size)
 def llama_pyspecter_expert_nbytes(model: ModelPtr, il: int, kind: int, /) -> int:
     """Bytes of one expert in one kind of weight of layer il; 0 if the layer has no such tensor."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_slots_nbytes", [_model], _size)
 def llama_pyspecter_slots_nbytes(model: ModelPtr, /) -> int:
     """Total slot memory."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_slot_of", [_model, _i32, _i32], _i32)
 def llama_pyspecter_slot_of(model: ModelPtr, il: int, expert: int, /) -> int:
     """The slot expert is resident in, or -1."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_expert_in", [_model, _i32, _i32], _i32)
 def llama_pyspecter_expert_in(model: ModelPtr, il: int, slot: int, /) -> int:
     """The expert resident in slot, or -1."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_slot", [_model, _i32, _i32, _i32], _i32)
 def llama_pyspecter_set_slot(model: ModelPtr, il: int, expert: int, slot: int, /) -> int:
     """Make expert resident in slot (which must hold its bytes); slot -1 evicts it. 0 or a negative status."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_write_slot", [_model, _i32, _i32, _i32, ctypes.c_void_p, _size], _i32)
 def llama_pyspecter_write_slot(model: ModelPtr, il: int, kind: int, slot: int, src: int | ctypes.c_void_p,
                                nbytes: int, /) -> int:
     """Copy one kind's bytes of one expert from src into slot. 0 or a negative status."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_read_slot",
@@ -343,7 +334,6 @@ def llama_pyspecter_read_slot(model: ModelPtr, il: int, kind: int, slot: int, fd
     """Read one kind of one expert from fd at offset (through the caller's page-aligned buf of buf_size bytes)
     into slot, in one call with the GIL released. 0, ERR_IO (failed or short; the slot untouched) or another
     negative status."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_slot_get", [_model, _i32, _i32, _i32, ctypes.c_void_p, _size], _i32)
@@ -351,13 +341,11 @@ def llama_pyspecter_slot_get(model: ModelPtr, il: int, kind: int, slot: int, out
                              nbytes: int, /) -> int:
     """Copy a slot's bytes of one kind (nbytes == expert_nbytes) into out: what a read landed there. 0 or a
     negative status."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_load_expert", [_model, _i32, _i32, _i32], _i32)
 def llama_pyspecter_load_expert(model: ModelPtr, il: int, expert: int, slot: int, /) -> int:
     """Copy every kind of expert from the model's host copy into slot. 0 or a negative status."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_write_slot_async", [_model, _i32, _i32, _i32, ctypes.c_void_p, _size], _i64)
@@ -365,56 +353,47 @@ def llama_pyspecter_write_slot_async(model: ModelPtr, il: int, kind: int, slot: 
                                      nbytes: int, /) -> int:
     """Queue write_slot on the upload thread: a ticket > 0, or a negative status (refused, never done). src must
     stay valid until the ticket has finished."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_load_expert_async", [_model, _i32, _i32, _i32], _i64)
 def llama_pyspecter_load_expert_async(model: ModelPtr, il: int, expert: int, slot: int, /) -> int:
     """Queue load_expert on the upload thread: a ticket > 0, or a negative status (refused, never done)."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_upload_status", [_model, _i64], _i32)
 def llama_pyspecter_upload_status(model: ModelPtr, ticket: int, /) -> int:
     """1 landed, 0 queued or copying, ERR_UPLOAD_FAILED, or ERR_UNKNOWN_TICKET."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_upload_wait", [_model, _i64], _i32)
 def llama_pyspecter_upload_wait(model: ModelPtr, ticket: int, /) -> int:
     """Block until the ticket has finished; its status (1 or negative). An unknown ticket returns at once."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_upload_done", [_model, _i64], ctypes.c_bool)
 def llama_pyspecter_upload_done(model: ModelPtr, ticket: int, /) -> bool:
     """The ticket has landed (a failed, refused or unknown one never has); ticket 0, before the first, has."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_link_gbps", [_model, ctypes.c_double], None)
 def llama_pyspecter_set_link_gbps(model: ModelPtr, gbps: float, /) -> None:
     """Emulate a link of gbps GB/s for uploads; 0 = as fast as possible."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_route_cb", [_model, ROUTE_CB, ctypes.c_void_p], None)
 def llama_pyspecter_set_route_cb(model: ModelPtr, cb: Any, user_data: int | None, /) -> None:
     """The routing hook (a ROUTE_CB; keep a reference while it is set). ROUTE_CB() clears it."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_input_cb", [_model, INPUT_CB, ctypes.c_void_p], None)
 def llama_pyspecter_set_input_cb(model: ModelPtr, cb: Any, user_data: int | None, /) -> None:
     """The input hook (an INPUT_CB): each MoE layer's router input, before the routing hook; set before creating
     the context. INPUT_CB() clears it."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_batch_invariant", [ctypes.c_bool], None)
 def llama_pyspecter_set_batch_invariant(enabled: bool, /) -> None:
     """Process-wide: CPU matmuls give the same bits at any batch size (llamafile's sgemm off); between decodes."""
-    ...
 
 
 @contextlib.contextmanager
@@ -431,31 +410,26 @@ def batch_invariant() -> Iterator[None]:
 @ctypes_function("llama_pyspecter_exit_on_abort", [_i32], None)
 def llama_pyspecter_exit_on_abort(code: int, /) -> None:
     """For the CLI: a fatal ggml error (a lost RPC server among them) prints one line and exits with code."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_wait_cb", [_model, WAIT_CB, ctypes.c_void_p], None)
 def llama_pyspecter_set_wait_cb(model: ModelPtr, cb: Any, user_data: int | None, /) -> None:
     """The wait hook of late experts (a WAIT_CB); set before creating the context. WAIT_CB() clears it."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_late", [_model, _i32, _i32, _i32], _i32)
 def llama_pyspecter_set_late(model: ModelPtr, il: int, expert: int, slot: int, /) -> int:
     """From the routing hook: expert's upload into slot has started; compute it from there after the wait hook."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_release_host_experts", [_model], _size)
 def llama_pyspecter_release_host_experts(model: ModelPtr, /) -> int:
     """Drop the host copy's expert pages of the file mapping from this process; the bytes released."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_get_stats", [_model, ctypes.POINTER(Stats)], None)
 def llama_pyspecter_get_stats(model: ModelPtr, out: Any, /) -> None:
     """Fill a Stats (pass ctypes.byref(stats))."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_stats_reset", [_model], None)
@@ -466,7 +440,6 @@ def llama_pyspecter_stats_reset(model: ModelPtr, /) -> None:
 @ctypes_function("llama_pyspecter_residency_init", [_model, ctypes.POINTER(ResidencyParams)], _i32)
 def llama_pyspecter_residency_init(model: ModelPtr, params: Any, /) -> int:
     """The routing op owns residency from here on (after slots_init, before the context). 0 or a negative status."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_residency_enabled", [_model], ctypes.c_bool)
@@ -477,44 +450,37 @@ def llama_pyspecter_residency_enabled(model: ModelPtr, /) -> bool:
 @ctypes_function("llama_pyspecter_set_file_offset", [_model, _i32, _i32, _i64], _i32)
 def llama_pyspecter_set_file_offset(model: ModelPtr, il: int, kind: int, offset: int, /) -> int:
     """Where expert 0 of layer il's kind tensor starts in the residency's file."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_usable", [_model, _i32, _i32], _i32)
 def llama_pyspecter_set_usable(model: ModelPtr, il: int, n: int, /) -> int:
     """Slots [0, n) of layer il are handed out."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_held", [_model, _i32, _i32], _i32)
 def llama_pyspecter_set_held(model: ModelPtr, il: int, n_held: int, /) -> int:
     """Layer il holds back n_held slots after its usable ones (a draft's memory), with a ghost LRU over both."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_release_held", [_model], _i32)
 def llama_pyspecter_release_held(model: ModelPtr, /) -> int:
     """The draft is dropped: every layer's held slots are handed out, ghosts end, queued prefetches are taken
     back. The slots released, or a negative status."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_policy", [_model, _i32], _i32)
 def llama_pyspecter_set_policy(model: ModelPtr, policy: int, /) -> int:
     """The eviction policy from the next routing call on (between decodes)."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_held", [_model, _i32, ctypes.POINTER(_i64)], _i32)
 def llama_pyspecter_held(model: ModelPtr, il: int, ghost_misses: Any, /) -> int:
     """Layer il's held slots now, and its ghost's misses since set_held into *ghost_misses (may be None)."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_scores", [_model, _i32, ctypes.POINTER(ctypes.c_float), _i32], _i32)
 def llama_pyspecter_set_scores(model: ModelPtr, il: int, scores: Any, n: int, /) -> int:
     """SCORE policy: n_expert eviction scores of layer il (higher: keep)."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_reuse_map", [_model, _i32, ctypes.c_void_p, ctypes.c_void_p, _i32,
@@ -522,7 +488,6 @@ def llama_pyspecter_set_scores(model: ModelPtr, il: int, scores: Any, n: int, /)
 def llama_pyspecter_set_reuse_map(model: ModelPtr, il: int, R: int, rb: int, n_embd: int, blend: int | None, /) -> int:
     """SCORE policy from layer il's reuse map (R [n_embd][n_expert], rb [n_expert], blend [6] or None), applied to
     the router input in the routing op. Addresses of float32 arrays; copied. Before creating a context."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_duel", [_model, ctypes.c_bool, ctypes.c_bool, ctypes.c_float, ctypes.c_float],
@@ -530,25 +495,21 @@ def llama_pyspecter_set_reuse_map(model: ModelPtr, il: int, R: int, rb: int, n_e
 def llama_pyspecter_set_duel(model: ModelPtr, enabled: bool, start_learned: bool, decay: float, margin: float,
                              /) -> int:
     """Set dueling between LRU and the reuse scores (the rule of study.simulate.EvictionDuel, its reference)."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_duel_state", [_model, ctypes.POINTER(_i64)], _i32)
 def llama_pyspecter_duel_state(model: ModelPtr, switches: Any, /) -> int:
     """1 while the duel evicts by the scores, 0 by LRU; switches so far into *switches."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_protected", [_model, _i32, ctypes.POINTER(_i32), _i32], _i32)
 def llama_pyspecter_set_protected(model: ModelPtr, il: int, experts: Any, n: int, /) -> int:
     """Experts eviction spares (predicted for the window in flight); n = 0 clears layer il, il = -1 every layer."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_schedule", [_model, _i32, _i32, ctypes.c_float, _i32], _i32)
 def llama_pyspecter_schedule(model: ModelPtr, il: int, expert: int, priority: float, deadline: int, /) -> int:
     """A prefetch behind every demand read: 1 queued, 0 nothing to do, negative: error."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_ahead_map", [_model, _i32, _i32, ctypes.c_void_p, ctypes.c_void_p, _i32, _i32,
@@ -558,14 +519,12 @@ def llama_pyspecter_set_ahead_map(model: ModelPtr, il_src: int, il_dst: int, W: 
                                   n_bins: int, /) -> int:
     """The native planner's map from layer il_src's router input to layer il_dst's routing (W [n_embd][n_expert],
     b, sel_bias or None, table [n_bins][n_expert], edges [n_bins - 1]: addresses of float32 arrays; copied)."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_set_planner", [_model, ctypes.c_bool, ctypes.c_float, ctypes.c_float], _i32)
 def llama_pyspecter_set_planner(model: ModelPtr, enabled: bool, min_prob: float, max_stall: float, /) -> int:
     """The native planner on/off, the least probability it prefetches at, and the stall share (of a layer-time)
     above which it stands aside (link-bound)."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_ahead_probs", [_model, _i32, _i32, ctypes.c_void_p, _i32, ctypes.c_void_p, _i32],
@@ -573,19 +532,16 @@ def llama_pyspecter_set_planner(model: ModelPtr, enabled: bool, min_prob: float,
 def llama_pyspecter_ahead_probs(model: ModelPtr, il_src: int, il_dst: int, x: int, n_embd: int, out: int,
                                 n_expert: int, /) -> int:
     """What il_src's map for il_dst predicts for router input x (float32 [n_embd]) into out (float32 [n_expert])."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_drain", [_model], _i32)
 def llama_pyspecter_drain(model: ModelPtr, /) -> int:
     """Wait for every read in flight and map what landed."""
-    ...
 
 
 @ctypes_function("llama_pyspecter_trace_take", [_model, ctypes.POINTER(_i32), _size], _size)
 def llama_pyspecter_trace_take(model: ModelPtr, out: Any, cap: int, /) -> int:
     """Take whole routing calls [il, n, e...] of the trace into out (cap 0: how many ints wait)."""
-    ...
 
 
 class SlotAPI:
