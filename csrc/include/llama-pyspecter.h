@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 17
+#define LLAMA_PYSPECTER_VERSION 18
 
 #ifdef __cplusplus
 extern "C" {
