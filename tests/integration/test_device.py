@@ -304,9 +304,10 @@ def test_session_on_rpc_device_runs_the_plan_bench_chooses(rpc: str) -> None:
 
 
 def test_device_costs_measured_on_rpc_device(rpc: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """devcosts.measure on RPC: every cost finite and none negative, a switch (a TCP round trip to the server) above
-    zero, cached under a key with the measurement's version (an entry of an older one is neither reused nor kept),
-    and the plan chosen from it never predicted slower than stock --cpu-moe or --n-cpu-moe at its memory."""
+    """devcosts.measure on RPC: every cost finite and none negative (the switch may come out 0 on a loaded machine:
+    no timing decides a test), cached under a key with the measurement's version (an entry of an older one is
+    neither reused nor kept), and the plan chosen from it never predicted slower than stock --cpu-moe or
+    --n-cpu-moe at its memory."""
     import json
     import math
 
@@ -324,7 +325,9 @@ def test_device_costs_measured_on_rpc_device(rpc: str, tmp_path: Path, monkeypat
     (tmp_path / "devcosts.json").write_text(json.dumps({stale: bogus}))
     costs = measure(path, lay, dev)
     assert all(math.isfinite(v) and v >= 0 for v in costs.as_dict().values()), costs
-    assert costs.split_us > 0 and costs.link_gbps > 0 and costs.split_us != bogus["split_us"], costs
+    # a measured cost may round to 0 on a loaded machine (the measurement clamps noise at 0): only its sign is
+    # asserted, as timings never decide a test
+    assert costs.link_gbps > 0 and costs.split_us != bogus["split_us"], costs
     assert list(json.loads((tmp_path / "devcosts.json").read_text())) == [key]
     assert measure(path, lay, dev) == costs  # cached
     # a device measured slower per row than the host by more than a layer's switches: all host below the whole
