@@ -120,6 +120,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> ahead_maps{0}, ahead_prefetches{0}, ahead_late{0}, ahead_refused{0}; // the planner
     std::atomic<int64_t> ghost_misses{0}; // the held slots' ghost LRU (set_held)
     std::atomic<int64_t> read_ops{0}, taken_back{0}; // chunk reads finished; prefetches a demand took back
+    std::atomic<int64_t> queue_entries{0}, queue_scans{0}, queue_locks{0}, reader_wakes{0}, waiter_wakes{0};
     // device tables (llama_pyspecter_device_stats)
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
     std::atomic<int64_t> async_batches{0}; // upload batches sent on an upload stream and awaited by their event

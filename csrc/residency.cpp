@@ -87,6 +87,12 @@ struct pyspecter_residency {
 
     ~pyspecter_residency() { stop(); }
 
+    // the queue's lock, counted (stats.queue_locks)
+    std::unique_lock<std::mutex> qlock() {
+        s->counters.queue_locks++;
+        return std::unique_lock<std::mutex>(qmu);
+    }
+
     // qmu held: account the time since the last change of `running` or `stalled`
     void mark_locked() {
         const int64_t now = pyspecter_now_ns();
@@ -118,7 +124,7 @@ struct pyspecter_residency {
 
     void stop() noexcept {
         {
-            std::lock_guard<std::mutex> lk(qmu);
+            auto lk = qlock();
             if (stopping) {
                 return;
             }
@@ -182,12 +188,19 @@ struct pyspecter_residency {
     }
 
     bool has_work(bool files) const {
-        return std::any_of(queue.begin(), queue.end(), [&](const pyspecter_task & t) { return takes(t, files); });
+        int64_t n = 0;
+        const bool any = std::any_of(queue.begin(), queue.end(), [&](const pyspecter_task & t) {
+            ++n;
+            return takes(t, files);
+        });
+        s->counters.queue_scans += n;
+        return any;
     }
 
     // qmu held, has_work(files): the first task by class, deadline, priority and order, taken off the queue
     pyspecter_task take(bool files) {
         size_t best = queue.size();
+        s->counters.queue_scans += (int64_t) queue.size();
         for (size_t i = 0; i < queue.size(); ++i) {
             if (takes(queue[i], files) && (best == queue.size() || before(*queue[i].r, *queue[best].r))) {
                 best = i;
@@ -207,7 +220,7 @@ struct pyspecter_residency {
     // a task taken has finished (rc) after nbytes
     void finish(pyspecter_task & t, int32_t rc, size_t nbytes) {
         {
-            std::lock_guard<std::mutex> lk(qmu);
+            auto lk = qlock();
             if (t.kind != -2) {
                 mark_locked();
                 --running;
@@ -239,7 +252,7 @@ struct pyspecter_residency {
         for (;;) {
             pyspecter_task t;
             {
-                std::unique_lock<std::mutex> lk(qmu);
+                auto lk = qlock();
                 cv_work.wait(lk, [&] { return stopping || has_work(files); });
                 if (stopping) {
                     break;
@@ -302,7 +315,7 @@ struct pyspecter_residency {
         };
         for (;;) {
             {
-                std::unique_lock<std::mutex> lk(qmu);
+                auto lk = qlock();
                 if (n_busy == 0) {
                     cv_work.wait(lk, [&] { return stopping || has_work(true); });
                     if (stopping) {
@@ -338,7 +351,7 @@ struct pyspecter_residency {
             }
             const int32_t rc = pyspecter_ring_wait(ring, done);
             {
-                std::lock_guard<std::mutex> lk(qmu);
+                auto lk = qlock();
                 ring_waiting = false;
             }
             if (rc != 0) {
@@ -388,7 +401,7 @@ struct pyspecter_residency {
     void push(const std::shared_ptr<pyspecter_read> & r, bool advise = false) {
         size_t n_tasks = 0;
         {
-            std::lock_guard<std::mutex> lk(qmu);
+            auto lk = qlock();
             r->seq = seq++;
             if (stopping) {
                 r->failed = true;
@@ -410,6 +423,7 @@ struct pyspecter_residency {
                 r->tasks_left = 1;
             }
             n_tasks = (size_t) r->tasks_left;
+            s->counters.queue_entries += (int64_t) n_tasks;
             for (size_t i = queue.size() - n_tasks; i < queue.size(); ++i) {
                 queued_bytes += task_bytes(queue[i]);
             }
@@ -418,12 +432,14 @@ struct pyspecter_residency {
             // two waiters that take different tasks: wake both (notify_one might pick the wrong one); the ring's
             // thread blocked for completions hears it through the ring
             cv_work.notify_all();
+            s->counters.reader_wakes++;
             bool wake = false;
             {
-                std::lock_guard<std::mutex> lk(qmu);
+                auto lk = qlock();
                 wake = ring_waiting;
             }
             if (wake) {
+                s->counters.reader_wakes++;
                 pyspecter_ring_wake(ring);
             }
             return;
@@ -433,6 +449,7 @@ struct pyspecter_residency {
         for (size_t i = 0; i < n_tasks; ++i) {
             cv_work.notify_one();
         }
+        s->counters.reader_wakes += (int64_t) n_tasks;
     }
 
     // qmu held: the chunks of kind k of r's expert. Its tensor's aligned file span is cut into equal aligned
@@ -457,7 +474,7 @@ struct pyspecter_residency {
     // A queued read taken back whole (true: none of it started, the slot was never touched), or moved ahead of
     // everything else as a demand read (false).
     bool take_back(pyspecter_read * r) {
-        std::lock_guard<std::mutex> lk(qmu);
+        auto lk = qlock();
         if (cancel_locked(r)) {
             return true;
         }
@@ -467,12 +484,13 @@ struct pyspecter_residency {
 
     // A queued read taken back whole when none of it has started (true); one started is left to land.
     bool cancel(pyspecter_read * r) {
-        std::lock_guard<std::mutex> lk(qmu);
+        auto lk = qlock();
         return cancel_locked(r);
     }
 
     bool cancel_locked(pyspecter_read * r) {
         if (!r->started && !r->done) {
+            s->counters.queue_scans += (int64_t) queue.size();
             queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const pyspecter_task & t) {
                 if (t.r.get() != r) {
                     return false;
@@ -491,10 +509,12 @@ struct pyspecter_residency {
     // not the control plane between decodes.
     void wait_all(const std::vector<pyspecter_read *> & rs, bool stall = true) {
         const int64_t t0 = pyspecter_now_ns();
-        std::unique_lock<std::mutex> lk(qmu);
+        auto lk = qlock();
         mark_locked();
         stalled += stall;
+        int64_t looks = 0;
         cv_done.wait(lk, [&] {
+            s->counters.waiter_wakes += looks++ > 0;
             return std::all_of(rs.begin(), rs.end(), [](const pyspecter_read * r) { return r->done.load(); });
         });
         mark_locked();
@@ -930,7 +950,7 @@ static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, con
         int32_t slot;
         if (pyspecter_read * r = inflight(L, e)) {
             {
-                std::lock_guard<std::mutex> lk(R->qmu);
+                auto lk = R->qlock();
                 r->cls = CLS_DEMAND; // first in line from here on
             }
             slot = r->slot;
@@ -955,7 +975,7 @@ static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const s
     // a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
     std::vector<pyspecter_read *> due;
     {
-        std::lock_guard<std::mutex> lk(R->qmu);
+        auto lk = R->qlock();
         for (int32_t e : missing) {
             pyspecter_read * r = inflight(L, e);
             if (r && r->started) {

@@ -284,6 +284,10 @@ class NativeResidency:
             # read is one chunk (DiskTier.read_chunk) of one kind of one expert
             "reads_in_flight": c.stall_reads_ns / c.wait_ns if c.wait_ns else 0.0,
             "read_bytes": c.read_bytes, "read_ops": c.read_ops, "taken_back": c.taken_back,
+            # the read queue's own work: entries queued, entries its searches examined, acquisitions of its lock,
+            # notifications to idle readers, wake-ups of a routing or wait op waiting for reads
+            "queue_entries": c.queue_entries, "queue_scans": c.queue_scans, "queue_locks": c.queue_locks,
+            "reader_wakes": c.reader_wakes, "waiter_wakes": c.waiter_wakes,
             # a flag, not a count: disk reads go through io_uring (1) or pread threads (0)
             "io_uring": c.io_uring,
             # the native planner: maps applied, prefetches they queued, predictions left to the miss path

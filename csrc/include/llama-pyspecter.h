@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 18
+#define LLAMA_PYSPECTER_VERSION 19
 
 #ifdef __cplusplus
 extern "C" {
@@ -344,6 +344,12 @@ struct llama_pyspecter_stats {
     int64_t taken_back;       // queued prefetches a demand took back whole (none of their chunks started) and
                               // read again as demand reads; one started is promoted instead (counted in waited)
     int64_t io_uring;         // not a counter: 1 while file reads go through io_uring, 0 on pread threads
+    // the read queue's own work (deterministic for one run's decisions; what the routing op's CPU time goes to)
+    int64_t queue_entries;    // entries queued (a read of an expert is one, whatever its chunks)
+    int64_t queue_scans;      // queue entries examined by the readers' and the routing op's searches
+    int64_t queue_locks;      // acquisitions of the queue's lock, by every thread
+    int64_t reader_wakes;     // notifications sent to idle readers (and to the ring's thread)
+    int64_t waiter_wakes;     // times a routing or wait op waiting for reads woke up to look again
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 18
+PATCH_SERIES_VERSION = 19
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -218,6 +218,11 @@ class Stats(ctypes.Structure):
         ("read_ops", ctypes.c_int64),  # chunk reads the readers finished
         ("taken_back", ctypes.c_int64),  # queued prefetches a demand took back whole (read again as demand)
         ("io_uring", ctypes.c_int64),  # not a counter: 1 while file reads go through io_uring, 0 on pread threads
+        ("queue_entries", ctypes.c_int64),  # read-queue entries queued (one per expert read, whatever its chunks)
+        ("queue_scans", ctypes.c_int64),  # queue entries examined by searches (readers' and the routing op's)
+        ("queue_locks", ctypes.c_int64),  # acquisitions of the queue's lock, every thread
+        ("reader_wakes", ctypes.c_int64),  # notifications sent to idle readers (and the ring's thread)
+        ("waiter_wakes", ctypes.c_int64),  # a routing or wait op waiting for reads woke to look again
     ]
 
     route_calls: int
