@@ -22,7 +22,14 @@
 #include <cstdlib>
 #include <cstring>
 
-// One expert being read into one slot: a task per chunk of each kind (file) or one task for all kinds (host copy).
+// What a reader does for a read: one chunk of one kind from the file, every kind from the host copy, or advice.
+struct pyspecter_chunk {
+    int32_t kind;           // a kind to read from the file; -1: every kind from the host copy; -2: advise (readahead)
+    int64_t lo = 0, hi = 0; // a file read: bytes [lo, hi) of the expert's tensor of that kind
+};
+
+// One expert being read into one slot: one queue entry, whose chunks (each kind's, from the file; one for all
+// kinds from the host copy) readers take in order, side by side.
 struct pyspecter_read {
     llama_pyspecter_layer * L = nullptr;
     int32_t expert = -1, slot = -1;
@@ -30,16 +37,20 @@ struct pyspecter_read {
     int64_t deadline = 0;     // prefetches: lower first (the routing call it is due at: the clock + h)
     float priority = 0.0f;    // prefetches of one deadline: higher first
     uint64_t seq = 0;         // FIFO among equals
-    int32_t tasks_left = 0;   // under qmu
-    bool started = false;     // under qmu: some task of it has been taken by a reader
+    int32_t tasks_left = 0;   // under qmu: chunks not yet finished
+    bool started = false;     // under qmu: some chunk of it has been taken by a reader
+    bool awaited = false;     // under qmu: the op waiting for reads (wait_all) waits for it
+    std::vector<pyspecter_chunk> chunks; // under qmu, set by push
+    size_t next = 0;          // under qmu: chunks[next..] are still queued
     std::atomic<bool> failed{false};
     std::atomic<bool> done{false};
 };
 
+// A chunk a reader has taken, and its read.
 struct pyspecter_task {
     std::shared_ptr<pyspecter_read> r;
-    int32_t kind;        // a kind to read from the file; -1: every kind from the host copy; -2: advise (readahead)
-    int64_t lo = 0, hi = 0; // a file read: the chunk, bytes [lo, hi) of the expert's tensor of that kind
+    int32_t kind = 0;
+    int64_t lo = 0, hi = 0;
 };
 
 enum { CLS_DEMAND = 0, CLS_BACKGROUND = 1, CLS_PREFETCH = 2, CLS_ADVISE = 3 };
@@ -63,7 +74,10 @@ struct pyspecter_residency {
 
     std::mutex qmu;
     std::condition_variable cv_work, cv_done;
-    std::vector<pyspecter_task> queue;
+    std::vector<std::shared_ptr<pyspecter_read>> queue; // reads with chunks not yet taken, in no order
+    int32_t queued_files = 0; // ... of which file reads (the ring's thread takes those, the thread beside it the rest)
+    int32_t idle = 0;         // pread threads blocked for work
+    int32_t awaiting = 0;     // awaited reads not yet done: wait_all is woken when the last one is
     std::vector<std::thread> readers;
     bool stopping = false;
     uint64_t seq = 0;
@@ -129,13 +143,16 @@ struct pyspecter_residency {
                 return;
             }
             stopping = true;
-            for (auto & t : queue) { // cancelled, never copied: whoever waits sees a failed read
-                t.r->failed = true;
-                if (--t.r->tasks_left == 0) {
-                    t.r->done = true;
+            for (auto & r : queue) { // cancelled, never copied: whoever waits sees a failed read
+                r->failed = true;
+                r->tasks_left -= (int32_t) (r->chunks.size() - r->next);
+                r->next = r->chunks.size();
+                if (r->tasks_left == 0) {
+                    set_done_locked(*r);
                 }
             }
             queue.clear();
+            queued_files = 0;
             queued_bytes = 0;
         }
         cv_work.notify_all();
@@ -155,18 +172,38 @@ struct pyspecter_residency {
         ring = nullptr;
     }
 
-    static int64_t task_bytes(const pyspecter_task & t) {
-        if (t.kind == -2) {
+    static int64_t chunk_bytes(const pyspecter_read & r, const pyspecter_chunk & c) {
+        if (c.kind == -2) {
             return 0;
         }
-        if (t.kind >= 0) {
-            return t.hi - t.lo;
+        if (c.kind >= 0) {
+            return c.hi - c.lo;
         }
         int64_t n = 0;
-        for (auto * h : t.r->L->host) {
+        for (auto * h : r.L->host) {
             n += h ? (int64_t) h->nb[2] : 0;
         }
         return n;
+    }
+
+    // qmu held: r has finished (landed, failed or cancelled); true when the op waiting for reads is to be woken
+    // (it waits for all of its reads, so only the last of them wakes it)
+    bool set_done_locked(pyspecter_read & r) {
+        r.done = true;
+        if (!r.awaited) {
+            return false;
+        }
+        r.awaited = false;
+        return --awaiting == 0;
+    }
+
+    static bool is_file_read(const pyspecter_read & r) { return r.chunks.front().kind >= 0; }
+
+    // qmu held: queue[i] has no chunk left to hand out
+    void unqueue(size_t i) {
+        queued_files -= is_file_read(*queue[i]);
+        queue[i] = std::move(queue.back()); // take() orders by before(), not by place
+        queue.pop_back();
     }
 
     static bool before(const pyspecter_read & a, const pyspecter_read & b) {
@@ -182,33 +219,31 @@ struct pyspecter_residency {
         return a.seq < b.seq;
     }
 
-    // the tasks a reader takes: a ring's thread the file reads, the thread beside it the rest (advice)
-    bool takes(const pyspecter_task & t, bool files) const {
-        return ring ? (t.kind >= 0) == files : true;
+    // the reads a reader takes: a ring's thread the file reads, the thread beside it the rest (advice)
+    bool takes(const pyspecter_read & r, bool files) const {
+        return ring ? is_file_read(r) == files : true;
     }
 
     bool has_work(bool files) const {
-        int64_t n = 0;
-        const bool any = std::any_of(queue.begin(), queue.end(), [&](const pyspecter_task & t) {
-            ++n;
-            return takes(t, files);
-        });
-        s->counters.queue_scans += n;
-        return any;
+        return ring ? (files ? queued_files : (int32_t) queue.size() - queued_files) > 0 : !queue.empty();
     }
 
-    // qmu held, has_work(files): the first task by class, deadline, priority and order, taken off the queue
+    // qmu held, has_work(files): the next chunk of the first read by class, deadline, priority and order
     pyspecter_task take(bool files) {
         size_t best = queue.size();
         s->counters.queue_scans += (int64_t) queue.size();
         for (size_t i = 0; i < queue.size(); ++i) {
-            if (takes(queue[i], files) && (best == queue.size() || before(*queue[i].r, *queue[best].r))) {
+            if (takes(*queue[i], files) && (best == queue.size() || before(*queue[i], *queue[best]))) {
                 best = i;
             }
         }
-        pyspecter_task t = std::move(queue[best]);
-        queue.erase(queue.begin() + (ptrdiff_t) best);
-        queued_bytes -= task_bytes(t);
+        pyspecter_read & r = *queue[best];
+        const pyspecter_chunk & c = r.chunks[r.next++];
+        pyspecter_task t{ queue[best], c.kind, c.lo, c.hi };
+        queued_bytes -= chunk_bytes(r, c);
+        if (r.next == r.chunks.size()) {
+            unqueue(best);
+        }
         t.r->started = true;
         if (t.kind != -2) { // advice is no read: it counts neither as one in flight nor as link time
             mark_locked();
@@ -217,27 +252,32 @@ struct pyspecter_residency {
         return t;
     }
 
-    // a task taken has finished (rc) after nbytes
+    // qmu held: a chunk taken has finished (rc) after nbytes; true: wake the op waiting for reads
+    bool finish_locked(const pyspecter_task & t, int32_t rc, size_t nbytes) {
+        if (t.kind != -2) {
+            mark_locked();
+            --running;
+            s->counters.read_bytes += (int64_t) nbytes;
+        }
+        if (t.kind >= 0) {
+            s->counters.read_ops++;
+        }
+        if (rc != LLAMA_PYSPECTER_OK) {
+            t.r->failed = true;
+        }
+        return --t.r->tasks_left == 0 && set_done_locked(*t.r);
+    }
+
     void finish(pyspecter_task & t, int32_t rc, size_t nbytes) {
+        bool wake = false;
         {
             auto lk = qlock();
-            if (t.kind != -2) {
-                mark_locked();
-                --running;
-                s->counters.read_bytes += (int64_t) nbytes;
-            }
-            if (t.kind >= 0) {
-                s->counters.read_ops++;
-            }
-            if (rc != LLAMA_PYSPECTER_OK) {
-                t.r->failed = true;
-            }
-            if (--t.r->tasks_left == 0) {
-                t.r->done = true;
-            }
+            wake = finish_locked(t, rc, nbytes);
         }
         t.r.reset();
-        cv_done.notify_all();
+        if (wake) {
+            cv_done.notify_all();
+        }
     }
 
     int64_t file_offset(const pyspecter_task & t) const {
@@ -249,18 +289,37 @@ struct pyspecter_residency {
         if (p.fd >= 0 && files && posix_memalign(&buf, PYSPECTER_IO_ALIGN, read_buf) != 0) {
             buf = nullptr; // every file read of this thread then fails: its experts stay on the host path
         }
+        pyspecter_task t;
+        int32_t rc = LLAMA_PYSPECTER_OK;
+        size_t nbytes = 0;
         for (;;) {
-            pyspecter_task t;
+            // the chunk just read is finished and the next taken under one acquisition of the lock
+            bool wake_reader = false, stop_now = false;
             {
                 auto lk = qlock();
-                cv_work.wait(lk, [&] { return stopping || has_work(files); });
-                if (stopping) {
-                    break;
+                if (t.r && finish_locked(t, rc, nbytes)) {
+                    cv_done.notify_all(); // now: this thread may block for work below
                 }
-                t = take(files);
+                ++idle;
+                cv_work.wait(lk, [&] { return stopping || has_work(files); });
+                --idle;
+                stop_now = stopping;
+                if (!stop_now) {
+                    t = take(files); // (the finished read's reference goes here)
+                    // push woke one reader for the whole read: each reader that takes a chunk hands the rest on
+                    // to one more, so the routing op wakes one thread however many chunks a read has
+                    wake_reader = !ring && idle > 0 && has_work(files);
+                }
             }
-            int32_t rc = LLAMA_PYSPECTER_OK;
-            size_t nbytes = 0;
+            if (stop_now) {
+                break;
+            }
+            if (wake_reader) {
+                s->counters.reader_wakes++;
+                cv_work.notify_one();
+            }
+            rc = LLAMA_PYSPECTER_OK;
+            nbytes = 0;
             llama_pyspecter_layer * L = t.r->L;
             if (t.kind == -2) {
 #ifdef POSIX_FADV_WILLNEED
@@ -284,7 +343,6 @@ struct pyspecter_residency {
                 });
                 nbytes = (size_t) (t.hi - t.lo);
             }
-            finish(t, rc, nbytes);
         }
         free(buf);
     }
@@ -399,7 +457,7 @@ struct pyspecter_residency {
 
     // mu held (the caller's pending table); queues the tasks of r
     void push(const std::shared_ptr<pyspecter_read> & r, bool advise = false) {
-        size_t n_tasks = 0;
+        bool wake_reader = false, wake_ring = false;
         {
             auto lk = qlock();
             r->seq = seq++;
@@ -410,54 +468,55 @@ struct pyspecter_residency {
             }
             llama_pyspecter_layer * L = r->L;
             if (advise) {
-                queue.push_back({ r, -2 });
-                r->tasks_left = 1;
+                r->chunks.push_back({ -2 });
             } else if (p.fd >= 0) {
                 for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
                     if (L->host[k]) {
-                        push_chunks(r, k);
+                        push_chunks(*r, k);
                     }
                 }
             } else {
-                queue.push_back({ r, -1 });
-                r->tasks_left = 1;
+                r->chunks.push_back({ -1 });
             }
-            n_tasks = (size_t) r->tasks_left;
-            s->counters.queue_entries += (int64_t) n_tasks;
-            for (size_t i = queue.size() - n_tasks; i < queue.size(); ++i) {
-                queued_bytes += task_bytes(queue[i]);
+            if (r->chunks.empty()) { // nothing to read: landed as it is
+                r->done = true;
+                return;
             }
+            r->tasks_left = (int32_t) r->chunks.size();
+            for (const auto & c : r->chunks) {
+                queued_bytes += chunk_bytes(*r, c);
+            }
+            queue.push_back(r);
+            queued_files += is_file_read(*r);
+            s->counters.queue_entries++;
+            wake_reader = idle > 0;
+            wake_ring = ring && ring_waiting;
         }
         if (ring) {
-            // two waiters that take different tasks: wake both (notify_one might pick the wrong one); the ring's
+            // two waiters that take different reads: wake both (notify_one might pick the wrong one); the ring's
             // thread blocked for completions hears it through the ring
             cv_work.notify_all();
             s->counters.reader_wakes++;
-            bool wake = false;
-            {
-                auto lk = qlock();
-                wake = ring_waiting;
-            }
-            if (wake) {
+            if (wake_ring) {
                 s->counters.reader_wakes++;
                 pyspecter_ring_wake(ring);
             }
             return;
         }
-        // one reader per task: waking them all would have the idle ones compete with the compute threads for the
-        // cores, inside the routing op's time
-        for (size_t i = 0; i < n_tasks; ++i) {
+        // one idle reader, which hands the read's other chunks on (run): waking one per chunk from here would
+        // have the idle ones compete with the compute threads for the cores, inside the routing op's time
+        if (wake_reader) {
+            s->counters.reader_wakes++;
             cv_work.notify_one();
         }
-        s->counters.reader_wakes += (int64_t) n_tasks;
     }
 
-    // qmu held: the chunks of kind k of r's expert. Its tensor's aligned file span is cut into equal aligned
-    // pieces of at most `chunk` bytes, so one expert spreads over several readers
-    void push_chunks(const std::shared_ptr<pyspecter_read> & r, int32_t k) {
-        const llama_pyspecter_layer * L = r->L;
+    // the chunks of kind k of r's expert. Its tensor's aligned file span is cut into equal aligned pieces of at
+    // most `chunk` bytes, so one expert spreads over several readers
+    void push_chunks(pyspecter_read & r, int32_t k) const {
+        const llama_pyspecter_layer * L = r.L;
         const int64_t n = (int64_t) L->host[k]->nb[2];
-        const int64_t off = L->file_off[k] + n * r->expert;
+        const int64_t off = L->file_off[k] + n * r.expert;
         int64_t start = 0, end = 0;
         pyspecter_file_span(off, 0, n, &start, &end);
         const int64_t pieces = (end - start + chunk - 1) / chunk;
@@ -465,8 +524,7 @@ struct pyspecter_residency {
         for (int64_t cs = start; cs < end; cs += per) {
             const int64_t lo = std::max(cs, off) - off, hi = std::min(cs + per, off + n) - off;
             if (hi > lo) {
-                queue.push_back({ r, k, lo, hi });
-                r->tasks_left++;
+                r.chunks.push_back({ k, lo, hi });
             }
         }
     }
@@ -489,20 +547,24 @@ struct pyspecter_residency {
     }
 
     bool cancel_locked(pyspecter_read * r) {
-        if (!r->started && !r->done) {
-            s->counters.queue_scans += (int64_t) queue.size();
-            queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const pyspecter_task & t) {
-                if (t.r.get() != r) {
-                    return false;
-                }
-                queued_bytes -= task_bytes(t);
-                return true;
-            }), queue.end());
-            r->failed = true;
-            r->done = true;
-            return true;
+        if (r->started || r->done) {
+            return false;
         }
-        return false;
+        for (size_t i = 0; i < queue.size(); ++i) {
+            s->counters.queue_scans++;
+            if (queue[i].get() == r) {
+                for (size_t c = r->next; c < r->chunks.size(); ++c) {
+                    queued_bytes -= chunk_bytes(*r, r->chunks[c]);
+                }
+                unqueue(i);
+                break;
+            }
+        }
+        r->next = r->chunks.size();
+        r->tasks_left = 0;
+        r->failed = true;
+        set_done_locked(*r); // (not awaited: whoever cancels holds mu, as every waiter does)
+        return true;
     }
 
     // Blocks until every read of rs has finished (landed or failed); stall: the compute thread waits (counted),
@@ -512,6 +574,12 @@ struct pyspecter_residency {
         auto lk = qlock();
         mark_locked();
         stalled += stall;
+        for (pyspecter_read * r : rs) {
+            if (!r->done && !r->awaited) {
+                r->awaited = true;
+                ++awaiting;
+            }
+        }
         int64_t looks = 0;
         cv_done.wait(lk, [&] {
             s->counters.waiter_wakes += looks++ > 0;

@@ -106,6 +106,10 @@ def test_chunked_reads_land_the_files_bytes(io: str) -> None:
     assert c["read_bytes"] == sum(t.expert_bytes for t in kinds) * len(want)
     assert c["failed_uploads"] == 0 and after["failed_uploads"] == 0
     assert c["io_uring"] == (1 if io == "auto" and _io_uring_allowed() else 0)
+    # one queue entry per expert read whatever its chunks (the readers take them from its cursor), and drain's
+    # one wait woken once, by the last read to land, not by every chunk
+    assert c["queue_entries"] == c["uploads"], c
+    assert c["waiter_wakes"] <= 1, c
 
 
 @pytest.mark.parametrize("io", IOS)
