@@ -46,6 +46,7 @@ predictor; the key is stored inside the file and checked on load too.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -228,6 +229,15 @@ class LearnedPredictor:
     @property
     def has_reuse(self) -> bool:
         return any(r is not None for r in self.R)
+
+    def reuse_only(self) -> LearnedPredictor:
+        """This predictor without its layer-ahead maps and their calibration: what eviction alone reads (the
+        reuse maps, their blend, the miss curves), for a session whose planner does not prefetch. The maps left
+        out are most of the bytes (on smol-moe 4.1 of 5.2 MB), so the budget counts only what is held."""
+        n = len(self.layers)
+        empty = np.zeros((0,), np.float32)
+        return dataclasses.replace(self, A=[None] * n, b=[None] * n, A2=[None] * n, sel_bias=[None] * n,
+                                   rank_prob=empty, gap_edges=empty)
 
     def n_targets(self, j: int) -> int:
         """Horizons available from MoE layer position j."""

@@ -154,6 +154,10 @@ class Session:
             if self.device is not None else None
         if self.layer_plan is not None:
             self.predictor = None
+        if self.predictor is not None and not self._plans_ahead():
+            # the layer-ahead maps would sit unused beside the slots: hold (and count in the budget) only what
+            # eviction reads (smol-moe at 50%: 239 slots instead of 236)
+            self.predictor = self.predictor.reuse_only()
         # On the CPU, what whole slot rows leave of the budget is spent too, by layer (otherwise a 5 MiB predictor
         # would cost smol-moe a whole 50 MB row of slots): one more slot per layer while it lasts, or by the
         # predictor's miss curves where they promise clearly fewer misses (budget.allocate_slots)
@@ -191,6 +195,12 @@ class Session:
         self.decode_s = 0.0
         self.first_token_s: float | None = None  # of the latest generate
         self.sampler = Sampler(self.sampling, cfg.seed)
+
+    def _plans_ahead(self) -> bool:
+        """Whether the native planner prefetches from the predictor's layer-ahead maps: where the link has time
+        to spare (a device, an emulated link), and not beside a draft, whose routing is that session's
+        prediction."""
+        return not self.draft_bytes and (self.device is not None or self.tier.name.startswith("emulated"))
 
     def _memory_plan(self) -> MemoryPlan:
         cfg = self.cfg
@@ -245,9 +255,7 @@ class Session:
         # planner read 55 MB per token against LRU's 32 and decoded at 1.49x all-resident against LRU's 1.28x);
         # on the disk tier, 67-76% stalled on reads, its prefetches took the link from the misses waited for (40.2
         # MB per token against LRU's 37.3 at 50%; 58.1 against the reuse maps alone's 54.3 at 30%).
-        # (not beside a draft, whose routing is that session's prediction)
-        ahead = learned and not self.draft_bytes and (self.device is not None
-                                                      or self.tier.name.startswith("emulated"))
+        ahead = learned and self._plans_ahead()
         self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held,
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,

@@ -107,6 +107,8 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         from pyspecter.learned import LearnedPredictor
 
         predictor = LearnedPredictor.load(path)
+        if policy == "learned-evict":  # no planner: it holds, and the budget counts, the reuse maps alone
+            predictor = predictor.reuse_only()
         if budget_bytes:  # as the engine spends its budget: the predictor's bytes out, the rest by layer
             mp = MemoryPlan.for_budget(layout, str(budget_bytes), predictor_bytes=predictor.nbytes, spread=True,
                                        curves=predictor.miss_curves)

@@ -134,10 +134,15 @@ def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor
         assert s.generate(toks, 40, stop_at_eog=False) == ref
         st = s.stats()
         assert st["evict"] in ("learned", "lru")
+        full = fitted
         if tier in ("ram", "disk"):  # the CPU tiers: the session runs no planner there (Session._build_cache)
             assert st["plan_maps"] == 0 and st["plan_prefetches"] == 0
+            # ... so it holds, and its budget counts, the reuse maps alone
+            assert all(a is None for a in s.predictor.A) and s.predictor.nbytes == full.reuse_only().nbytes
+            assert s.predictor.nbytes < full.nbytes
         else:
             assert st["plan_prefetches"] > 0 and st["plan_maps"] > 0
+            assert s.predictor.nbytes == full.nbytes
         # the whole budget is spent, by layer: the predictor's bytes and slots, to within one expert
         lay = s.layout
         spent = sum(s.cache.usable(L.index) * L.expert_bytes for L in lay.layers) + s.predictor.nbytes

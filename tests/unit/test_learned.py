@@ -329,6 +329,23 @@ def test_reuse_maps_and_miss_curves_round_trip(fitted, tmp_path: Path) -> None:
         assert np.allclose(back.reuse(il, x), 24 * j + np.arange(8))  # a batch: its last row's next tokens
 
 
+def test_reuse_only_keeps_what_eviction_reads_and_counts_only_that(fitted) -> None:
+    fit, R = fitted
+    layers = [1, 3, 4, 6, 9]
+    reuse = ([np.full((24, 8), j, np.float32) for j in range(5)], [np.arange(8, dtype=np.float32)] * 5)
+    curves = np.linspace(2, 0, 5 * 9, dtype=np.float32).reshape(5, 9)
+    pred = pf.to_runtime(fit, layers, R, {"n_expert": 8, "n_expert_used": 2, "reuse_horizon": 4}, reuse=reuse,
+                         curves=curves)
+    only = pred.reuse_only()
+    assert only.nbytes == sum(a.nbytes for a in (*reuse[0], *reuse[1])) < pred.nbytes
+    assert only.predict(1, np.ones(24, np.float32)) == {} and pred.predict(1, np.ones(24, np.float32))
+    assert only.has_reuse and np.array_equal(only.miss_curves, curves) and only.reuse_horizon == 4
+    x = np.random.default_rng(0).normal(size=24).astype(np.float32)
+    for il in layers:
+        assert np.array_equal(only.reuse(il, x), pred.reuse(il, x))
+    assert pred.A[0] is not None  # the original keeps its maps
+
+
 def test_recency_features_kept_incrementally_equal_the_history_read_directly() -> None:
     rng = np.random.default_rng(2)
     ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(60)])
