@@ -180,3 +180,35 @@ def test_held_slots_are_native_and_released_in_c(tier: str, ordered: bool) -> No
     assert c["native"] and c["needed"] >= c["resident_at_need"] > 0
     assert len(trace) == c["route_calls"]
     assert owners[0] < k and owners[1] >= k  # the held slots were filled only after the release
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "prev-token"])
+def test_the_replay_reads_what_native_residency_reads(policy: str) -> None:
+    """study/replay.py, the offline judge of eviction rules in the bench's bytes, against C on the bench's run
+    (each prompt prefilled, then decoded; the slots live through every prompt): the same decode reads. RAM tier,
+    misses waited for and no read-ahead, where C's decisions do not depend on when reads land."""
+    from pyspecter.study.replay import record_calls, replay
+
+    path = build_tiny("tiny-qwen3moe")
+    spec = TINY_MODELS["tiny-qwen3moe"]
+    lay = read_layout(path)
+    with native.Model(path) as m:
+        prompts = [m.tokenize(PROMPT), m.tokenize("Two plus two is four, and the sky is blue over the sea.")]
+    calls, _ = record_calls(path, prompts, 8, n_threads=2)
+    assert any(len(c.ids) > 1 for c in calls) and any(c.step >= 0 for c in calls)
+    for slots in (spec.n_expert_used + 1, spec.n_expert // 2):
+        uploads = 0
+        with native.Model(path) as m:
+            cache = ExpertCache(m, lay, slots, policy=policy, miss="wait", lookahead=False, native=True)
+            with native.Context(m, n_threads=2, n_ctx=max(map(len, prompts)) + 16) as ctx:
+                for prompt in prompts:
+                    ctx.clear()
+                    logits = ctx.decode(prompt)
+                    cache.reset_counters()
+                    for _ in range(8):
+                        logits = ctx.decode([int(logits.argmax())])
+                    cache.check()
+                    uploads += cache.counters()["uploads"]
+            cache.close()
+        got = replay(calls, {L.index: slots for L in lay.layers}, spec.n_expert, policy, lookahead=False)
+        assert uploads > 0 and got == uploads, (slots, got, uploads)

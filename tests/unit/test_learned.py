@@ -312,36 +312,39 @@ def test_reuse_maps_evict_what_the_next_tokens_do_not_need() -> None:
     assert learned_ < 0.85 * lru  # the future is in x: evicting by it beats recency by far
 
 
-def test_reuse_maps_and_miss_curves_round_trip(fitted, tmp_path: Path) -> None:
+LAYERS = [1, 3, 4, 6, 9]
+
+
+def _with_reuse(fitted):
+    """A predictor with hand-set reuse maps (layer position j scores 24 j + e for x of ones) and miss curves."""
     fit, R = fitted
-    layers = [1, 3, 4, 6, 9]
     reuse = ([np.full((24, 8), j, np.float32) for j in range(5)], [np.arange(8, dtype=np.float32)] * 5)
     curves = np.linspace(2, 0, 5 * 9, dtype=np.float32).reshape(5, 9)
-    pred = pf.to_runtime(fit, layers, R, {"n_expert": 8, "n_expert_used": 2, "reuse_horizon": 4}, reuse=reuse,
+    pred = pf.to_runtime(fit, LAYERS, R, {"n_expert": 8, "n_expert_used": 2, "reuse_horizon": 4}, reuse=reuse,
                          curves=curves)
-    bare = pf.to_runtime(fit, layers, R, {"n_expert": 8, "n_expert_used": 2})
+    return pred, reuse, curves
+
+
+def test_reuse_maps_and_miss_curves_round_trip(fitted, tmp_path: Path) -> None:
+    pred, reuse, curves = _with_reuse(fitted)
+    bare = pf.to_runtime(fitted[0], LAYERS, fitted[1], {"n_expert": 8, "n_expert_used": 2})
     assert pred.has_reuse and not bare.has_reuse and bare.reuse(1, np.zeros(24)) is None
     assert pred.nbytes == bare.nbytes + sum(a.nbytes for a in (*reuse[0], *reuse[1]))
     back = LearnedPredictor.load(pred.save(tmp_path / "p.npz"))
     assert back.reuse_horizon == 4 and np.array_equal(back.miss_curves, curves)
     x = np.ones((3, 24), np.float32)
-    for j, il in enumerate(layers):
+    for j, il in enumerate(LAYERS):
         assert np.allclose(back.reuse(il, x), 24 * j + np.arange(8))  # a batch: its last row's next tokens
 
 
 def test_reuse_only_keeps_what_eviction_reads_and_counts_only_that(fitted) -> None:
-    fit, R = fitted
-    layers = [1, 3, 4, 6, 9]
-    reuse = ([np.full((24, 8), j, np.float32) for j in range(5)], [np.arange(8, dtype=np.float32)] * 5)
-    curves = np.linspace(2, 0, 5 * 9, dtype=np.float32).reshape(5, 9)
-    pred = pf.to_runtime(fit, layers, R, {"n_expert": 8, "n_expert_used": 2, "reuse_horizon": 4}, reuse=reuse,
-                         curves=curves)
+    pred, reuse, curves = _with_reuse(fitted)
     only = pred.reuse_only()
     assert only.nbytes == sum(a.nbytes for a in (*reuse[0], *reuse[1])) < pred.nbytes
     assert only.predict(1, np.ones(24, np.float32)) == {} and pred.predict(1, np.ones(24, np.float32))
     assert only.has_reuse and np.array_equal(only.miss_curves, curves) and only.reuse_horizon == 4
     x = np.random.default_rng(0).normal(size=24).astype(np.float32)
-    for il in layers:
+    for il in LAYERS:
         assert np.array_equal(only.reuse(il, x), pred.reuse(il, x))
     assert pred.A[0] is not None  # the original keeps its maps
 
