@@ -24,7 +24,8 @@
 
 // What a reader does for a read: one chunk of one kind from the file, every kind from the host copy, or advice.
 struct pyspecter_chunk {
-    int32_t kind;           // a kind to read from the file; -1: every kind from the host copy; -2: advise (readahead)
+    int32_t kind;           // a kind to read from the file; -1: every kind from the host copy; -2: advise (readahead);
+                            // -3: give a prompt's expert pages back (release_after_batch)
     int64_t lo = 0, hi = 0; // a file read: bytes [lo, hi) of the expert's tensor of that kind
 };
 
@@ -54,6 +55,8 @@ struct pyspecter_task {
 };
 
 enum { CLS_DEMAND = 0, CLS_BACKGROUND = 1, CLS_PREFETCH = 2, CLS_ADVISE = 3 };
+
+static void release_after_batch(pyspecter_residency * R);
 
 struct pyspecter_residency {
     llama_pyspecter_slots * s = nullptr;
@@ -173,7 +176,7 @@ struct pyspecter_residency {
     }
 
     static int64_t chunk_bytes(const pyspecter_read & r, const pyspecter_chunk & c) {
-        if (c.kind == -2) {
+        if (c.kind <= -2) {
             return 0;
         }
         if (c.kind >= 0) {
@@ -245,7 +248,7 @@ struct pyspecter_residency {
             unqueue(best);
         }
         t.r->started = true;
-        if (t.kind != -2) { // advice is no read: it counts neither as one in flight nor as link time
+        if (t.kind >= -1) { // advice and release are no reads: they count neither as in flight nor as link time
             mark_locked();
             ++running;
         }
@@ -254,7 +257,7 @@ struct pyspecter_residency {
 
     // qmu held: a chunk taken has finished (rc) after nbytes; true: wake the op waiting for reads
     bool finish_locked(const pyspecter_task & t, int32_t rc, size_t nbytes) {
-        if (t.kind != -2) {
+        if (t.kind >= -1) {
             mark_locked();
             --running;
             s->counters.read_bytes += (int64_t) nbytes;
@@ -321,7 +324,9 @@ struct pyspecter_residency {
             rc = LLAMA_PYSPECTER_OK;
             nbytes = 0;
             llama_pyspecter_layer * L = t.r->L;
-            if (t.kind == -2) {
+            if (t.kind == -3) {
+                release_after_batch(this);
+            } else if (t.kind == -2) {
 #ifdef POSIX_FADV_WILLNEED
                 for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
                     if (L->host[k] && L->file_off[k] >= 0) {
@@ -456,7 +461,9 @@ struct pyspecter_residency {
     }
 
     // mu held (the caller's pending table); queues the tasks of r
-    void push(const std::shared_ptr<pyspecter_read> & r, bool advise = false) {
+    // advise: r is readahead advice for its expert (CLS_ADVISE); release: r (CLS_ADVISE, no layer) gives a
+    // prompt's expert pages back
+    void push(const std::shared_ptr<pyspecter_read> & r, bool advise = false, bool release = false) {
         bool wake_reader = false, wake_ring = false;
         {
             auto lk = qlock();
@@ -467,7 +474,9 @@ struct pyspecter_residency {
                 return;
             }
             llama_pyspecter_layer * L = r->L;
-            if (advise) {
+            if (release) {
+                r->chunks.push_back({ -3 });
+            } else if (advise) {
                 r->chunks.push_back({ -2 });
             } else if (p.fd >= 0) {
                 for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
@@ -1099,7 +1108,11 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     L->last_call = R->clock;
     if (n_tokens != R->prev_tokens) {
         if (n_tokens == 1 && R->prev_tokens > 1 && R->p.fd >= 0) {
-            release_after_batch(R);
+            // on a reader: the page-cache drop over every layer's experts (smol-moe: 90 fadvise calls, tens of ms
+            // of system time) made this op the first decode token's stall
+            auto r = std::make_shared<pyspecter_read>();
+            r->cls = CLS_ADVISE;
+            R->push(r, /*advise=*/false, /*release=*/true);
         }
         R->prev_tokens = n_tokens;
     }

@@ -194,3 +194,40 @@ def test_a_demand_takes_back_a_queued_prefetch(io: str) -> None:
     assert abs(ref - got).max() <= TOL
     assert c["failed_uploads"] == 0
     assert c["taken_back"] == len(needed), c
+
+
+def _prompt_then_token(m: native.Model) -> object:
+    """The logits of one decode step after the prompt (its greedy token fed back)."""
+    with native.Context(m, n_threads=2) as ctx:
+        logits = ctx.decode(m.tokenize(PROMPT))
+        return ctx.decode([int(logits.argmax())])
+
+
+def test_a_prompts_pages_go_back_on_a_reader() -> None:
+    """After a prompt on the disk tier its expert pages go back (unmapped, dropped from the page cache: tens of ms
+    of system calls over every layer) on a reader, not inside the routing op that sees the prompt end (its last
+    layer, which routes the output row alone): one queue entry beside the prompt's reads, none in decode. The
+    output is stock's."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path) as stock:
+        ref = _prompt_then_token(stock)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(io="threads"), native=True,
+                            lookahead=False)
+        with native.Context(m, n_threads=2) as ctx:
+            logits = ctx.decode(m.tokenize(PROMPT))
+            cache.drain()
+            prompt = cache.counters()
+            cache.reset_counters()
+            got = ctx.decode([int(logits.argmax())])
+        cache.drain()
+        c = cache.counters()
+        cache.check()
+        cache.close()
+    assert abs(ref - got).max() <= TOL
+    assert prompt["route_calls"] == c["route_calls"] == len(lay.layers)
+    assert prompt["failed_uploads"] == c["failed_uploads"] == 0
+    # every read queued once, and one taken back is queued again as a demand read
+    assert prompt["queue_entries"] == prompt["uploads"] + prompt["taken_back"] + 1, prompt
+    assert c["queue_entries"] == c["uploads"] + c["taken_back"], c
