@@ -43,6 +43,8 @@ struct pyspecter_read {
     bool awaited = false;     // under qmu: the op waiting for reads (wait_all) waits for it
     std::vector<pyspecter_chunk> chunks; // under qmu, set by push
     size_t next = 0;          // under qmu: chunks[next..] are still queued
+    bool lookahead = false;   // under mu: the prefill lookahead's guess for its layer's next call
+    bool dropped = false;     // under mu and qmu: a stale guess whose queued chunks were taken back; it lands unused
     std::atomic<bool> failed{false};
     std::atomic<bool> done{false};
 };
@@ -555,11 +557,28 @@ struct pyspecter_residency {
         return cancel_locked(r);
     }
 
-    bool cancel_locked(pyspecter_read * r) {
-        if (r->started || r->done) {
-            return false;
+    // A stale read taken back: whole when none of it has started (true: its slot is free now); otherwise its
+    // queued chunks go, those on the wire finish into its slot unused, and it ends failed and dropped (false).
+    bool drop(pyspecter_read * r) {
+        auto lk = qlock();
+        if (cancel_locked(r)) {
+            return true;
         }
-        for (size_t i = 0; i < queue.size(); ++i) {
+        if (!r->done) {
+            r->tasks_left -= unqueue_read(r);
+            r->dropped = true;
+            r->failed = true;
+            if (r->tasks_left == 0) {
+                set_done_locked(*r); // (not awaited: whoever drops holds mu, as every waiter does)
+            }
+        }
+        return false;
+    }
+
+    // qmu held: r's chunks not yet handed out leave the queue; how many
+    int32_t unqueue_read(pyspecter_read * r) {
+        const int32_t n = (int32_t) (r->chunks.size() - r->next);
+        for (size_t i = 0; n > 0 && i < queue.size(); ++i) {
             s->counters.queue_scans++;
             if (queue[i].get() == r) {
                 for (size_t c = r->next; c < r->chunks.size(); ++c) {
@@ -570,6 +589,14 @@ struct pyspecter_residency {
             }
         }
         r->next = r->chunks.size();
+        return n;
+    }
+
+    bool cancel_locked(pyspecter_read * r) {
+        if (r->started || r->done) {
+            return false;
+        }
+        unqueue_read(r);
         r->tasks_left = 0;
         r->failed = true;
         set_done_locked(*r); // (not awaited: whoever cancels holds mu, as every waiter does)
@@ -627,7 +654,7 @@ static void reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
         if (r && r->done) {
             if (!r->failed) {
                 map_slot(R, L, r->expert, slot);
-            } else {
+            } else if (!r->dropped) {
                 L->parent->counters.upload_failures++;
             }
             r.reset();
@@ -637,7 +664,7 @@ static void reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
 
 static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert) {
     for (const auto & r : L->pending) {
-        if (r && r->expert == expert) {
+        if (r && r->expert == expert && !r->dropped) { // a dropped one never lands: read the expert anew
             return r.get();
         }
     }
@@ -884,7 +911,8 @@ static int32_t upload_ahead(pyspecter_residency * R, llama_pyspecter_layer * L, 
             break;
         }
         evict_slot(L, slot);
-        start_read(R, L, e, slot, cls, priority, deadline);
+        // in the background: only the prefill lookahead reads ahead so (schedule's reads are prefetches)
+        start_read(R, L, e, slot, cls, priority, deadline)->lookahead = cls == CLS_BACKGROUND;
         ++issued;
     }
     L->parent->counters.prefetches += issued;
@@ -930,6 +958,21 @@ static void prefill_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L
                 r->cls = CLS_ADVISE;
                 R->push(r, /*advise=*/true);
             }
+        }
+    }
+}
+
+// The prefill lookahead's reads for this call (started at the layer before, in the same ubatch) of experts the call
+// does not need are stale: their queued chunks are taken back; one none of whose chunks started frees its slot now,
+// one partly read when its last chunk on the wire has finished (unmapped). Left queued they were read after the
+// ubatch, into slots for wrong guesses, taking the link from the next calls' misses; and a prompt's leftovers landed
+// in the decode after it and counted there, as many as the readers had not drained yet: the decode's bytes then
+// moved with timing, from run to run and from one I/O backend to the other.
+static void drop_stale_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L) {
+    for (auto & r : L->pending) {
+        if (r && r->lookahead && !r->dropped && !L->mark[r->expert] && R->drop(r.get())) {
+            r.reset(); // its slot was evicted when the read was scheduled: free again
+            L->parent->counters.uploads--;
         }
     }
 }
@@ -1146,6 +1189,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         c.ghost_misses += g;
     }
     reap(R, L);
+    drop_stale_lookahead(R, L);
     std::vector<int32_t> missing;
     for (int32_t e : needed) {
         const int32_t slot = L->remap[e];

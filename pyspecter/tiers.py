@@ -178,8 +178,10 @@ class DiskTier(Tier):
     Native residency reads each kind of an expert as aligned chunks of at most ``read_chunk`` bytes (0: C's
     256 KiB), so a layer's one or two misses still keep several reads outstanding, on pread threads (``io="threads"``,
     the default) or through io_uring where the kernel allows it (``io="auto"``, or SPECTER_DISK_IO=auto). io_uring is
-    opt-in: on big-qwen3moe (disk tier, automatic fit, teacher-forced) its ring read 276.8 MB per token against the
-    threads' 149.8 for the same hit rate, at 944 ms per token against 593; the cause is not found yet."""
+    opt-in: on big-qwen3moe (disk tier, automatic fit, teacher-forced) its decode counted 276.8 MB per token against
+    the threads' 149.8 for the same hit rate. The ring read no more per decision: the decode also counted the
+    prompt's stale lookahead reads, left queued and read after it, as many as the readers had not drained (a share
+    that moved with timing, on either backend); each layer's call now takes those back."""
 
     name = "disk"
     ALIGN = 4096
