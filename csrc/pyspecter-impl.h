@@ -91,6 +91,7 @@ struct llama_pyspecter_layer {
     std::vector<uint8_t> ring;                     // [16][n_expert]: experts each of the last 16 calls used
     std::vector<int64_t> last_call_used;           // expert -> call index of its last use (-1: never)
     int64_t calls = 0;
+    bool host_touched = false; // disk tier: its host pages may have been faulted in since they were last released
     std::vector<int64_t> ghost_lru, ghost_score;   // duel: expert -> last use in each simulated cache (-1: out)
     std::vector<pyspecter_ahead_map> ahead;        // the planner's maps from this layer's router input
     llama_pyspecter_layer * next = nullptr;                // the next MoE layer in forward order
@@ -308,6 +309,7 @@ void pyspecter_ring_wake(pyspecter_ring * ring) noexcept;
 
 // madvise(DONTNEED) of the host copy's expert pages that live in a file mapping; the bytes released
 size_t pyspecter_release_experts(llama_pyspecter_slots * s);
+size_t pyspecter_release_layer_experts(const llama_pyspecter_layer * L); // ... of one layer
 
 // Native residency (residency.cpp): the routing op's decision for layer L, given the ubatch's selected experts
 // ids [n_tokens][n_used]; changes L's remap, which the op then applies. Stops the readers (slots destructor).

@@ -18,29 +18,34 @@ size_t llama_pyspecter_release_host_experts(llama_model * model) {
     return s ? pyspecter_release_experts(s) : 0;
 }
 
-size_t pyspecter_release_experts(llama_pyspecter_slots * s) {
+size_t pyspecter_release_layer_experts(const llama_pyspecter_layer * L) {
     size_t released = 0;
 #ifdef PYSPECTER_HAVE_MADVISE
     const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
-    for (auto & L : s->layers) {
-        if (!L) {
+    for (auto * h : L->host) {
+        // only buffers over a file mapping ("CPU_Mapped"): dropping anonymous memory would lose its contents
+        if (!h || !h->buffer ||
+                strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(h->buffer)), "CPU_Mapped") != 0) {
             continue;
         }
-        for (auto * h : L->host) {
-            // only buffers over a file mapping ("CPU_Mapped"): dropping anonymous memory would lose its contents
-            if (!h || !h->buffer ||
-                    strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(h->buffer)), "CPU_Mapped") != 0) {
-                continue;
-            }
-            const uintptr_t a = ((uintptr_t) h->data + page - 1) / page * page;
-            const uintptr_t b = ((uintptr_t) h->data + ggml_nbytes(h)) / page * page;
-            if (b > a && madvise((void *) a, b - a, MADV_DONTNEED) == 0) {
-                released += b - a;
-            }
+        const uintptr_t a = ((uintptr_t) h->data + page - 1) / page * page;
+        const uintptr_t b = ((uintptr_t) h->data + ggml_nbytes(h)) / page * page;
+        if (b > a && madvise((void *) a, b - a, MADV_DONTNEED) == 0) {
+            released += b - a;
         }
     }
 #else
-    (void) s;
+    (void) L;
 #endif
+    return released;
+}
+
+size_t pyspecter_release_experts(llama_pyspecter_slots * s) {
+    size_t released = 0;
+    for (auto & L : s->layers) {
+        if (L) {
+            released += pyspecter_release_layer_experts(L.get());
+        }
+    }
     return released;
 }

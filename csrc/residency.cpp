@@ -1160,9 +1160,17 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         R->prev_tokens = n_tokens;
     }
     if (n_tokens > 1 && R->p.fd >= 0) {
-        // the earlier layers' host matmuls of this prompt are done: their faulted-in expert pages go again
-        pyspecter_release_experts(L->parent);
+        // the earlier layers' host matmuls of this prompt are done: their faulted-in expert pages go again; only
+        // layers routed since their pages last went can have any (a prompt's layer call: one or two layers'
+        // madvise calls, not every layer's)
+        for (auto * M : R->order) {
+            if (M->host_touched) {
+                pyspecter_release_layer_experts(M);
+                M->host_touched = false;
+            }
+        }
     }
+    L->host_touched = true; // this call's host rows may fault its pages in
     const int32_t E = (int32_t) L->remap.size();
     std::fill(L->mark.begin(), L->mark.end(), 0);
     std::vector<int32_t> needed;
@@ -1434,6 +1442,7 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
             L->prot.assign(E, 0);
             L->mark.assign(E, 0);
             L->n_usable = (int32_t) n_slots;
+            L->host_touched = true; // loading may have faulted its pages in (mmap pre-faults): a prompt frees them
             for (int32_t slot = 0; slot < (int32_t) n_slots; ++slot) {
                 if (L->owner[slot] >= 0) { // set_slot before: keep it (a warm start)
                     L->loaded[slot] = 0;
