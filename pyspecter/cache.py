@@ -120,6 +120,7 @@ class ExpertCache:
         self.layer_pos = {L.index: j for j, L in enumerate(layout.layers)}  # order in the forward pass
         self.stats = CacheStats()
         self._trace: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
+        self.discard_calls = False  # set once the recorded calls' reader is gone (a dropped draft's precision)
         self.ordered = ordered
         self.misses = make_miss_handler(self, miss, ordered)
         self.lookahead = lookahead and miss != "cpu"
@@ -162,6 +163,21 @@ class ExpertCache:
     @trace.setter
     def trace(self, value) -> None:
         self._trace = value
+
+    @property
+    def recording(self) -> bool:
+        """The routing calls are recorded (record=True): take_calls hands them out."""
+        return self._trace is not None
+
+    def take_calls(self) -> list[tuple[int, tuple[int, ...]]]:
+        """The routing calls recorded since the last take (record=True; else none), handed out and forgotten: what
+        a draft's prefetches are checked against."""
+        if self.nat is not None:
+            return self.nat.take_calls() if self._trace is not None else []
+        calls = list(self._trace or ())
+        if self._trace:
+            self._trace.clear()
+        return calls
 
     @property
     def totals(self) -> Totals:
@@ -342,6 +358,8 @@ class ExpertCache:
         """Re-raise an error a hook parked (call after each decode); report failed uploads once, in one line."""
         if self.hooks is not None:
             self.hooks.check()
+        if self.discard_calls:  # C records on (it has no switch): what nobody reads any more is dropped
+            self.take_calls()
         if self.nat is not None:
             lost = self.nat.since_start("late_lost")
             if lost > self._late_lost:

@@ -68,10 +68,23 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     dropped_at: int | None = None  # the step at which the draft was dropped (its memory given to slots)
+    # the draft's routing as a prefetch signal: prefetches it queued, how many of them the verification pass they
+    # were made for then used (their precision), the bytes each side stands for, and the step it was cut off at
+    prefetches: int = 0
+    prefetches_scored: int = 0  # ... of which checked against their pass (where the slots record routing)
+    prefetches_used: int = 0
+    prefetch_bytes: int = 0
+    prefetch_used_bytes: int = 0
+    prefetch_stopped_at: int | None = None
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def prefetch_precision(self) -> float | None:
+        """Prefetches the draft queued that their verification pass used, of those checked (None before any)."""
+        return self.prefetches_used / self.prefetches_scored if self.prefetches_scored else None
 
     @property
     def mean_k(self) -> float:
@@ -110,6 +123,13 @@ class SpeculativeDecoder:
     is plain speculative decoding; with them the draft's routing prefetches into the target's expert slots (its
     experts at ``min_confidence`` or more)."""
 
+    # The draft's prefetches stop for good once MIN_PREFETCHES of them are measured and fewer than MIN_PRECISION
+    # of them were used by the verification pass they were made for: below an even chance a prefetch costs a
+    # link-bound tier more than it saves (the native planner's min_prob, for the same reason). Their precision
+    # needs the slots to record the target's routing calls (ExpertCache(record=True)).
+    MIN_PREFETCHES = 16
+    MIN_PRECISION = 0.5
+
     def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
                  routing: DraftRouting | None = None, slots: ExpertCache | None = None, min_confidence: float = 0.0,
                  temperature: float | SamplingParams = 0.0, seed: int = 0, batch_verify: bool | None = None,
@@ -142,6 +162,10 @@ class SpeculativeDecoder:
         # frees the draft and gives its memory to the slots; decoding goes on without a draft for good.
         self.drop_draft = drop_draft
         self._off = _OffWatch()
+        # the draft's prefetches of the window in flight, (layer, expert), and whether they are still fed
+        self._issued: set[tuple[int, int]] = set()
+        self._feeding = routing is not None and slots is not None
+        self._scoring = self._feeding and slots.recording
         self.check: Callable[[], None] = lambda: None  # the owner's hook-error check, run after every step
 
     @property
@@ -175,7 +199,9 @@ class SpeculativeDecoder:
         try:
             yield cur
             while not (stop_at_eog and tgt.model.is_eog(cur)):
-                if self.draft is not None and self.drop_draft is not None \
+                if self.draft is not None and self.adaptive and self.governor.draft_useless(self._routing_pays()):
+                    self._drop()
+                elif self.draft is not None and self.drop_draft is not None \
                         and self.governor.draft_idle(off_gain=self._off.gain()):
                     self._drop()
                 k = self.governor.choose() if self.adaptive else self.k
@@ -222,10 +248,22 @@ class SpeculativeDecoder:
             if ctx is not None and ctx.n_past > keep:
                 ctx.truncate(keep)
 
+    def _routing_pays(self) -> bool:
+        """Whether the draft's routing is worth its cost as a prefetch signal: still fed, and at least
+        MIN_PRECISION of its prefetches used so far (none measured: it has saved nothing yet). Slots that do not
+        record routing cannot tell: there the routing is given the benefit of the doubt (draft_idle judges it)."""
+        if not self._scoring:
+            return self._feeding
+        p = self.stats.prefetch_precision
+        return self._feeding and p is not None and p >= self.MIN_PRECISION
+
     def _drop(self) -> None:
-        if self.slots is not None:
-            self.slots.unprotect_all()
-        self.drop_draft()
+        """The draft is done for good: nothing of it stays on the path (no draft pass, no prefetch, nothing
+        protected, its held slots the target's). The owner frees it (``drop_draft``) where it can; without one
+        (its memory was not the slots') it is only never run again."""
+        self._stop_prefetch()
+        if self.drop_draft is not None:
+            self.drop_draft()
         self.draft = self.routing = self.slots = None
         self.predict_at_k0 = False
         self._draft_lag = []
@@ -238,12 +276,38 @@ class SpeculativeDecoder:
         confidence; deadline: the layer's position in the verification pass, in routing calls from now). The
         queue serves them behind every demand read, and a demand takes back a queued one."""
         keep = sorted(((w, e) for e, w in experts.items() if w >= self.min_confidence), reverse=True)
-        if not keep or self.slots is None:
+        if not keep or self.slots is None or not self._feeding:
             return
         self.slots.protect(il, [e for _, e in keep])
         due = self.slots.layer_pos.get(il, 0)
         for w, e in keep:
-            self.slots.prefetch(il, [e], priority=float(w), deadline=due)
+            if self.slots.prefetch(il, [e], priority=float(w), deadline=due):
+                self._issued.add((il, e))
+                self.stats.prefetches += 1
+                self.stats.prefetch_bytes += self.slots.expert_bytes.get(il, 0)
+
+    def _score_prefetches(self, calls) -> None:
+        """The window's prefetches against the routing calls of its verification pass: used or not. Cuts them off
+        once they are measured to miss (MIN_PRECISION)."""
+        s = self.stats
+        used = {(il, e) for il, es in calls for e in es} & self._issued
+        s.prefetches_scored += len(self._issued)
+        s.prefetches_used += len(used)
+        s.prefetch_used_bytes += sum(self.slots.expert_bytes.get(il, 0) for il, _ in used)
+        self._issued = set()
+        if s.prefetches_scored >= self.MIN_PREFETCHES and s.prefetches_used < self.MIN_PRECISION * s.prefetches_scored:
+            self._stop_prefetch()
+
+    def _stop_prefetch(self) -> None:
+        """No more draft prefetches or protections; K=0 no longer runs the draft (its routing was all it did)."""
+        if self._feeding:
+            self.stats.prefetch_stopped_at = self.stats.steps
+        self._feeding = False
+        self.predict_at_k0 = False
+        self._issued = set()
+        if self.slots is not None:
+            self.slots.unprotect_all()
+            self.slots.discard_calls = True
 
     def _step(self, cur: int, k: int) -> list[int]:
         """One step: draft k tokens (k = 0: the draft only predicts; OFF: no draft), verify, roll back."""
@@ -256,7 +320,8 @@ class SpeculativeDecoder:
             drafts, qs = self._draft(cur, k)
         else:
             drafts, qs = [], []
-            self._draft_lag.append(cur)
+            if self.draft is not None:
+                self._draft_lag.append(cur)
             if self.slots is not None:  # no window in flight: nothing may stay pinned in the slots
                 self.slots.unprotect_all()
         t1 = time.perf_counter()
@@ -264,8 +329,15 @@ class SpeculativeDecoder:
         if watch:
             tot = self.slots.totals
             before = (tot.hook_ns, tot.misses, tot.ghost_misses)
+        score = self._scoring and self._feeding and bool(self._issued)
+        if score:
+            self.slots.take_calls()  # routing before this pass (the prompt, steps without the draft): not its
         accepted, bonus = self._verify(cur, drafts, qs)
         t2 = time.perf_counter()
+        if score:
+            self._score_prefetches(self.slots.take_calls())
+        elif self._scoring and self._feeding:
+            self.slots.take_calls()
         if watch:
             self._off.add(t2 - t0, before, tot)
         self._keep(base + 1 + accepted)  # roll both caches back to the accepted prefix: cur + accepted drafts
@@ -309,6 +381,8 @@ class SpeculativeDecoder:
 
     def _verify(self, cur: int, drafts: list[int], qs: list[np.ndarray]) -> tuple[int, int]:
         """(drafts accepted, the target's token after them)."""
+        if not drafts:  # one token: stock's own decode, bit for bit what the batch-invariant kernels would give
+            return self.sampler.verify(self.target.decode([cur], logits_all=True), drafts, qs, self._recent)
         if self.batch_verify:
             with batch_invariant():
                 rows = self.target.decode([cur, *drafts], logits_all=True)

@@ -33,6 +33,12 @@ class KGovernor:
     seen_rate: dict[int, float] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)  # K -> steps measured
     pinned: int | None = None  # a K chosen for good (OFF once the draft is dropped)
+    # what the steps that drafted tokens measured, raw (the early verdict reads these, not the EMAs, whose priors
+    # would outweigh a few steps)
+    drafting_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    early_steps: int = 3  # drafting steps before the early verdict (draft_useless)
 
     def observe(self, k: int, accepted: int, t_draft_total: float, t_verify: float) -> None:
         self.steps += 1
@@ -42,6 +48,10 @@ class KGovernor:
         self.seen_rate[k] = rate if old is None else self.decay * old + (1 - self.decay) * rate
         if k == OFF:
             return
+        if k > 0:
+            self.drafting_steps += 1
+            self.drafted += k
+            self.accepted += accepted
         if k > 0 or self.draft_at_k0:
             if k > 0:
                 # accepted tokens follow a truncated geometric law; a simple unbiased-enough update of alpha
@@ -79,6 +89,33 @@ class KGovernor:
         others = [r for k, r in self.seen_rate.items() if k != OFF and self.samples.get(k, 0) >= 2]
         return (off is not None and self.samples.get(OFF, 0) >= 2 and bool(others)
                 and off * off_gain > margin * max(others))
+
+    def tokens_pay(self) -> bool:
+        """Whether some K would emit tokens faster than plain decoding, at the acceptance measured so far
+        (accepted / drafted over the drafting steps) and the measured costs, granting plain decoding the cost of
+        a whole K+1 token verification pass (it costs less, so this leans towards the draft). A step of K drafts
+        costs (K+1) t_draft + t_verify(K) (the draft reads the current token and each draft but the last) and
+        emits E(K) = (1 - a^(K+1)) / (1 - a) tokens: it pays iff E(K) > 1 + (K+1) t_draft / t_verify(K). With
+        nothing accepted E(K) = 1: never, whatever the timings."""
+        if self.accepted == 0:
+            return False
+        a = min(self.accepted / max(self.drafted, 1), 0.999)
+        for k in range(1, self.k_max + 1):
+            tv = self._verify_cost(k)
+            if tv is None or tv <= 0:
+                return True  # nothing measured to judge by
+            if (1 - a ** (k + 1)) / (1 - a) > 1 + (k + 1) * self.t_draft / tv:
+                return True
+        return False
+
+    def draft_useless(self, routing_pays: bool) -> bool:
+        """The early verdict, from the first ``early_steps`` steps that drafted tokens on (draft_idle waits for
+        min_steps of measured rates, which on a short answer is never): drop the draft when neither thing it is
+        for pays, its tokens (``tokens_pay``) and its routing as a prefetch signal (``routing_pays``: the engine's
+        measure, its prefetches' precision). A draft that pays only by its routing is left to draft_idle."""
+        if self.pinned is not None or self.drafting_steps < self.early_steps:
+            return False
+        return not routing_pays and not self.tokens_pay()
 
     def pin(self, k: int) -> None:
         self.pinned = self.k = k

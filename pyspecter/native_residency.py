@@ -230,16 +230,22 @@ class NativeResidency:
         """The routing trace so far (C's calls taken from its buffer into the list)."""
         if self.trace_list is None:
             return None
-        n = self.api.trace_take(self.model.ptr, None, 0)
-        if n:
-            buf = (ctypes.c_int32 * n)()
-            got = self.api.trace_take(self.model.ptr, buf, n)
-            flat, i = list(buf[:got]), 0
-            while i < got:
-                k = flat[i + 1]
-                self.trace_list.append((flat[i], tuple(flat[i + 2: i + 2 + k])))
-                i += 2 + k
+        self.trace_list += self.take_calls()
         return self.trace_list
+
+    def take_calls(self) -> Trace:
+        """The routing calls C recorded since the last take, taken from its buffer (not kept here)."""
+        n = self.api.trace_take(self.model.ptr, None, 0)
+        if not n:
+            return []
+        buf = (ctypes.c_int32 * n)()
+        got = self.api.trace_take(self.model.ptr, buf, n)
+        flat, i, out = list(buf[:got]), 0, []
+        while i < got:
+            k = flat[i + 1]
+            out.append((flat[i], tuple(flat[i + 2: i + 2 + k])))
+            i += 2 + k
+        return out
 
     # --- counters -------------------------------------------------------------------------------------------
 

@@ -259,6 +259,8 @@ class Session:
         self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held,
                                  policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
+                                 # the routing calls, to score a draft's prefetches by (engine.SpeculativeDecoder)
+                                 record=bool(self.cfg.draft),
                                  held_extra=self.held_extra, extra=self.plan.extra,
                                  native=True if learned else cfg.native,
                                  kinds=self.layer_plan.plan.native_kinds() if self.layer_plan else None,
@@ -412,7 +414,10 @@ class Session:
         if self.decoder is not None:
             s = self.decoder.stats
             out.update(acceptance=s.acceptance, mean_k=s.mean_k, steps=s.steps, draft_off=s.draft_off,
-                       draft_dropped_at=s.dropped_at)
+                       draft_dropped_at=s.dropped_at, drafted=s.drafted, accepted=s.accepted,
+                       draft_prefetches=s.prefetches, draft_prefetches_used=s.prefetches_used,
+                       draft_prefetch_precision=s.prefetch_precision, draft_prefetch_mib=s.prefetch_bytes / 2**20,
+                       draft_prefetch_stopped_at=s.prefetch_stopped_at)
         return out
 
     def reset_stats(self) -> None:

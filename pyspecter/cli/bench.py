@@ -185,6 +185,24 @@ def _mode(p: dict) -> str:
     return mode + {True: "", False: " (differs from stock)", None: ""}[same]
 
 
+def _draft_desc(p: dict) -> str:
+    """What the draft did in each repeat: its tokens, its drop, its routing's prefetches."""
+    out = []
+    for i in range(len(p["drafted"])):
+        v = {key: p[key][i] for key in ("drafted", "accepted", "draft_dropped_at", "draft_prefetches",
+                                       "draft_prefetch_bytes", "draft_prefetches_used", "draft_prefetches_scored",
+                                       "draft_prefetch_stopped_at")}
+        used, scored = v["draft_prefetches_used"], v["draft_prefetches_scored"]
+        out.append(f"{v['accepted']}/{v['drafted']} drafts accepted, "
+                   + (f"dropped at step {v['draft_dropped_at']}" if v["draft_dropped_at"] is not None
+                      else "not dropped")
+                   + f"; prefetches {v['draft_prefetches']} ({v['draft_prefetch_bytes'] / 2**20:.0f} MiB), used "
+                   + (f"{used} ({100 * used / scored:.0f}% of {scored} checked)" if scored else "unchecked")
+                   + (f", cut off at step {v['draft_prefetch_stopped_at']}"
+                      if v["draft_prefetch_stopped_at"] is not None else ""))
+    return "; ".join(f"repeat {i + 1}: {d}" for i, d in enumerate(out)) if len(out) > 1 else out[0]
+
+
 def _print_bench(r: dict) -> None:
     on = f" on {r['device']}" if r.get("device", "CPU") != "CPU" else ""
     print(f"{Path(r['model']).name}: {r['arch']}{on}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
@@ -214,6 +232,9 @@ def _print_bench(r: dict) -> None:
             ("vs_on_demand_lru", ".2f", 8), ("vs_all_resident", ".2f", 8), ("slots_mean", ".2f", 7))) + f"  {_mode(p)}")
     for why in dict.fromkeys(notes.values()):
         print(f"  n/a: {why}")
+    for name, p in r["policies"].items():
+        if name.startswith("specter") and "drafted" in p:
+            print(f"{name}: {_draft_desc(p)}")
     if "round_trip_us_per_layer" in r:
         print(f"routing round trip (all-resident vs stock-device, per MoE layer): "
               f"{r['round_trip_us_per_layer']:.1f} us")

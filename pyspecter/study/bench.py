@@ -375,6 +375,12 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             out["policies"][p].update(acceptance=c["acceptance"], mean_k=c["mean_k"], slots_per_layer=c["slots"],
                                       draft_off=c["draft_off"], k_start=k,
                                       draft_dropped_at=[r.counters.get("draft_dropped_at") for r in rs],
+                                      # per repeat: drafted/accepted tokens, the draft's prefetches (queued, checked
+                                      # against their pass, used by it, bytes) and the step they were cut off at
+                                      **{key: [r.counters.get(key) for r in rs] for key in (
+                                          "drafted", "accepted", "draft_prefetches", "draft_prefetches_scored",
+                                          "draft_prefetches_used", "draft_prefetch_bytes",
+                                          "draft_prefetch_stopped_at")},
                                       adaptive=adaptive, miss="wait" if tier == "disk" else "cpu")
     # oracle bound: Belady-optimal uploads for the routing the recording runs (on-demand, prev-token) saw, perfectly
     # overlapped; exact policies decode the same greedy tokens, so any one of their traces will do

@@ -272,7 +272,10 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
         if s.decoder is not None:
             ds = s.decoder.stats
             c.update(acceptance=ds.acceptance, mean_k=ds.mean_k, draft_off=ds.draft_off,
-                     draft_dropped_at=ds.dropped_at)
+                     draft_dropped_at=ds.dropped_at, drafted=ds.drafted, accepted=ds.accepted,
+                     draft_prefetches=ds.prefetches, draft_prefetches_used=ds.prefetches_used,
+                     draft_prefetches_scored=ds.prefetches_scored, draft_prefetch_bytes=ds.prefetch_bytes,
+                     draft_prefetch_stopped_at=ds.prefetch_stopped_at)
         st = s.stats()
         c.update({k: st[k] for k in ENGINE_STATS if k in st})
         return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens, load_s=load_s,

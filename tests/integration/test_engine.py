@@ -182,3 +182,68 @@ def test_dropping_the_draft_gives_its_memory_to_the_slots(tier: str, tiny_drafts
         assert s.generate(toks, 8, stop_at_eog=False) == ref[:8]  # and the next answer runs without it
     finally:
         s.close()
+
+
+@pytest.fixture(scope="session")
+def useless_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real draft that predicts nothing: made the usual way (experts Q4_0, half width) from a model of the same
+    shape and vocabulary with other random weights, so neither its tokens nor its routing match the target's."""
+    import dataclasses
+
+    from pyspecter.models import tiny
+
+    d = tmp_path_factory.mktemp("useless")
+    spec = dataclasses.replace(tiny.TINY_MODELS["tiny-qwen3moe"], seed=7)
+    other = d / "other-tiny-qwen3moe.gguf"
+    tiny._write(spec, other)
+    native.quiet_logs()
+    return make_draft(other, d / "useless-draft.gguf", experts_type="Q4_0", ffn_keep=0.5, progress=False)
+
+
+def test_a_useless_draft_is_dropped_early_and_leaves_the_engine_behind(useless_draft: Path) -> None:
+    """The governor's early verdict (KGovernor.draft_useless): after the first three drafting steps nothing was
+    accepted and the draft's prefetches had missed (cut off already), so the draft is dropped; from then on the
+    session runs the engine's configuration and reads what the engine without a draft reads, but for what the
+    first steps left behind (the slots' contents and the use counts the prefill lookahead ranks by), and its
+    output stays the target's greedy output."""
+    from pyspecter.session import Session, SessionConfig
+
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path) as m, native.Context(m) as ctx:
+        prompts = [m.tokenize(t) for t in PROMPTS]
+        refs = []
+        for toks in prompts:
+            ctx.clear()
+            refs.append(greedy(ctx, toks, 24)[0])
+    budget = str(useless_draft.stat().st_size + 6 * sum(L.expert_bytes for L in lay.layers))
+    read: dict[str, list[int]] = {}
+    usable = {}
+    for name, draft in (("engine", None), ("drafted", useless_draft)):
+        s = Session(SessionConfig(model=path, draft=draft, budget=budget, tier="disk", k=3))
+        try:
+            read[name] = []
+            for i, (toks, ref) in enumerate(zip(prompts, refs, strict=True)):
+                s.reset_stats()
+                assert s.generate(toks, 24, stop_at_eog=False) == ref
+                read[name].append(s.cache.counters()["read_bytes"])
+                if draft is not None and i == 0:
+                    st = s.decoder.stats
+                    assert st.dropped_at == 3 and st.accepted == 0 and st.drafted == 9
+                    # its prefetches were measured and cut off before the drop
+                    assert st.prefetches_scored == st.prefetches > 0
+                    assert st.prefetches_used < SpeculativeDecoder.MIN_PRECISION * st.prefetches
+                    assert st.prefetch_stopped_at is not None and st.prefetch_stopped_at <= 3
+                    done = (st.prefetches, st.steps)
+                    assert s.draft is None and s.dctx is None and s.routing is None  # freed
+                    assert all(s.cache.nat.held(il) == 0 for il in s.cache.layer_pos)
+            if draft is not None:  # the second answer: no draft pass, no draft prefetch
+                assert s.decoder.stats.prefetches == done[0] and s.decoder.stats.k_hist.get(3) == 3
+                assert s.decoder.stats.steps == done[1] + 23
+            usable[name] = s.cache.nat.usable
+        finally:
+            s.close()
+    assert usable["drafted"] == usable["engine"]
+    # the first answer pays for the three steps with the draft (measured: +18%); the second reads within 10% of
+    # the engine's (measured: +6%, from the slots and use counts those steps left)
+    assert read["drafted"][1] <= 1.1 * read["engine"][1]

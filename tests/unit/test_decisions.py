@@ -65,6 +65,30 @@ def test_governor_calls_the_draft_idle_only_when_plain_decoding_is_measured_fast
     assert g3.draft_idle(off_gain=1.5)
 
 
+def test_governor_drops_a_draft_early_when_neither_its_tokens_nor_its_routing_pay() -> None:
+    g = KGovernor(k_max=6, k=4, draft_at_k0=True)
+    for _ in range(2):
+        g.observe(4, 0, 0.025, 0.1)  # a cheap draft (5 ms a token), nothing accepted
+    assert not g.draft_useless(routing_pays=False)  # two drafting steps: too early to tell
+    g.observe(OFF, 0, 0.0, 0.1)  # a step without drafts does not count towards the verdict
+    assert not g.draft_useless(routing_pays=False)
+    g.observe(4, 0, 0.025, 0.1)
+    assert not g.tokens_pay() and g.draft_useless(routing_pays=False)
+    assert not g.draft_useless(routing_pays=True)  # its routing still pays: draft_idle judges that by time
+    g.pin(OFF)
+    assert not g.draft_useless(routing_pays=False)  # dropped already
+    # half the drafts accepted at 5 ms a draft token against a 100 ms pass: E(1) = 1.5 > 1 + 2 * 0.05
+    g2 = KGovernor(k_max=6, k=4)
+    for _ in range(3):
+        g2.observe(4, 2, 0.025, 0.1)
+    assert g2.tokens_pay() and not g2.draft_useless(routing_pays=False)
+    # a quarter accepted but a draft token costs as much as the whole pass: E(K) < 4/3 < 1 + (K+1) for every K
+    g3 = KGovernor(k_max=6, k=4)
+    for _ in range(3):
+        g3.observe(4, 1, 0.5, 0.1)
+    assert not g3.tokens_pay() and g3.draft_useless(routing_pays=False)
+
+
 def test_speculative_sampling_preserves_target_distribution() -> None:
     # the first emitted token must follow the target's p exactly, whatever the draft's q
     rng = np.random.default_rng(0)
