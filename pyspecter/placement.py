@@ -230,13 +230,17 @@ def slot_count(layout: ModelLayout, plan, others: tuple[tuple[str, int], ...] = 
                      others, budget_bytes)
 
 
-def budget_slot_count(layout: ModelLayout, budget: str, model_path: str | os.PathLike | None = None) -> SlotCount:
+def budget_slot_count(layout: ModelLayout, budget: str, model_path: str | os.PathLike | None = None,
+                      plans_ahead: bool = False) -> SlotCount:
     """What ``budget`` buys a session on this model with no draft: the learned predictor fitted for the file
-    (when there is one) takes its bytes first, as the session spends it."""
+    (when there is one) takes its bytes first, as the session spends it: all of it where the planner prefetches
+    (``plans_ahead``: a device, an emulated link), else only its reuse maps (``Session._plans_ahead``)."""
     from pyspecter.budget import MemoryPlan
     from pyspecter.learned import LearnedPredictor
 
     pred = LearnedPredictor.for_model(model_path) if model_path is not None else None
+    if pred is not None and not plans_ahead:
+        pred = pred.reuse_only()
     plan = MemoryPlan.for_budget(layout, budget, predictor_bytes=pred.nbytes if pred else 0, spread=True,
                                  curves=pred.miss_curves if pred else None)
     return slot_count(layout, plan, (("the learned predictor", pred.nbytes),) if pred else (),

@@ -45,7 +45,8 @@ def inspect(
     except SpecterError as e:
         info["fit"] = {"tier": None, "budget_bytes": None, "stock": False, "why": str(e)}
     if budget is not None:
-        count = budget_slot_count(lay, budget, lay.path)  # as a session spends it; too small is refused alike
+        # as a session spends it (on a device the planner reads the whole predictor); too small is refused alike
+        count = budget_slot_count(lay, budget, lay.path, plans_ahead=not is_host(device))
         info.update(budget_bytes=count.budget_bytes, slots_per_layer=count.slots, slots=str(count),
                     budget_takes=dict(count.others))
     if not is_host(device):
