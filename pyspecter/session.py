@@ -29,6 +29,7 @@ from pyspecter.native.devices import Device, open_device
 from pyspecter.placement import Placement, SlotCount, device_layer_plan, place, slot_count
 from pyspecter.predict import DraftRouting
 from pyspecter.prompts import render_prompt
+from pyspecter.router_ahead import is_router_ahead, router_ahead
 from pyspecter.sampling import Sampler, SamplingParams
 from pyspecter.tiers import make_tier
 
@@ -154,6 +155,10 @@ class Session:
             if self.device is not None else None
         if self.layer_plan is not None:
             self.predictor = None
+        if self.predictor is None and self._router_ahead_wanted():
+            # no fitted predictor: the next layer's own router predicts its routing (router_ahead.py), for the
+            # native planner alone (eviction stays cfg.policy)
+            self.predictor = router_ahead(cfg.model, self.layout)
         if self.predictor is not None and not self._plans_ahead():
             # the layer-ahead maps would sit unused beside the slots: hold (and count in the budget) only what
             # eviction reads (smol-moe at 50%: 239 slots instead of 236)
@@ -198,9 +203,24 @@ class Session:
 
     def _plans_ahead(self) -> bool:
         """Whether the native planner prefetches from the predictor's layer-ahead maps: where the link has time
-        to spare (a device, an emulated link), and not beside a draft, whose routing is that session's
+        to spare (a device, an emulated link; the disk tier with router-ahead maps, where the planner's link-bound
+        rule, max_stall, decides token by token), and not beside a draft, whose routing is that session's
         prediction."""
-        return not self.draft_bytes and (self.device is not None or self.tier.name.startswith("emulated"))
+        if self.draft_bytes:
+            return False
+        if self.device is not None or self.tier.name.startswith("emulated"):
+            return True
+        return self.tier.name == "disk" and self.predictor is not None and is_router_ahead(self.predictor)
+
+    def _router_ahead_wanted(self) -> bool:
+        """The disk tier with no fitted predictor, slots to fill and nothing that keeps residency in Python: on
+        big-qwen3moe the link idles 63% of a token (compute 336 of 532 ms), so reads predicted a layer ahead
+        hide behind it. Not on smol-moe's disk tier, link-bound (stalled 75% of a token) and fitted: there the
+        planner's prefetches cost more reads than they saved (``_build_cache``)."""
+        cfg = self.cfg
+        return (cfg.predictor == "auto" and cfg.budget is not None and not self.draft_bytes
+                and self.tier.name == "disk" and self.device is None and self.surrogates is None
+                and cfg.native is not False and not native_reason(cfg.policy, self.miss, self.tier))
 
     def _memory_plan(self) -> MemoryPlan:
         cfg = self.cfg
@@ -250,6 +270,8 @@ class Session:
         # layer-ahead maps feed the native planner, which prefetches the next layers of the token being computed
         # while the readers can land them in time. Nothing of it calls into Python inside a layer.
         learned = self.predictor is not None and self.n_slots < self.layout.n_expert
+        # router-ahead maps (no fitted predictor) only prefetch: no reuse maps, eviction by cfg.policy
+        fitted = learned and not is_router_ahead(self.predictor)
         # ... where the link has time to spare: a device, or an emulated link. Not on the CPU tiers, measured quiet
         # on smol-moe: on the RAM tier a prefetch is a memcpy by a reader thread on the compute threads' cores (the
         # planner read 55 MB per token against LRU's 32 and decoded at 1.49x all-resident against LRU's 1.28x);
@@ -257,14 +279,14 @@ class Session:
         # MB per token against LRU's 37.3 at 50%; 58.1 against the reuse maps alone's 54.3 at 30%).
         ahead = learned and self._plans_ahead()
         self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held,
-                                 policy="predicted" if learned else cfg.policy, miss=self.miss, tier=self.tier,
+                                 policy="predicted" if fitted else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
                                  # the routing calls, to score a draft's prefetches by (engine.SpeculativeDecoder)
                                  record=bool(self.cfg.draft),
                                  held_extra=self.held_extra, extra=self.plan.extra,
                                  native=True if learned else cfg.native,
                                  kinds=self.layer_plan.plan.native_kinds() if self.layer_plan else None,
-                                 reuse=self.predictor if learned else None, ahead=self.predictor if ahead else None)
+                                 reuse=self.predictor if fitted else None, ahead=self.predictor if ahead else None)
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
@@ -403,10 +425,13 @@ class Session:
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
                "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20,
                "surrogate_uses": c["surrogate_uses"], "failed_uploads": c["failed_uploads"]}
-        duel_c = self.cache.duel_state() if self.predictor is not None else None
+        fitted = self.predictor is not None and not is_router_ahead(self.predictor)
+        duel_c = self.cache.duel_state() if fitted else None
         if duel_c is not None:  # the duel runs in C: which eviction it chose now
-            out.update(evict="learned" if duel_c[0] else "lru", evict_switches=duel_c[1],
-                       predictor_mib=self.predictor.nbytes / 2**20, native=True)
+            out.update(evict="learned" if duel_c[0] else "lru", evict_switches=duel_c[1], native=True)
+        if self.predictor is not None:
+            out.update(predictor_mib=self.predictor.nbytes / 2**20,
+                       predictor="fitted" if fitted else "router-ahead")
         if self.cache is not None and self.cache.native and self.predictor is not None:
             # the native planner: prefetches from the layer-ahead maps, and predictions left to the miss path
             out.update(plan_prefetches=c["ahead_prefetches"], plan_skipped_late=c["ahead_late"],

@@ -30,8 +30,8 @@ from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
 # what the engine's session reports of its native planner and eviction duel (Session.stats), per bench row
-ENGINE_STATS = ("plan_prefetches", "plan_skipped_late", "plan_refused", "plan_maps", "predictor_mib", "evict",
-                "evict_switches")
+ENGINE_STATS = ("plan_prefetches", "plan_skipped_late", "plan_refused", "plan_maps", "predictor_mib", "predictor",
+                "evict", "evict_switches")
 
 
 @dataclass

@@ -157,36 +157,10 @@ class _Routers:
 
 
 def _load_routers(path: Path, layout: ModelLayout) -> _Routers:
-    import gguf
+    from pyspecter.router_ahead import read_routers
 
-    from pyspecter.layout import _field_value
-
-    reader = gguf.GGUFReader(path, "r")
-    tensors = {t.name: t for t in reader.tensors}
-
-    def dense(name: str) -> np.ndarray | None:
-        t = tensors.get(name)
-        if t is None:
-            return None
-        data = np.asarray(t.data)
-        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            data = gguf.quants.dequantize(data, t.tensor_type)
-        return np.asarray(data, np.float32)
-
-    weights, biases, sel, names = [], [], [], []
-    for L in layout.layers:
-        name = f"blk.{L.index}.ffn_gate_inp.weight"
-        w = dense(name)
-        if w is None:
-            raise SpecterError(f"{path}: no router tensor {name}")
-        weights.append(w.reshape(layout.n_expert, -1))
-        b = dense(f"blk.{L.index}.ffn_gate_inp.bias")
-        biases.append(None if b is None else b.reshape(-1))
-        s = dense(f"blk.{L.index}.exp_probs_b.bias")
-        sel.append(None if s is None else s.reshape(-1))
-        names.append(name)
-    gating = int(_field_value(reader, f"{layout.arch}.expert_gating_func") or 1)
-    return _Routers(weights, biases, sel, gating, names)
+    r = read_routers(path, layout)
+    return _Routers(r.weight, r.bias, r.sel_bias, r.gating, r.names)
 
 
 # --- recording -------------------------------------------------------------------------------------------------
