@@ -95,6 +95,16 @@ struct pyspecter_residency {
     pyspecter_ring * ring = nullptr; // file reads go through io_uring (one thread); null: pread threads
     bool ring_waiting = false;       // under qmu: the ring's thread is blocked for completions (wake it)
     std::atomic<int64_t> queued_bytes{0}; // bytes of the tasks queued and not yet taken by a reader
+    size_t max_chunks = 0;                // the chunks of one expert's read at most (push reserves them)
+
+    // under mu: a routing call's reads, pushed and not yet queued (flush); batching: inside a routing call
+    std::vector<std::shared_ptr<pyspecter_read>> batch;
+    bool batching = false;
+    // under mu: a routing call's scratch, kept so the op allocates nothing per call
+    std::vector<int32_t> needed, missing;
+    std::vector<uint8_t> taken, keep;
+    std::vector<std::pair<int32_t, int32_t>> loads; // (expert, slot)
+    std::vector<pyspecter_read *> landing, reads, freeing;
 
     // the planner (planner.cpp): on/off, its least probability, and the layer-time its deadlines are counted in
     bool planner = false;
@@ -303,7 +313,12 @@ struct pyspecter_residency {
             {
                 auto lk = qlock();
                 if (t.r && finish_locked(t, rc, nbytes)) {
-                    cv_done.notify_all(); // now: this thread may block for work below
+                    // now (this thread may block for work below), and with the lock let go: a waiter woken while
+                    // it is held blocks again on the lock, a second sleep and wake-up inside the routing op
+                    lk.unlock();
+                    cv_done.notify_all();
+                    s->counters.queue_locks++;
+                    lk.lock();
                 }
                 ++idle;
                 cv_work.wait(lk, [&] { return stopping || has_work(files); });
@@ -462,44 +477,73 @@ struct pyspecter_residency {
         }
     }
 
-    // mu held (the caller's pending table); queues the tasks of r
+    // mu held (the caller's pending table); queues the tasks of r, or, inside a routing call (batching), keeps it
+    // for flush: a layer's reads then cost the routing op one acquisition of the queue's lock and one wake-up
     // advise: r is readahead advice for its expert (CLS_ADVISE); release: r (CLS_ADVISE, no layer) gives a
     // prompt's expert pages back
     void push(const std::shared_ptr<pyspecter_read> & r, bool advise = false, bool release = false) {
+        // the chunks are r's own until it is queued: readers never see it before; its bytes count as queued at
+        // once, so what the call decides after this (the planner's deadline model) sees them as before
+        llama_pyspecter_layer * L = r->L;
+        if (release) {
+            r->chunks.push_back({ -3 });
+        } else if (advise) {
+            r->chunks.push_back({ -2 });
+        } else if (p.fd >= 0) {
+            r->chunks.reserve(max_chunks);
+            for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
+                if (L->host[k]) {
+                    push_chunks(*r, k);
+                }
+            }
+        } else {
+            r->chunks.push_back({ -1 });
+        }
+        if (r->chunks.empty()) { // nothing to read: landed as it is
+            r->done = true;
+            return;
+        }
+        r->tasks_left = (int32_t) r->chunks.size();
+        for (const auto & c : r->chunks) {
+            queued_bytes += chunk_bytes(*r, c);
+        }
+        batch.push_back(r);
+        if (!batching) {
+            flush();
+        }
+    }
+
+    // mu held: queues the reads push kept, in the order they were pushed, and wakes the readers once
+    void flush() {
+        if (batch.empty()) {
+            return;
+        }
         bool wake_reader = false, wake_ring = false;
         {
             auto lk = qlock();
-            r->seq = seq++;
-            if (stopping) {
-                r->failed = true;
-                r->done = true;
-                return;
-            }
-            llama_pyspecter_layer * L = r->L;
-            if (release) {
-                r->chunks.push_back({ -3 });
-            } else if (advise) {
-                r->chunks.push_back({ -2 });
-            } else if (p.fd >= 0) {
-                for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
-                    if (L->host[k]) {
-                        push_chunks(*r, k);
-                    }
+            for (auto & r : batch) {
+                r->seq = seq++;
+                if (r->done) { // taken back before it was queued (cancel_locked: its bytes are off already)
+                    continue;
                 }
-            } else {
-                r->chunks.push_back({ -1 });
+                if (stopping) {
+                    for (const auto & c : r->chunks) {
+                        queued_bytes -= chunk_bytes(*r, c);
+                    }
+                    r->next = r->chunks.size();
+                    r->tasks_left = 0;
+                    r->failed = true;
+                    r->done = true;
+                    continue;
+                }
+                queue.push_back(r);
+                queued_files += is_file_read(*r);
+                s->counters.queue_entries++;
             }
-            if (r->chunks.empty()) { // nothing to read: landed as it is
-                r->done = true;
+            batch.clear();
+            if (stopping) {
                 return;
             }
-            r->tasks_left = (int32_t) r->chunks.size();
-            for (const auto & c : r->chunks) {
-                queued_bytes += chunk_bytes(*r, c);
-            }
-            queue.push_back(r);
-            queued_files += is_file_read(*r);
-            s->counters.queue_entries++;
             wake_reader = idle > 0;
             wake_ring = ring && ring_waiting;
         }
@@ -514,7 +558,7 @@ struct pyspecter_residency {
             }
             return;
         }
-        // one idle reader, which hands the read's other chunks on (run): waking one per chunk from here would
+        // one idle reader, which hands the reads' other chunks on (run): waking one per chunk from here would
         // have the idle ones compete with the compute threads for the cores, inside the routing op's time
         if (wake_reader) {
             s->counters.reader_wakes++;
@@ -606,6 +650,7 @@ struct pyspecter_residency {
     // Blocks until every read of rs has finished (landed or failed); stall: the compute thread waits (counted),
     // not the control plane between decodes.
     void wait_all(const std::vector<pyspecter_read *> & rs, bool stall = true) {
+        flush(); // (mu held, as push's): what this call pushed is queued before anything waits
         const int64_t t0 = pyspecter_now_ns();
         auto lk = qlock();
         mark_locked();
@@ -1460,6 +1505,7 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         const int64_t chunk = params->read_chunk > 0 ? params->read_chunk : 256 * 1024;
         R->chunk = (chunk + PYSPECTER_IO_ALIGN - 1) / PYSPECTER_IO_ALIGN * PYSPECTER_IO_ALIGN;
         R->read_buf = std::min(R->buf_size, (size_t) R->chunk);
+        R->max_chunks = LLAMA_PYSPECTER_N_KINDS * ((R->buf_size + (size_t) R->chunk - 1) / (size_t) R->chunk);
         R->start(std::max(1, params->n_readers));
         s->res = std::move(R);
         return LLAMA_PYSPECTER_OK;
