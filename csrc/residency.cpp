@@ -942,7 +942,8 @@ static std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama
 // Reads `want` of L ahead of need into slots not holding any of them; returns how many reads it started.
 static int32_t upload_ahead(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & want,
                             int32_t cls, float priority = 0.0f, int64_t deadline = 0) {
-    std::vector<uint8_t> keep(L->remap.size(), 0);
+    std::vector<uint8_t> & keep = R->keep;
+    keep.assign(L->remap.size(), 0);
     for (int32_t e : want) {
         keep[e] = 1;
     }
@@ -1030,7 +1031,8 @@ static int32_t slot_for_miss(pyspecter_residency * R, llama_pyspecter_layer * L,
     if (slot >= 0) {
         return slot;
     }
-    std::vector<pyspecter_read *> landing;
+    std::vector<pyspecter_read *> & landing = R->freeing;
+    landing.clear();
     for (const auto & r : L->pending) {
         if (r && !needed[r->expert]) {
             landing.push_back(r.get());
@@ -1047,7 +1049,8 @@ static int32_t slot_for_miss(pyspecter_residency * R, llama_pyspecter_layer * L,
 static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
     auto & c = L->parent->counters;
     // queued prefetches of these experts are taken back and read now; started ones become demand reads
-    std::vector<pyspecter_read *> landing;
+    std::vector<pyspecter_read *> & landing = R->landing;
+    landing.clear();
     for (int32_t e : missing) {
         pyspecter_read * r = inflight(L, e);
         if (!r) {
@@ -1066,8 +1069,10 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
         c.waited += (int64_t) landing.size();
         reap(R, L);
     }
-    std::vector<uint8_t> taken(L->owner.size(), 0);
-    std::vector<std::pair<int32_t, int32_t>> loads; // (expert, slot)
+    std::vector<uint8_t> & taken = R->taken;
+    taken.assign(L->owner.size(), 0);
+    auto & loads = R->loads; // (expert, slot)
+    loads.clear();
     for (int32_t e : missing) {
         if (L->remap[e] >= 0) {
             continue;
@@ -1098,7 +1103,8 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
         c.copy_cpu_ns += pyspecter_thread_cpu_ns() - cpu0;
         return;
     }
-    std::vector<pyspecter_read *> reads;
+    std::vector<pyspecter_read *> & reads = R->reads;
+    reads.clear();
     for (auto [e, slot] : loads) {
         reads.push_back(start_read(R, L, e, slot, CLS_DEMAND).get());
     }
@@ -1110,7 +1116,8 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
 // the layer's resident experts and host path; the wait op blocks for the reads (pyspecter_native_wait).
 static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
     auto & c = L->parent->counters;
-    std::vector<uint8_t> taken(L->owner.size(), 0);
+    std::vector<uint8_t> & taken = R->taken;
+    taken.assign(L->owner.size(), 0);
     for (int32_t e : missing) {
         int32_t slot;
         if (pyspecter_read * r = inflight(L, e)) {
@@ -1138,7 +1145,8 @@ static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, con
 static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
     auto & c = L->parent->counters;
     // a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
-    std::vector<pyspecter_read *> due;
+    std::vector<pyspecter_read *> & due = R->landing;
+    due.clear();
     {
         auto lk = R->qlock();
         for (int32_t e : missing) {
@@ -1178,6 +1186,15 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
                             bool with_late, const float * x, int32_t n_embd) {
     pyspecter_residency * R = L->parent->res.get(); // R->mu held by the caller (pyspecter_native_lock)
     auto & c = L->parent->counters;
+    // the call's reads are queued together, at its first wait or at its end
+    struct batch_guard {
+        pyspecter_residency * R;
+        explicit batch_guard(pyspecter_residency * R) : R(R) { R->batching = true; }
+        ~batch_guard() {
+            R->batching = false;
+            R->flush();
+        }
+    } batched(R);
     L->x_cur = x && n_embd == L->reuse_embd ? x : nullptr;
     L->scores_fresh = false;
     R->clock++;
@@ -1218,8 +1235,8 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     L->host_touched = true; // this call's host rows may fault its pages in
     const int32_t E = (int32_t) L->remap.size();
     std::fill(L->mark.begin(), L->mark.end(), 0);
-    std::vector<int32_t> needed;
-    needed.reserve((size_t) std::min(E, n_tokens * n_used));
+    std::vector<int32_t> & needed = R->needed;
+    needed.clear();
     for (int32_t i = 0; i < n_tokens * n_used; ++i) {
         const int32_t e = ids[i];
         if (e >= 0 && e < E && !L->mark[e]) {
@@ -1243,7 +1260,8 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     }
     reap(R, L);
     drop_stale_lookahead(R, L);
-    std::vector<int32_t> missing;
+    std::vector<int32_t> & missing = R->missing;
+    missing.clear();
     for (int32_t e : needed) {
         const int32_t slot = L->remap[e];
         if (slot >= 0) {
@@ -1396,8 +1414,10 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
     auto & c = L->parent->counters;
     pyspecter_op_timer timer(c); // the wait op is routing work too: its time joins the routing op's
     std::lock_guard<std::mutex> lk(R->mu);
-    std::vector<std::pair<int32_t, int32_t>> late; // (expert, slot)
-    std::vector<pyspecter_read *> reads;
+    auto & late = R->loads; // (expert, slot)
+    std::vector<pyspecter_read *> & reads = R->reads;
+    late.clear();
+    reads.clear();
     for (int32_t e = 0; e < (int32_t) L->late.size(); ++e) {
         const int32_t slot = L->late[e];
         if (slot >= 0) {
