@@ -1793,3 +1793,16 @@ size_t llama_pyspecter_trace_take(llama_model * model, int32_t * out, size_t cap
     R->trace.erase(R->trace.begin(), R->trace.begin() + (ptrdiff_t) n);
     return n;
 }
+
+int32_t llama_pyspecter_set_record(llama_model * model, bool enabled) {
+    auto * R = residency_of(model);
+    if (!R) {
+        return LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    R->p.record = enabled;
+    if (!enabled) {
+        std::vector<int32_t>().swap(R->trace);
+    }
+    return LLAMA_PYSPECTER_OK;
+}

@@ -120,7 +120,6 @@ class ExpertCache:
         self.layer_pos = {L.index: j for j, L in enumerate(layout.layers)}  # order in the forward pass
         self.stats = CacheStats()
         self._trace: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
-        self.discard_calls = False  # set once the recorded calls' reader is gone (a dropped draft's precision)
         self.ordered = ordered
         self.misses = make_miss_handler(self, miss, ordered)
         self.lookahead = lookahead and miss != "cpu"
@@ -168,6 +167,15 @@ class ExpertCache:
     def recording(self) -> bool:
         """The routing calls are recorded (record=True): take_calls hands them out."""
         return self._trace is not None
+
+    def stop_recording(self) -> None:
+        """No routing call is recorded from here on, and those not taken yet are forgotten: their reader (a draft's
+        prefetch scoring) is done, and nothing else of a session reads them (between decodes)."""
+        if self._trace is None:
+            return
+        if self.nat is not None:
+            self.nat.stop_recording()
+        self._trace = None
 
     def take_calls(self) -> list[tuple[int, tuple[int, ...]]]:
         """The routing calls recorded since the last take (record=True; else none), handed out and forgotten: what
@@ -358,8 +366,6 @@ class ExpertCache:
         """Re-raise an error a hook parked (call after each decode); report failed uploads once, in one line."""
         if self.hooks is not None:
             self.hooks.check()
-        if self.discard_calls:  # C records on (it has no switch): what nobody reads any more is dropped
-            self.take_calls()
         if self.nat is not None:
             lost = self.nat.since_start("late_lost")
             if lost > self._late_lost:

@@ -133,7 +133,8 @@ class SpeculativeDecoder:
     def __init__(self, target: Context, draft: Context, *, k: int = 4, adaptive: bool = True, k_max: int = 6,
                  routing: DraftRouting | None = None, slots: ExpertCache | None = None, min_confidence: float = 0.0,
                  temperature: float | SamplingParams = 0.0, seed: int = 0, batch_verify: bool | None = None,
-                 predict_at_k0: bool = False, drop_draft: Callable[[], None] | None = None) -> None:
+                 predict_at_k0: bool = False, drop_draft: Callable[[], None] | None = None,
+                 close_draft: Callable[[], None] | None = None) -> None:
         if target.model.n_vocab != draft.model.n_vocab:
             raise ValueError("draft and target must share a vocabulary")
         self.target, self.draft = target, draft
@@ -161,6 +162,8 @@ class SpeculativeDecoder:
         # Called once the governor measures that plain decoding beats every K that runs the draft: the owner
         # frees the draft and gives its memory to the slots; decoding goes on without a draft for good.
         self.drop_draft = drop_draft
+        # ... and where its memory was not the slots', the owner still frees it on a drop (its model and context)
+        self.close_draft = close_draft
         self._off = _OffWatch()
         # the draft's prefetches of the window in flight, (layer, expert), and whether they are still fed
         self._issued: set[tuple[int, int]] = set()
@@ -204,8 +207,10 @@ class SpeculativeDecoder:
                 elif self.draft is not None and self.drop_draft is not None \
                         and self.governor.draft_idle(off_gain=self._off.gain()):
                     self._drop()
-                k = self.governor.choose() if self.adaptive else self.k
-                new = self._step(cur, k)
+                if self.stats.dropped_at is not None:
+                    new = [self._plain_step(cur)]
+                else:
+                    new = self._step(cur, self.governor.choose() if self.adaptive else self.k)
                 self.check()
                 self._recent += new
                 for t in new:
@@ -264,6 +269,8 @@ class SpeculativeDecoder:
         self._stop_prefetch()
         if self.drop_draft is not None:
             self.drop_draft()
+        elif self.close_draft is not None:
+            self.close_draft()
         self.draft = self.routing = self.slots = None
         self.predict_at_k0 = False
         self._draft_lag = []
@@ -307,7 +314,9 @@ class SpeculativeDecoder:
         self._issued = set()
         if self.slots is not None:
             self.slots.unprotect_all()
-            self.slots.discard_calls = True
+            if self._scoring:  # the scoring was the calls' only reader
+                self.slots.stop_recording()
+            self._scoring = False
 
     def _step(self, cur: int, k: int) -> list[int]:
         """One step: draft k tokens (k = 0: the draft only predicts; OFF: no draft), verify, roll back."""
@@ -343,6 +352,17 @@ class SpeculativeDecoder:
         self._keep(base + 1 + accepted)  # roll both caches back to the accepted prefix: cur + accepted drafts
         self._record(k, accepted, t1 - t0, t2 - t1)
         return [*drafts[:accepted], bonus]
+
+    def _plain_step(self, cur: int) -> int:
+        """A step once the draft is dropped: the target decodes one token as plain decoding does (the same sampler
+        call a step without drafts makes), with nothing of a speculative step around it (no window, no rollback, no
+        timing for a governor that has nothing left to choose); counted as an OFF step."""
+        tok = self.sampler.accept(self.target.decode([cur]), None, None, self._recent)
+        s = self.stats
+        s.steps += 1
+        s.emitted += 1
+        s.k_hist[OFF] = s.k_hist.get(OFF, 0) + 1
+        return tok
 
     def _catch_up_draft(self, t0: float) -> float:
         """The draft reads the tokens of steps run without it (their routing is stale); not this step's cost."""

@@ -233,6 +233,11 @@ class NativeResidency:
         self.trace_list += self.take_calls()
         return self.trace_list
 
+    def stop_recording(self) -> None:
+        """C records no more routing calls and forgets those not taken (between decodes)."""
+        self._check(self.api.set_record(self.model.ptr, False), "could not stop recording the routing")
+        self.trace_list = None
+
     def take_calls(self) -> Trace:
         """The routing calls C recorded since the last take, taken from its buffer (not kept here)."""
         n = self.api.trace_take(self.model.ptr, None, 0)

@@ -236,7 +236,8 @@ class Session:
     def _build(self, dlay: ModelLayout | None) -> None:
         cfg = self.cfg
         if not self.stock and (self.layer_plan is None or self.layer_plan.has_slots):
-            self._build_cache()
+            # the routing calls are recorded only to score a routing draft's prefetches (until they are cut off)
+            self._build_cache(record=dlay is not None and dlay.is_moe)
         elif cfg.profile is not None:  # nothing to warm with every expert resident, but a wrong file is refused
             from pyspecter.predict import routing_profile
 
@@ -255,14 +256,15 @@ class Session:
                                               routing=self.routing, slots=self.cache if self.routing else None,
                                               min_confidence=cfg.min_confidence, temperature=self.sampling,
                                               seed=cfg.seed, predict_at_k0=self.n_slots < self.layout.n_expert,
-                                              drop_draft=self._drop_draft if self.held or self.held_extra else None)
+                                              drop_draft=self._drop_draft if self.held or self.held_extra else None,
+                                              close_draft=self._close_draft)
             if self.cache is not None:
                 self.decoder.check = self.cache.check
         self.tctx.warmup()
         if self.dctx is not None:
             self.dctx.warmup()
 
-    def _build_cache(self) -> None:
+    def _build_cache(self, record: bool) -> None:
         cfg = self.cfg
         # wait mode computes a layer's resident experts while its misses land (measured: 1.21-1.22x at 30% on
         # the disk tier, level at 50%; exact either way)
@@ -282,7 +284,7 @@ class Session:
                                  policy="predicted" if fitted else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
                                  # the routing calls, to score a draft's prefetches by (engine.SpeculativeDecoder)
-                                 record=bool(self.cfg.draft),
+                                 record=record,
                                  held_extra=self.held_extra, extra=self.plan.extra,
                                  native=True if learned else cfg.native,
                                  kinds=self.layer_plan.plan.native_kinds() if self.layer_plan else None,

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 19
+#define LLAMA_PYSPECTER_VERSION 20
 
 #ifdef __cplusplus
 extern "C" {
@@ -288,6 +288,9 @@ LLAMA_API int32_t llama_pyspecter_drain(struct llama_model * model);
 // The routing trace (record): flat int32 [il, n, e_1 .. e_n] per routing call, the distinct experts ascending.
 // Copies and removes up to cap ints of whole calls; returns how many (0 with cap 0: the ints waiting).
 LLAMA_API size_t  llama_pyspecter_trace_take(struct llama_model * model, int32_t * out, size_t cap);
+// Recording on or off from the next routing call on (between decodes): off also forgets the calls not yet taken.
+// A draft session records only while its prefetches are scored against their verification pass.
+LLAMA_API int32_t llama_pyspecter_set_record(struct llama_model * model, bool enabled);
 // The device tables' counters since the last stats_reset (all zero without device slots).
 struct llama_pyspecter_device_stats {
     int64_t fences;          // ubatches started (graph computes) with device tables

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 19
+PATCH_SERIES_VERSION = 20
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -547,6 +547,11 @@ def llama_pyspecter_drain(model: ModelPtr, /) -> int:
 @ctypes_function("llama_pyspecter_trace_take", [_model, ctypes.POINTER(_i32), _size], _size)
 def llama_pyspecter_trace_take(model: ModelPtr, out: Any, cap: int, /) -> int:
     """Take whole routing calls [il, n, e...] of the trace into out (cap 0: how many ints wait)."""
+
+
+@ctypes_function("llama_pyspecter_set_record", [_model, ctypes.c_bool], _i32)
+def llama_pyspecter_set_record(model: ModelPtr, enabled: bool, /) -> int:
+    """Routing trace recording on or off (between decodes); off forgets the calls not yet taken."""
 
 
 class SlotAPI:

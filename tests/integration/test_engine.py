@@ -248,3 +248,40 @@ def test_a_useless_draft_is_dropped_early_and_leaves_the_engine_behind(useless_d
     # the first answer pays for the three steps with the draft (measured: +18%); the second reads within 10% of
     # the engine's (measured: +6%, from the slots and use counts those steps left)
     assert read["drafted"][1] <= 1.1 * read["engine"][1]
+
+
+@pytest.mark.parametrize("count_draft", [True, False])
+def test_nothing_of_a_dropped_draft_stays_on_the_path(useless_draft: Path, count_draft: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the early verdict drops the draft, decoding is plain: the routing op records no call (recording ends
+    with the prefetch scoring that read it), no speculative step runs (the governor observes nothing more), and
+    the draft's model and context are freed, also where its memory was not the slots' (drafted on top of the
+    budget: no held slots). Output stays the target's greedy output."""
+    from pyspecter.session import Session, SessionConfig
+
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path) as m, native.Context(m) as ctx:
+        toks = m.tokenize(PROMPTS[1])
+        ref = greedy(ctx, toks, 24)[0]
+    slots = 6 * sum(L.expert_bytes for L in lay.layers)
+    budget = str(slots + useless_draft.stat().st_size if count_draft else slots)
+    s = Session(SessionConfig(model=path, draft=useless_draft, budget=budget, tier="disk", k=3,
+                              draft_counts_in_budget=count_draft))
+    try:
+        assert bool(s.held) == count_draft and s.cache.recording
+        assert s.generate(toks, 24, stop_at_eog=False) == ref
+        st = s.decoder.stats
+        assert st.dropped_at == 3 and st.prefetch_stopped_at is not None
+        assert s.draft is None and s.dctx is None and s.routing is None and s.decoder.draft is None
+        assert not s.cache.recording and s.cache.take_calls() == []
+        observed = s.decoder.governor.steps
+        steps = []
+        monkeypatch.setattr(SpeculativeDecoder, "_step", lambda self, *a: steps.append(a))
+        assert s.generate(toks, 24, stop_at_eog=False) == ref
+        s.tctx.decode([ref[-1]])  # one more decode with no check after it: C would hold its calls if it recorded
+        assert s.cache.api.trace_take(s.target.ptr, None, 0) == 0
+        assert steps == [] and s.decoder.governor.steps == observed
+        assert st.k_hist[-1] == st.steps - 3 and st.emitted == 2 * 23  # the first token of each: the prefill's
+    finally:
+        s.close()
