@@ -1272,10 +1272,11 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     }
     c.needed += (int64_t) needed.size();
     c.resident_at_need += (int64_t) (needed.size() - missing.size());
-    if (n_tokens > 1 && R->p.lookahead && R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
+    const bool moves = R->p.miss != LLAMA_PYSPECTER_MISS_HOST; // host: every miss computed from home, in place
+    if (n_tokens > 1 && R->p.lookahead && moves && R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
         prefill_lookahead(R, L, (int32_t) needed.size());
     }
-    if (!missing.empty()) {
+    if (!missing.empty() && moves) {
         if (R->p.miss == LLAMA_PYSPECTER_MISS_ORDERED && with_late) {
             miss_ordered(R, L, missing);
         } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
@@ -1298,7 +1299,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     // takes it from the misses the compute thread waits for (on smol-moe's disk tier at 50% prefetching raised
     // the stall; tokens there are 70-78% stalled on reads).
     const bool link_bound = R->t_layer_ns > 0.0 && R->stall_ns > R->max_stall * R->t_layer_ns;
-    if (n_tokens == 1 && R->planner && !L->ahead.empty() && !link_bound) {
+    if (n_tokens == 1 && R->planner && moves && !L->ahead.empty() && !link_bound) {
         pyspecter_plan_ahead(L, x, n_embd);
     }
 }
@@ -1485,7 +1486,7 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         return LLAMA_PYSPECTER_ERR_ENABLED;
     }
     if (params->policy < LLAMA_PYSPECTER_POLICY_LRU || params->policy > LLAMA_PYSPECTER_POLICY_SCORE ||
-            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_ORDERED ||
+            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_HOST ||
             params->io < LLAMA_PYSPECTER_IO_AUTO || params->io > LLAMA_PYSPECTER_IO_THREADS) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
@@ -1729,6 +1730,9 @@ int32_t llama_pyspecter_schedule(llama_model * model, int32_t il, int32_t expert
     auto * L = pyspecter_layer_of(model, il);
     if (!R || !L || expert < 0 || expert >= (int32_t) L->remap.size()) {
         return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    if (R->p.miss == LLAMA_PYSPECTER_MISS_HOST) {
+        return 0; // a prefetch into a slot the host computes no faster from: nothing queued
     }
     try {
         std::lock_guard<std::mutex> lk(R->mu);

@@ -122,7 +122,7 @@ class ExpertCache:
         self._trace: list[tuple[int, tuple[int, ...]]] | None = [] if record else None
         self.ordered = ordered
         self.misses = make_miss_handler(self, miss, ordered)
-        self.lookahead = lookahead and miss != "cpu"
+        self.lookahead = lookahead and miss not in ("cpu", "host")  # host: nothing moves, not even ahead
         self._next_layer = {a.index: b.index for a, b in zip(layout.layers, layout.layers[1:], strict=False)}
         self.hooks = None
         self._observer = None
@@ -335,7 +335,9 @@ class ExpertCache:
         queue (lower deadline, in routing calls from now, first; then higher priority); the Python hook uploads
         them in order."""
         if self.nat is not None:
-            return self.nat.schedule(il, experts, priority, deadline)
+            return self.nat.schedule(il, experts, priority, deadline)  # miss mode host: C queues none
+        if self.miss == "host":  # a slot buys nothing over the home copy: nothing moves
+            return 0
         issued = self._upload_ahead(il, experts)
         self.stats.prefetches += issued
         return issued

@@ -31,7 +31,7 @@ def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, surr
         return "no routing hook (static residency)"
     if policy not in native.NATIVE_POLICIES and policy != "predicted":
         return f"policy {policy!r} is decided in Python"
-    if miss not in ("cpu", "wait"):
+    if miss not in ("cpu", "wait", "host"):
         return f"miss mode {miss!r} is Python's"
     if surrogates:
         return "surrogates are expanded from Python"

@@ -25,8 +25,9 @@ from pyspecter.engine import SpeculativeDecoder, generate_step
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import LearnedPredictor
+from pyspecter.misses import default_miss
 from pyspecter.native.devices import Device, open_device
-from pyspecter.placement import Placement, SlotCount, device_layer_plan, place, slot_count
+from pyspecter.placement import Placement, SlotCount, device_layer_plan, is_host, place, slot_count
 from pyspecter.predict import DraftRouting
 from pyspecter.prompts import render_prompt
 from pyspecter.router_ahead import is_router_ahead, router_ahead
@@ -45,7 +46,7 @@ class SessionConfig:
     # on a device: auto, slots, n-cpu-moe:N, or a layerplan.LayerPlan (placement.device_layer_plan; None: auto)
     layer_plan: object = None
     force: bool = False  # run a budget the memory available cannot hold (refused by default, with the numbers)
-    miss: str | None = None  # None: "wait" on the disk tier (the host copy is on disk too), else "cpu"
+    miss: str | None = None  # None: misses.default_miss (wait on the disk tier, host on the RAM tier's CPU, else cpu)
     policy: str = "lru"
     # residency decided in C inside each layer (None: wherever the configuration allows it; False: the Python hook)
     native: bool | None = None
@@ -130,7 +131,8 @@ class Session:
             check_draft(self.layout, dlay)
         self.tier = make_tier(cfg.tier)
         self.sampling = sampling_params(cfg, self.layout)
-        self.miss = cfg.miss or ("wait" if self.tier.name == "disk" else "cpu")
+        # host slots (no device) over a RAM home copy: misses computed in place, nothing copied (default_miss)
+        self.miss = cfg.miss or default_miss(self.tier, host_slots=is_host(p.device))
         self.surrogates = None
         if self.miss == "surrogate":
             from pyspecter.surrogate import Surrogates

@@ -191,6 +191,10 @@ enum llama_pyspecter_miss {
     LLAMA_PYSPECTER_MISS_WAIT = 1, // read misses into slots now (side by side), wait, compute them from the slots
     LLAMA_PYSPECTER_MISS_ORDERED = 2, // wait, refined: misses are late experts, computed from their slots after the
                                       // layer's resident experts, while their reads land (the late path below)
+    LLAMA_PYSPECTER_MISS_HOST = 3, // compute misses on the host from their home copy and never move an expert (no
+                                   // read, prefetch, lookahead or planner): for slots in host memory whose experts'
+                                   // home copy is host RAM too, where a copy into a slot is pure cost (a memcpy on
+                                   // the compute threads' cores for rows the host computes as fast from home)
 };
 struct llama_pyspecter_residency_params {
     int32_t policy;     // llama_pyspecter_policy
@@ -255,8 +259,8 @@ LLAMA_API int32_t llama_pyspecter_set_protected(struct llama_model * model, int3
                                                 int32_t n);
 // A prefetch: read expert into a slot of layer il ahead of need, behind every demand read; lower deadline first,
 // then higher priority. deadline: in routing calls from now (a layer h MoE layers ahead of the one computing, or at
-// position h of the next pass, is due in h). 1 queued, 0 nothing to do (resident, in flight, or no slot to give),
-// negative: error. The native planner (set_ahead_map) queues its predictions the same way.
+// position h of the next pass, is due in h). 1 queued, 0 nothing to do (resident, in flight, no slot to give, or
+// miss mode host, which moves nothing), negative: error. The native planner (set_ahead_map) queues its predictions the same way.
 LLAMA_API int32_t llama_pyspecter_schedule(struct llama_model * model, int32_t il, int32_t expert, float priority,
                                            int32_t deadline);
 

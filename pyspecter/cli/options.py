@@ -21,9 +21,11 @@ TierOpt = Annotated[str, typer.Option(help="slow tier: ram, disk, emulated:GBPS"
 AutoTierOpt = Annotated[str | None, typer.Option(help="slow tier: ram, disk, emulated:GBPS; default: chosen with "
                                                       "--budget from the model's size and the memory available "
                                                       "(one line says what and why)")]
-MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host compute) or wait (upload first); "
-                                                    "default: wait on the disk tier (its host copy is on disk too), "
-                                                    "else cpu. surrogate: APPROXIMATE, computes single-token misses "
+MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host compute, upload in the background), "
+                                                    "host (host compute from the home copy, nothing moved) or wait "
+                                                    "(upload first); default: wait on the disk tier (its host copy "
+                                                    "is on disk too), host on the RAM tier without a device, else "
+                                                    "cpu. surrogate: APPROXIMATE, computes single-token misses "
                                                     "with a narrow copy of the expert kept in RAM and prints its "
                                                     "measured perplexity cost")]
 SurrogateOpt = Annotated[float, typer.Option(help="--miss surrogate: fraction of each expert's neurons kept")]

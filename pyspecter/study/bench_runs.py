@@ -20,6 +20,7 @@ from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
 from pyspecter.layerplan import LayerPlan, n_cpu_moe_for
 from pyspecter.layout import ModelLayout
+from pyspecter.misses import computes_in_place
 from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model, graph_splits
 from pyspecter.native.devices import Device
@@ -30,8 +31,8 @@ from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
 # what the engine's session reports of its native planner and eviction duel (Session.stats), per bench row
-ENGINE_STATS = ("plan_prefetches", "plan_skipped_late", "plan_refused", "plan_maps", "predictor_mib", "predictor",
-                "evict", "evict_switches")
+ENGINE_STATS = ("miss", "plan_prefetches", "plan_skipped_late", "plan_refused", "plan_maps", "predictor_mib",
+                "predictor", "evict", "evict_switches")
 
 
 @dataclass
@@ -126,8 +127,11 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
                            ordered=True, extra=extra)
     if policy.startswith("on-demand-"):
         kind = policy.removeprefix("on-demand-")
+        t = make_tier(tier)
+        # cpu: in place where a copy into a slot buys nothing (host slots over RAM), as the session runs it
+        cpu = "host" if computes_in_place(t, host_slots=model.device is None) else "cpu"
         return ExpertCache(model, layout, slots, policy="lru" if kind == "cpu" else kind,
-                           miss="cpu" if kind == "cpu" else "wait", tier=make_tier(tier), record=True, extra=extra)
+                           miss=cpu if kind == "cpu" else "wait", tier=t, record=True, extra=extra)
     if policy == "surrogate":
         # approximate: single-token misses computed by the expert's surrogate; `slots` already paid for them
         sur = Surrogates(layout, select_neurons(path, surrogate_width, progress=False))
