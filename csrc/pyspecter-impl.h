@@ -350,9 +350,13 @@ bool pyspecter_is_repacked(const ggml_tensor * t);
 int64_t pyspecter_thread_cpu_ns();
 
 // Times one run of the routing or wait op: wall and this thread's CPU time, into the counters.
+// Times one routing or wait op: its wall time always (steady_clock, a vDSO read), its thread CPU time on one op in
+// PYSPECTER_CPU_SAMPLE of each thread, scaled up: the thread CPU clock is a system call (0.7 us measured here), and
+// read twice per op it was a fifth of a cheap op's own time.
+constexpr int PYSPECTER_CPU_SAMPLE = 8;
 struct pyspecter_op_timer {
     llama_pyspecter_counters & c;
-    const int64_t wall0, cpu0;
+    const int64_t wall0, cpu0; // cpu0 < 0: this op's CPU time is not sampled
     explicit pyspecter_op_timer(llama_pyspecter_counters & c);
     ~pyspecter_op_timer();
 };

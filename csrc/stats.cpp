@@ -12,11 +12,18 @@ int64_t pyspecter_thread_cpu_ns() {
     return 0;
 }
 
+static int64_t sampled_cpu_ns() {
+    thread_local unsigned n = 0;
+    return n++ % PYSPECTER_CPU_SAMPLE == 0 ? pyspecter_thread_cpu_ns() : -1;
+}
+
 pyspecter_op_timer::pyspecter_op_timer(llama_pyspecter_counters & c) :
-    c(c), wall0(pyspecter_now_ns()), cpu0(pyspecter_thread_cpu_ns()) {}
+    c(c), wall0(pyspecter_now_ns()), cpu0(sampled_cpu_ns()) {}
 
 pyspecter_op_timer::~pyspecter_op_timer() {
-    c.route_cpu_ns += pyspecter_thread_cpu_ns() - cpu0;
+    if (cpu0 >= 0) {
+        c.route_cpu_ns += (pyspecter_thread_cpu_ns() - cpu0) * PYSPECTER_CPU_SAMPLE;
+    }
     c.route_ns += pyspecter_now_ns() - wall0;
 }
 

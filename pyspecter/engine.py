@@ -10,6 +10,9 @@ verification pass reaches its layer); the target then verifies the
 current token plus the K drafts; the accepted prefix plus one token from the target is emitted, and both KV
 caches are rolled back past the rejected drafts. Greedy output equals the target's own greedy output; with a
 temperature, standard speculative sampling keeps the target's distribution.
+
+Why this module is long: the speculative step, the draft's prefetch feed and the draft's drop are one state
+machine over the same window (what was issued, protected and used); split, that state would cross modules.
 """
 
 from __future__ import annotations

@@ -337,7 +337,8 @@ struct llama_pyspecter_stats {
     int64_t late;             // misses computed late (ordered)
     int64_t late_lost;        // late experts whose read failed twice: that ubatch's output is wrong (an error)
     // the compute thread's own CPU time in the routing and wait ops, and the part of it that copied experts into
-    // slots (RAM-tier misses are copied on that thread); route_ns minus route_cpu_ns is time it was not running
+    // slots (RAM-tier misses are copied on that thread); route_ns minus route_cpu_ns is time it was not running.
+    // route_cpu_ns is sampled (one op in 8 per thread, scaled by 8: the thread CPU clock is a system call)
     int64_t route_cpu_ns;
     int64_t copy_cpu_ns;
     // the native planner
