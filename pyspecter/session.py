@@ -141,7 +141,9 @@ class Session:
                 raise SpecterError("miss mode 'surrogate' needs the surrogates' neuron groups")
             self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
-        self.predictor = None if cfg.budget is None else load_predictor(cfg.predictor, cfg.model)
+        # miss mode host moves nothing: no prefetch to plan, no eviction to rank
+        self.predictor = (None if cfg.budget is None or self.miss == "host"
+                          else load_predictor(cfg.predictor, cfg.model))
         if self.predictor is not None and (cfg.native is False or native_reason(
                 "predicted", self.miss, self.tier, surrogates=self.surrogates is not None)):
             # a learned predictor runs in C (its reuse maps evict, its layer-ahead maps feed the native planner):
@@ -175,6 +177,10 @@ class Session:
                 raise
             self.predictor = None  # a budget that fits the draft but not the predictor beside it runs without it
             self.plan = self._memory_plan()
+        if self.miss == "host" and not self.layer_plan:
+            # misses computed in place from a home copy in the same memory: a slot would never be filled, so the
+            # budget buys none beyond the top-k floor the routing op is built on (the rest of it stays free)
+            self.plan = MemoryPlan(self.layout.n_expert_used, budget_bytes=self.plan.budget_bytes)
         # held_extra: layer -> slots it holds beyond `held` (the draft's memory comes back as the engine's spread)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
         self.held_extra = self.plan.held_extra

@@ -90,7 +90,7 @@ def open_session(model: str, *, draft: str | None = None, budget: str | None = N
                               layer_plan=layer_plan, **(sampling or {})), placement=where)
     if s.layer_plan is not None:
         print(f"pyspecter: {s.layer_plan.why}", file=sys.stderr)
-    elif s.predictor is None and dpath is None and s.n_slots < s.layout.n_expert:
+    elif s.predictor is None and dpath is None and s.n_slots < s.layout.n_expert and s.miss != "host":
         _hint_predictor(s, model)
     if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
         from pyspecter.study.quality import describe, perplexity_delta

@@ -166,7 +166,9 @@ def test_dropping_the_draft_gives_its_memory_to_the_slots(tier: str, tiny_drafts
     lay = read_layout(path)
     budget = draft.stat().st_size + 6 * sum(L.expert_bytes for L in lay.layers)  # 6 slots once the draft is paid
     monkeypatch.setattr(KGovernor, "draft_idle", lambda self, off_gain=1.0: self.pinned is None and self.steps >= 6)
-    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget), tier=tier, k=2))
+    # the RAM tier's copying miss mode: its default (host) fills no slot, so it has no memory to give them
+    s = Session(SessionConfig(model=path, draft=draft, budget=str(budget), tier=tier, k=2,
+                              miss="cpu" if tier == "ram" else None))
     try:
         assert s.n_slots == 6 and s.held > 0 and s.cache.n_usable == 6
         assert s.cache.native and s.cache.hooks is None  # a draft session is native from its first token

@@ -105,9 +105,10 @@ def test_profile_warm_start(tmp_path: Path) -> None:
     ids = load_trace(tr_path)["target_ids"]
     counts = np.bincount(ids[:, 0, :].ravel(), minlength=lay.n_expert)
     assert counts[prof[lay.layers[0].index][0]] == counts.max()
-    plain = run_cli("generate", "tiny-qwen3moe", "-p", "warm start", "-n", "8", "--budget", "25%", "--json")
+    plain = run_cli("generate", "tiny-qwen3moe", "-p", "warm start", "-n", "8", "--budget", "25%", "--json",
+                    "--miss", "cpu")  # the RAM tier's copying mode: its default (host) fills no slot
     warm = run_cli("generate", "tiny-qwen3moe", "-p", "warm start", "-n", "8", "--budget", "25%", "--json",
-                   "--profile", str(tr_path))
+                   "--profile", str(tr_path), "--miss", "cpu")
     assert plain.returncode == 0 and warm.returncode == 0, warm.stderr
     a, b = json.loads(plain.stdout), json.loads(warm.stdout)
     assert a["tokens"] == b["tokens"]

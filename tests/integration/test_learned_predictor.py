@@ -222,7 +222,7 @@ def test_a_model_without_a_predictor_says_so_once(tmp_path: Path) -> None:
 
     env = {**os.environ, "SPECTER_CACHE": str(tmp_path / "cache")}
     args = [sys.executable, "-m", "pyspecter", "generate", "tiny-qwen3moe", "--budget", "50%", "-p", "hi", "-n",
-            "2", "--raw"]
+            "2", "--raw", "--miss", "cpu"]  # the RAM tier's copying mode (its default, host, prefetches nothing)
     first, second = (subprocess.run(args, capture_output=True, text=True, env=env, timeout=600) for _ in range(2))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     hint = [line for line in first.stderr.splitlines() if "fit-predictor" in line]

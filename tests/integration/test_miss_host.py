@@ -49,7 +49,8 @@ def test_the_ram_session_on_the_cpu_moves_no_expert() -> None:
     path = build_tiny("tiny-qwen3moe")
     toks, ref = _stock(path, 24)
     with Session(SessionConfig(model=path, budget="25%", tier="ram", n_threads=2)) as s:
-        assert s.miss == "host" and s.cache.native
+        assert s.miss == "host" and s.cache.native and s.predictor is None  # nothing to predict or rank
+        assert s.n_slots == TINY_MODELS["tiny-qwen3moe"].n_expert_used  # the budget's slots would stay empty
         assert s.generate(toks, 24, stop_at_eog=False) == ref
         c = s.cache.counters()
         assert c["miss_rows"] > 0  # there were misses, and the home copy computed them

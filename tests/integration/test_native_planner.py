@@ -126,10 +126,11 @@ def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor
     link has time to spare; stock's tokens, the whole budget spent. Without the predictor, or on the Python hook
     (which runs none: it runs in C only), the same tokens."""
     model = build_tiny("tiny-qwen3moe")
+    miss = "cpu" if tier == "ram" else None  # the RAM tier's copying mode (its default, host, moves nothing)
     with native.Model(model) as m, native.Context(m) as ctx:
         toks = m.tokenize(TEXT)
         ref = greedy(ctx, toks, 40)[0]
-    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1)) as s:
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, miss=miss, n_threads=1)) as s:
         assert s.predictor is not None and s.cache.native and s.cache.hooks is None
         assert s.generate(toks, 40, stop_at_eog=False) == ref
         st = s.stats()
@@ -148,10 +149,10 @@ def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor
         spent = sum(s.cache.usable(L.index) * L.expert_bytes for L in lay.layers) + s.predictor.nbytes
         assert parse_budget("25%", lay.expert_total_bytes) - max(L.expert_bytes for L in lay.layers) < spent
         assert spent <= parse_budget("25%", lay.expert_total_bytes)
-    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, predictor="off")) as s:
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, miss=miss, n_threads=1, predictor="off")) as s:
         assert s.predictor is None and s.stats().get("plan_prefetches") is None
         assert s.generate(toks, 40, stop_at_eog=False) == ref
-    with Session(SessionConfig(model=model, budget="25%", tier=tier, n_threads=1, native=False)) as s:
+    with Session(SessionConfig(model=model, budget="25%", tier=tier, miss=miss, n_threads=1, native=False)) as s:
         assert s.predictor is None and not s.cache.native
         assert s.generate(toks, 40, stop_at_eog=False) == ref
 
