@@ -151,14 +151,17 @@ def selection_scores(logits: np.ndarray, gating: int, sel_bias: np.ndarray | Non
     """What llama.cpp's build_moe_ffn ranks experts by, from router logits [..., E]."""
     if sel_bias is None:
         return logits  # every gating function is monotone in the logits
+    return gate_probs(logits, gating) + sel_bias
+
+
+def gate_probs(logits: np.ndarray, gating: int) -> np.ndarray:
+    """The arch's gating function of router logits [..., E] (softmax-over-selected ranks like softmax)."""
     if gating == GATING_SIGMOID:
-        probs = 1.0 / (1.0 + np.exp(-logits))
-    elif gating == GATING_SQRT_SOFTPLUS:
-        probs = np.sqrt(np.logaddexp(0.0, logits))
-    else:
-        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        probs = z / z.sum(axis=-1, keepdims=True)
-    return probs + sel_bias
+        return 1.0 / (1.0 + np.exp(-logits))
+    if gating == GATING_SQRT_SOFTPLUS:
+        return np.sqrt(np.logaddexp(0.0, logits))
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
 
 
 def gap_bins(gap: np.ndarray, edges: np.ndarray) -> np.ndarray:

@@ -14,14 +14,14 @@ it exactly as it applies fitted maps (csrc/planner.cpp). It has no reuse maps: e
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, _field_value
-from pyspecter.learned import GATING_SOFTMAX, LearnedPredictor
+from pyspecter.learned import GATING_SOFTMAX, LearnedPredictor, selection_scores, top_ids
 
 # Share of rows on which the expert at predicted rank r (of the next layer's router on this layer's input) was in
 # that layer's true top-k, by u = (r + 0.5) / k at u = 0.125, 0.375, ..., 1.875: teacher-forced on the held-out
@@ -35,14 +35,25 @@ RANK_PROB = np.array([0.931, 0.821, 0.647, 0.483, 0.325, 0.215, 0.151, 0.108], n
 @dataclass
 class Routers:
     """Each MoE layer's router as llama.cpp applies it: logits = x @ weight.T (+ bias), ranked by gating and
-    sel_bias (learned.selection_scores); norm: the layer's ffn_norm weight (None: the arch has none)."""
+    sel_bias (learned.selection_scores), top n_used; norm: the layer's ffn_norm weight (None: the arch has none).
+    The one record of them: the planner's maps, the predictor fit and the trace recorder all read it."""
 
     weight: list[np.ndarray]  # [n_expert, n_embd] float32
     bias: list[np.ndarray | None]
     sel_bias: list[np.ndarray | None]
     gating: int
-    names: list[str]
-    norm: list[np.ndarray | None]
+    n_used: int
+    names: list[str] = field(default_factory=list)
+    norm: list[np.ndarray | None] = field(default_factory=list)
+
+    def logits(self, j: int, x: np.ndarray) -> np.ndarray:
+        """Router logits of MoE layer j for router inputs x [..., n_embd]."""
+        out = np.asarray(x, np.float32) @ self.weight[j].T
+        return out + self.bias[j] if self.bias[j] is not None else out
+
+    def select(self, j: int, logits: np.ndarray) -> np.ndarray:
+        """The top n_used experts layer j's router picks from its logits, best first."""
+        return top_ids(selection_scores(logits, self.gating, self.sel_bias[j]), self.n_used)
 
 
 def read_routers(path: str | os.PathLike, layout: ModelLayout) -> Routers:
@@ -77,7 +88,7 @@ def read_routers(path: str | os.PathLike, layout: ModelLayout) -> Routers:
         norms.append(None if n is None else n.reshape(-1))
         names.append(name)
     gating = int(_field_value(reader, f"{layout.arch}.expert_gating_func") or GATING_SOFTMAX)
-    return Routers(weights, biases, sel, gating, names, norms)
+    return Routers(weights, biases, sel, gating, layout.n_expert_used, names, norms)
 
 
 def norm_ratio(src: np.ndarray | None, dst: np.ndarray | None) -> np.ndarray | None:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from pyspecter.study.predictor_fit import Routers
+from pyspecter.router_ahead import Routers, read_routers
 
 TUNE_ANSWER_TOKENS = 256
 
@@ -224,12 +223,9 @@ def record(model_path: str | os.PathLike, n_tokens: int, *, held_out: bool = Fal
 
 
 def load_routers(model_path: str | os.PathLike) -> Routers:
-    """The routers from the GGUF (dequantized where needed), through the trace recorder's reader."""
+    """The routers from the GGUF (dequantized where needed)."""
     from pyspecter.layout import read_layout
-    from pyspecter.study.trace import _load_routers
 
-    lay = read_layout(model_path).require_moe()
-    r = _load_routers(Path(model_path), lay)
-    return Routers(r.weight, r.bias, r.sel_bias, r.gating, lay.n_expert_used)
+    return read_routers(model_path, read_layout(model_path).require_moe())
 
 

@@ -29,8 +29,8 @@ from pyspecter.learned import (
     model_key,
     selection_scores,
     sidecar_path,
-    top_ids,
 )
+from pyspecter.router_ahead import Routers
 
 ALPHAS = (1e-7, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
 VAL_SHARE = 0.2
@@ -105,24 +105,6 @@ def rank_calibration(scores: np.ndarray, true_ids: np.ndarray, n_expert: int) ->
     table = np.stack([at_rank[bins == b].mean(axis=0) if (bins == b).any() else overall
                       for b in range(len(edges) + 1)])
     return table.astype(np.float32), edges
-
-
-@dataclass
-class Routers:
-    """Each MoE layer's router, as the fit needs it: logits = x @ weight.T (+ bias); selection per learned.py."""
-
-    weight: list[np.ndarray]  # [n_expert, n_embd] float32
-    bias: list[np.ndarray | None]
-    sel_bias: list[np.ndarray | None]
-    gating: int
-    n_used: int
-
-    def logits(self, j: int, x: np.ndarray) -> np.ndarray:
-        out = np.asarray(x, np.float32) @ self.weight[j].T
-        return out + self.bias[j] if self.bias[j] is not None else out
-
-    def select(self, j: int, logits: np.ndarray) -> np.ndarray:
-        return top_ids(selection_scores(logits, self.gating, self.sel_bias[j]), self.n_used)
 
 
 @dataclass

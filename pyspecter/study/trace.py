@@ -67,11 +67,13 @@ import numpy as np
 from pyspecter import __version__
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
+from pyspecter.learned import gate_probs
 from pyspecter.models.calibration import RouterInputTap
 from pyspecter.native import Context, Model
 from pyspecter.native.hooks import Hooks
 from pyspecter.paths import atomic_path
 from pyspecter.prompts import load_prompts, normalize_prompt, render_prompt
+from pyspecter.router_ahead import Routers, read_routers
 from pyspecter.tracefile import TRACE_FORMAT
 
 
@@ -129,38 +131,14 @@ class _RouteRecorder:
 
 # --- routers, for the next-layer gate lookahead ----------------------------------------------------------------
 
-@dataclass
-class _Routers:
-    """Each MoE layer's router as llama.cpp's build_moe_ffn applies it (expert groups are not modelled)."""
-
-    weight: list[np.ndarray]  # [n_expert, n_embd] float32
-    bias: list[np.ndarray | None]  # ffn_gate_inp.bias (gpt-oss)
-    sel_bias: list[np.ndarray | None]  # exp_probs_b (DeepSeek-V3 style selection bias)
-    gating: int  # LLAMA_EXPERT_GATING_FUNC_TYPE_*
-    names: list[str] = field(default_factory=list)
-
-    def select(self, j: int, x: np.ndarray, n_used: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-n_used experts and their gating probabilities for router inputs x [n, n_embd]."""
-        logits = x @ self.weight[j].T
-        if self.bias[j] is not None:
-            logits = logits + self.bias[j]
-        if self.gating == 2:  # sigmoid
-            probs = 1.0 / (1.0 + np.exp(-logits))
-        elif self.gating == 4:  # sqrt(softplus)
-            probs = np.sqrt(np.logaddexp(0.0, logits))
-        else:  # softmax; softmax-over-selected (3) ranks like softmax
-            z = np.exp(logits - logits.max(axis=-1, keepdims=True))
-            probs = z / z.sum(axis=-1, keepdims=True)
-        score = probs + self.sel_bias[j] if self.sel_bias[j] is not None else probs
-        ids = np.argsort(-score, axis=-1, kind="stable")[:, :n_used]
-        return ids, np.take_along_axis(probs, ids, axis=-1)
-
-
-def _load_routers(path: Path, layout: ModelLayout) -> _Routers:
-    from pyspecter.router_ahead import read_routers
-
-    r = read_routers(path, layout)
-    return _Routers(r.weight, r.bias, r.sel_bias, r.gating, r.names)
+def _select(routers: Routers, j: int, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-n experts of MoE layer j's router and their gating probabilities, for router inputs x [rows, n_embd]
+    (expert groups are not modelled)."""
+    logits = routers.logits(j, x)
+    probs = gate_probs(logits, routers.gating)
+    score = probs + routers.sel_bias[j] if routers.sel_bias[j] is not None else probs
+    ids = np.argsort(-score, axis=-1, kind="stable")[:, :n]
+    return ids, np.take_along_axis(probs, ids, axis=-1)
 
 
 # --- recording -------------------------------------------------------------------------------------------------
@@ -215,7 +193,7 @@ def record_trace(model_path: str | os.PathLike, out_path: str | os.PathLike,
     H = max(0, min(gate_lookahead, len(layout.layers) - 1))
     U, L_n = layout.n_expert_used, len(layout.layers)
 
-    routers = _load_routers(model_path, layout) if H else None
+    routers = read_routers(model_path, layout) if H else None
     target = Model(model_path)
     draft = Model(draft_path) if draft_path is not None else None
     closers: list = [draft, target]
@@ -278,12 +256,12 @@ def record_trace(model_path: str | os.PathLike, out_path: str | os.PathLike,
                     x, tap_logits = tap.take()
                     if tap.error is None and len(x) == L_n:
                         for j in range(L_n):
-                            own, _ = routers.select(j, x[j][-1:], U)
+                            own, _ = _select(routers, j, x[j][-1:], U)
                             reproduced += int(set(own[0].tolist()) == set(t_ids[0, j].tolist()))
                             checked += 1
                             for h in range(1, H + 1):
                                 if j - h >= 0:
-                                    ids, w = routers.select(j, x[j - h][-1:], U)
+                                    ids, w = _select(routers, j, x[j - h][-1:], U)
                                     ga_ids[h - 1, j], ga_w[h - 1, j] = ids[0], w[0]
                         row["router_inputs"] = np.stack([x[j][-1] for j in range(L_n)])
                         if n_rows == 0 and pi == 0:
@@ -391,7 +369,7 @@ def _draft_row(row: dict, dctx: Context, d_rec: _RouteRecorder, ctx: Context, re
         row.update(verify_ids=v_ids, verify_w=v_w)
 
 
-def _router_logit_error(routers: _Routers, x: dict[int, np.ndarray], logits: dict[int, np.ndarray]) -> float:
+def _router_logit_error(routers: Routers, x: dict[int, np.ndarray], logits: dict[int, np.ndarray]) -> float:
     """Our numpy router against llama.cpp's own ffn_moe_logits on the first row: a check that the GGUF weights we
     read are the ones the graph used."""
     err = 0.0

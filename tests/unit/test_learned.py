@@ -114,7 +114,7 @@ def test_runtime_predictor_matches_the_fitted_maps_and_round_trips(fitted, tmp_p
         assert list(lg) == layers[j + 1: j + 4]
         for h, (layer, got) in enumerate(lg.items(), 1):
             assert np.allclose(got, fit.logits(j, h, X[j]), atol=1e-3)
-            assert np.array_equal(pred.topk(il, X[j])[layer], pf.top_ids(got, 2))
+            assert np.array_equal(pred.topk(il, X[j])[layer], learned.top_ids(got, 2))
         for p in pred.predict(il, X[j][0]).values():  # one token: [E]
             assert p.shape == (8,) and p.sum() == pytest.approx(2.0, abs=1e-4)
     assert pred.predict(9, X[4]) == {}

@@ -16,7 +16,7 @@ def test_maps_fold_the_norm_ratio_into_the_next_router() -> None:
     d, E = 8, 4
     G = [rng.standard_normal((E, d)).astype(np.float32) for _ in range(2)]
     n0, n1 = rng.uniform(0.5, 2, d).astype(np.float32), rng.uniform(0.5, 2, d).astype(np.float32)
-    r = Routers(G, [None, None], [None, None], 1, ["a", "b"], [n0, n1])
+    r = Routers(G, [None, None], [None, None], 1, 2, ["a", "b"], [n0, n1])
     x_res = rng.standard_normal(d).astype(np.float32)
     W, b = maps(r, 0, 1)
     # layer 0's router input x_res * n0 through the map equals layer 1's router on x_res * n1
