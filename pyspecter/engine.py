@@ -6,9 +6,10 @@ the KV caches consistent whenever the caller stops reading.
 One speculative step: the draft (in step with the target's accepted tokens) drafts K tokens; while it does, its
 per-layer routing drives expert prefetch on the target (``SpeculativeDecoder._on_draft_layer``: each confident
 expert protected and scheduled into the target's one prefetch queue, priority its confidence, due when the
-verification pass reaches its layer); the target then verifies the
-current token plus the K drafts; the accepted prefix plus one token from the target is emitted, and both KV
-caches are rolled back past the rejected drafts. Greedy output equals the target's own greedy output; with a
+verification pass reaches its layer); the target then verifies the current token plus the K drafts; the
+accepted prefix plus one token from the target is emitted, and both KV caches are rolled back past the rejected
+drafts. Until the measured acceptance shows that drafting pays, the target verifies one token at a time instead
+and never decodes a rejected draft (``_verify``). Greedy output equals the target's own greedy output; with a
 temperature, standard speculative sampling keeps the target's distribution.
 
 Why this module is long: the speculative step, the draft's prefetch feed and the draft's drop are one state
@@ -79,6 +80,7 @@ class SpecStats:
     prefetch_bytes: int = 0
     prefetch_used_bytes: int = 0
     prefetch_stopped_at: int | None = None
+    serial_verifies: int = 0  # steps with drafts whose window the target verified one token at a time
 
     @property
     def acceptance(self) -> float:
@@ -154,9 +156,9 @@ class SpeculativeDecoder:
         # max |dlogit| 0.98 on smol-moe), so a batched pass could flip a near-tie that token-by-token decoding
         # would not. With batch-invariant matmuls (patch 0004) for the verification pass only, its K+1 rows are
         # bit for bit what K+1 one-token stock decodes give (measured on smol-moe, bench-qwen3moe and the
-        # fixtures), so the target verifies the whole window in one pass by default. The switch reaches only
-        # this process's CPU backend: a target on a device verifies token by token, stopping at the first
-        # rejection (its window's experts are already resident, so the I/O saving remains).
+        # fixtures), so the target may verify the whole window in one pass (once drafting pays: _verify). The
+        # switch reaches only this process's CPU backend: a target on a device verifies token by token, stopping
+        # at the first rejection (its window's experts are already resident, so the I/O saving remains).
         if batch_verify is None:
             batch_verify = getattr(target.model, "device", None) is None
         self.batch_verify = batch_verify
@@ -403,16 +405,23 @@ class SpeculativeDecoder:
         return drafts, qs
 
     def _verify(self, cur: int, drafts: list[int], qs: list[np.ndarray]) -> tuple[int, int]:
-        """(drafts accepted, the target's token after them)."""
+        """(drafts accepted, the target's token after them). One batched pass over the window only once the
+        measured acceptance shows that drafting pays (KGovernor.tokens_pay): the pass needs the union of its K+1
+        tokens' experts (and, being a multi-token ubatch, sets off the prefill lookahead), which for drafts that
+        get rejected are reads a plain decode would not make. Until then (the probe steps, a draft whose tokens
+        miss) the target decodes one token at a time and stops at the first rejection, so a step with nothing
+        accepted reads what a plain decode reads. Sampling takes the same path: the same draws in the same order
+        on the same logits (batched rows are batch-invariant), so the same tokens."""
         if not drafts:  # one token: stock's own decode, bit for bit what the batch-invariant kernels would give
             return self.sampler.verify(self.target.decode([cur], logits_all=True), drafts, qs, self._recent)
-        if self.batch_verify:
+        if self.batch_verify and self.governor.tokens_pay():
             with batch_invariant():
                 rows = self.target.decode([cur, *drafts], logits_all=True)
             return self.sampler.verify(rows, drafts, qs, self._recent)
         toks = [cur, *drafts]
         k = len(drafts)
         accepted = 0
+        self.stats.serial_verifies += 1
         while True:
             tok = self.sampler.accept(self.target.decode([toks[accepted]]), drafts[accepted] if accepted < k else None,
                                       qs[accepted] if accepted < k and qs else None,

@@ -252,6 +252,51 @@ def test_a_useless_draft_is_dropped_early_and_leaves_the_engine_behind(useless_d
     assert read["drafted"][1] <= 1.1 * read["engine"][1]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_probe_step_with_nothing_accepted_reads_what_a_plain_decode_reads(useless_draft: Path,
+                                                                            prefetch: bool) -> None:
+    """Until the measured acceptance shows that drafting pays, the target verifies a window one token at a time
+    and stops at the first rejection: over the probe steps of a draft whose tokens all miss, the target decodes
+    exactly what plain decoding decodes (the prompt, then one token per pass; no K+1 window, so no union of
+    rejected tokens' experts and no prefill lookahead), and with the draft's prefetches off (a confidence floor
+    above any routing weight) the session reads byte for byte what the engine without a draft reads. Output stays
+    the target's greedy output."""
+    from pyspecter.session import Session, SessionConfig
+
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path) as m, native.Context(m) as ctx:
+        toks = m.tokenize(PROMPTS[1])
+        ref = greedy(ctx, toks, 24)[0]
+    budget = str(6 * sum(L.expert_bytes for L in lay.layers))  # the same slots with and without the draft
+    read: dict[str, int] = {}
+    sizes: dict[str, list[int]] = {}
+    for name, draft in (("engine", None), ("drafted", useless_draft)):
+        s = Session(SessionConfig(model=path, draft=draft, budget=budget, tier="disk", k=3, predictor="off",
+                                  draft_counts_in_budget=False, min_confidence=0.0 if prefetch else 2.0))
+        try:
+            sizes[name] = seen = []
+            decode = s.tctx.decode
+
+            def counted(tokens: list[int], *a, _decode=decode, _seen=seen, **kw):  # noqa: ANN002, ANN003
+                _seen.append(len(tokens))
+                return _decode(tokens, *a, **kw)
+
+            s.tctx.decode = counted
+            s.reset_stats()
+            assert s.generate(toks, 24, stop_at_eog=False) == ref
+            read[name] = s.cache.counters()["read_bytes"]
+            if draft is not None:
+                st = s.decoder.stats
+                assert st.dropped_at == 3 and st.drafted == 9 and st.accepted == 0 and st.serial_verifies == 3
+                assert (st.prefetches > 0) == prefetch
+        finally:
+            s.close()
+    assert sizes["drafted"] == sizes["engine"] == [len(toks)] + [1] * 23
+    if not prefetch:
+        assert read["drafted"] == read["engine"] > 0
+
+
 @pytest.mark.parametrize("count_draft", [True, False])
 def test_nothing_of_a_dropped_draft_stays_on_the_path(useless_draft: Path, count_draft: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
