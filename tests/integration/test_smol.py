@@ -294,8 +294,9 @@ def test_rebuild_is_a_cache_hit(moe: Path, draft: Path) -> None:
 
 def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None:
     # The real model with its real draft, through expert slots at half the experts with draft-driven prefetch:
-    # greedy output must equal the target's own token-by-token greedy decoding. Verification is batched (the
-    # default on the CPU): before batch-invariant matmuls it changed the output on 6 of these 12 prompts.
+    # greedy output must equal the target's own token-by-token greedy decoding. Verification is batched on the CPU
+    # once drafting pays (token by token before): before batch-invariant matmuls it changed the output on 6 of
+    # these 12 prompts.
     from pyspecter import native
     from pyspecter.cache import ExpertCache
     from pyspecter.engine import SpeculativeDecoder, greedy
@@ -317,6 +318,7 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
                 assert eng.generate(toks, 24, stop_at_eog=False) == ref, p["id"]
                 cache.check()
         assert eng.stats.drafted > 0 and cache.counters()["prefetches"] > 0
+        assert eng.stats.serial_verifies < eng.stats.steps  # the batched pass ran too
         cache.close()
 
 
