@@ -348,6 +348,9 @@ bool pyspecter_is_repacked(const ggml_tensor * t);
 // This thread's CPU time (0 where the platform has no per-thread clock): set beside wall time, it tells the op's
 // own work from the time the scheduler gave its core to someone else.
 int64_t pyspecter_thread_cpu_ns();
+// this thread's CPU time where the op running on it is one whose CPU time is sampled (pyspecter_op_timer), else -1:
+// a part of the op timed with it (a copy) is then counted on the same ops, scaled the same way
+int64_t pyspecter_op_cpu_ns();
 
 // Times one run of the routing or wait op: wall and this thread's CPU time, into the counters.
 // Times one routing or wait op: its wall time always (steady_clock, a vDSO read), its thread CPU time on one op in

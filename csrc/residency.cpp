@@ -1091,7 +1091,7 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
     }
     if (R->p.fd < 0) {
         // from RAM: a copy on this thread costs less than the hand-off to a reader it would wait for anyway
-        const int64_t t0 = pyspecter_now_ns(), cpu0 = pyspecter_thread_cpu_ns();
+        const int64_t t0 = pyspecter_now_ns(), cpu0 = pyspecter_op_cpu_ns();
         for (auto [e, slot] : loads) {
             c.uploads++;
             const int32_t rc = pyspecter_run_copy(c, [&] { return pyspecter_load_one(L, e, slot); });
@@ -1100,7 +1100,9 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
             }
         }
         c.wait_ns += pyspecter_now_ns() - t0;
-        c.copy_cpu_ns += pyspecter_thread_cpu_ns() - cpu0;
+        if (cpu0 >= 0) {
+            c.copy_cpu_ns += (pyspecter_thread_cpu_ns() - cpu0) * PYSPECTER_CPU_SAMPLE;
+        }
         return;
     }
     std::vector<pyspecter_read *> & reads = R->reads;

@@ -12,15 +12,23 @@ int64_t pyspecter_thread_cpu_ns() {
     return 0;
 }
 
+static thread_local bool op_sampled = false; // the op running on this thread has its CPU time sampled
+
 static int64_t sampled_cpu_ns() {
     thread_local unsigned n = 0;
-    return n++ % PYSPECTER_CPU_SAMPLE == 0 ? pyspecter_thread_cpu_ns() : -1;
+    op_sampled = n++ % PYSPECTER_CPU_SAMPLE == 0;
+    return op_sampled ? pyspecter_thread_cpu_ns() : -1;
+}
+
+int64_t pyspecter_op_cpu_ns() {
+    return op_sampled ? pyspecter_thread_cpu_ns() : -1;
 }
 
 pyspecter_op_timer::pyspecter_op_timer(llama_pyspecter_counters & c) :
     c(c), wall0(pyspecter_now_ns()), cpu0(sampled_cpu_ns()) {}
 
 pyspecter_op_timer::~pyspecter_op_timer() {
+    op_sampled = false;
     if (cpu0 >= 0) {
         c.route_cpu_ns += (pyspecter_thread_cpu_ns() - cpu0) * PYSPECTER_CPU_SAMPLE;
     }
