@@ -15,8 +15,13 @@ int64_t pyspecter_thread_cpu_ns() {
 static thread_local bool op_sampled = false; // the op running on this thread has its CPU time sampled
 
 static int64_t sampled_cpu_ns() {
-    thread_local unsigned n = 0;
-    op_sampled = n++ % PYSPECTER_CPU_SAMPLE == 0;
+    // at random, not every 8th: the routing and wait ops alternate on a thread, and a fixed stride timed only one
+    // kind of op (a CPU time above the wall time came out)
+    thread_local uint32_t x = 2463534242u;
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    op_sampled = x % PYSPECTER_CPU_SAMPLE == 0;
     return op_sampled ? pyspecter_thread_cpu_ns() : -1;
 }
 
