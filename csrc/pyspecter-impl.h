@@ -352,7 +352,6 @@ int64_t pyspecter_thread_cpu_ns();
 // a part of the op timed with it (a copy) is then counted on the same ops, scaled the same way
 int64_t pyspecter_op_cpu_ns();
 
-// Times one run of the routing or wait op: wall and this thread's CPU time, into the counters.
 // Times one routing or wait op: its wall time always (steady_clock, a vDSO read), its thread CPU time on one op in
 // PYSPECTER_CPU_SAMPLE of each thread, scaled up: the thread CPU clock is a system call (0.7 us measured here), and
 // read twice per op it was a fifth of a cheap op's own time. A sampled op still pays the clock (and the kernel
