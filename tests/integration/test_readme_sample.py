@@ -13,6 +13,7 @@ from conftest import run_cli
 from pyspecter import native
 from pyspecter.learned import LearnedPredictor
 from pyspecter.models.catalog import resolve_model
+from pyspecter.paths import cache_dir
 from pyspecter.study import demo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -42,9 +43,10 @@ def test_the_sample_shows_what_inspect_prints() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     got, want = r.stdout.splitlines(), _inspect_lines(SAMPLE)
     assert len(got) == len(want), (got, want)
-    # the name line ends with the file's path: the sample shortens it to ~/, and the file's key changes with the
-    # builder's code
-    assert KEY.sub("KEY.gguf", got[0].replace(str(Path.home()), "~")) == KEY.sub("KEY.gguf", want[0])
+    # the name line ends with the file's path: the sample shows the default cache (~/.cache/pyspecter, where
+    # $SPECTER_CACHE may point elsewhere), and the file's key changes with the builder's code
+    name = got[0].replace(str(cache_dir()), "~/.cache/pyspecter").replace(str(Path.home()), "~")
+    assert KEY.sub("KEY.gguf", name) == KEY.sub("KEY.gguf", want[0])
     fitted = LearnedPredictor.for_model(path) is not None  # then its bytes come out of the budget first
     for g, w in zip(got[1:], want[1:], strict=True):
         if fitted and w.startswith("budget "):
