@@ -296,7 +296,8 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
     # The real model with its real draft, through expert slots at half the experts with draft-driven prefetch:
     # greedy output must equal the target's own token-by-token greedy decoding. Verification is batched on the CPU
     # once drafting pays (token by token before): before batch-invariant matmuls it changed the output on 6 of
-    # these 12 prompts.
+    # these 12 prompts. Whether drafting pays is judged from measured timings, so the test says it does: every
+    # window is then verified in one batched pass, the path this test is for (test_engine covers the other).
     from pyspecter import native
     from pyspecter.cache import ExpertCache
     from pyspecter.engine import SpeculativeDecoder, greedy
@@ -311,6 +312,7 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
         with native.Context(tm) as tctx, native.Context(dm) as dctx:
             eng = SpeculativeDecoder(tctx, dctx, k=3, adaptive=False, routing=routing, slots=cache)
             assert eng.batch_verify
+            eng.governor.tokens_pay = lambda: True
             for p in load_prompts(split="eval"):
                 toks = tm.tokenize(render_prompt(tm, p["messages"]), add_special=False)
                 tctx.clear()
@@ -318,7 +320,7 @@ def test_speculative_engine_is_exact_on_smol_moe(moe: Path, draft: Path) -> None
                 assert eng.generate(toks, 24, stop_at_eog=False) == ref, p["id"]
                 cache.check()
         assert eng.stats.drafted > 0 and cache.counters()["prefetches"] > 0
-        assert eng.stats.serial_verifies < eng.stats.steps  # the batched pass ran too
+        assert eng.stats.serial_verifies == 0  # every window went through the batched pass
         cache.close()
 
 
