@@ -117,7 +117,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> upload_bytes{0}, upload_ns{0}, upload_failures{0};
     std::atomic<int64_t> needed{0}, resident_at_need{0}, uploads{0}, prefetches{0}, waited{0}, overflow{0};
     std::atomic<int64_t> wait_ns{0}, stall_reads_ns{0}, read_bytes{0}, read_busy_ns{0}, lookahead{0}, late{0};
-    std::atomic<int64_t> late_lost{0}, route_cpu_ns{0}, copy_cpu_ns{0};
+    std::atomic<int64_t> late_lost{0}, route_cpu_ns{0}, copy_cpu_ns{0}, wait_cpu_ns{0};
     std::atomic<int64_t> ahead_maps{0}, ahead_prefetches{0}, ahead_late{0}, ahead_refused{0}; // the planner
     std::atomic<int64_t> ghost_misses{0}; // the held slots' ghost LRU (set_held)
     std::atomic<int64_t> read_ops{0}, taken_back{0}; // chunk reads finished; prefetches a demand took back

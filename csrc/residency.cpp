@@ -651,7 +651,7 @@ struct pyspecter_residency {
     // not the control plane between decodes.
     void wait_all(const std::vector<pyspecter_read *> & rs, bool stall = true) {
         flush(); // (mu held, as push's): what this call pushed is queued before anything waits
-        const int64_t t0 = pyspecter_now_ns();
+        const int64_t t0 = pyspecter_now_ns(), cpu0 = pyspecter_op_cpu_ns();
         auto lk = qlock();
         mark_locked();
         stalled += stall;
@@ -670,6 +670,9 @@ struct pyspecter_residency {
         stalled -= stall;
         if (stall) {
             s->counters.wait_ns += pyspecter_now_ns() - t0;
+            if (cpu0 >= 0) { // the same ops' CPU as route_cpu_ns, scaled the same way
+                s->counters.wait_cpu_ns += (pyspecter_thread_cpu_ns() - cpu0) * PYSPECTER_CPU_SAMPLE;
+            }
         }
     }
 };

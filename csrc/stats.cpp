@@ -82,6 +82,7 @@ void llama_pyspecter_get_stats(const llama_model * model, llama_pyspecter_stats 
         out->queue_locks      = c.queue_locks.load();
         out->reader_wakes     = c.reader_wakes.load();
         out->waiter_wakes     = c.waiter_wakes.load();
+        out->wait_cpu_ns      = c.wait_cpu_ns.load();
         out->io_uring         = pyspecter_native_io_uring(s) ? 1 : 0;
     }
 }
@@ -95,7 +96,8 @@ void llama_pyspecter_stats_reset(llama_model * model) {
                           &c.read_busy_ns, &c.lookahead, &c.late, &c.late_lost, &c.route_cpu_ns,
                           &c.copy_cpu_ns, &c.ahead_maps, &c.ahead_prefetches,
                           &c.ahead_late, &c.ahead_refused, &c.ghost_misses, &c.read_ops, &c.taken_back,
-                          &c.queue_entries, &c.queue_scans, &c.queue_locks, &c.reader_wakes, &c.waiter_wakes }) {
+                          &c.queue_entries, &c.queue_scans, &c.queue_locks, &c.reader_wakes, &c.waiter_wakes,
+                          &c.wait_cpu_ns }) {
             *v = 0;
         }
         for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes, &c.async_batches }) {

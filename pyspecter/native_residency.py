@@ -287,9 +287,10 @@ class NativeResidency:
             "hook_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
             # the routing op's own time, its waits for reads left out: what deciding costs per MoE layer
             "route_us_per_layer": (c.route_ns - c.wait_ns) / 1e3 / calls if calls else 0.0,
-            # ... and the CPU it took (its copies left out): where this is far below route_us_per_layer, the op's
-            # thread was descheduled, not deciding
-            "route_cpu_us_per_layer": (c.route_cpu_ns - c.copy_cpu_ns) / 1e3 / calls if calls else 0.0,
+            # ... and the CPU it took, its copies and its read waits (the kernel's sleep and wake-up) left out:
+            # where this is far below route_us_per_layer, the op's thread was runnable but off its core, not deciding
+            "route_cpu_us_per_layer": (c.route_cpu_ns - c.copy_cpu_ns - c.wait_cpu_ns) / 1e3 / calls if calls else 0.0,
+            "wait_cpu_us_per_layer": c.wait_cpu_ns / 1e3 / calls if calls else 0.0,
             "wait_ms": c.wait_ns / 1e6,
             # mean reads outstanding while the routing op waited (a deep queue keeps the disk busy); a disk
             # read is one chunk (DiskTier.read_chunk) of one kind of one expert

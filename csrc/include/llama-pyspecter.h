@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 20
+#define LLAMA_PYSPECTER_VERSION 21
 
 #ifdef __cplusplus
 extern "C" {
@@ -358,6 +358,11 @@ struct llama_pyspecter_stats {
     int64_t queue_locks;      // acquisitions of the queue's lock, by every thread
     int64_t reader_wakes;     // notifications sent to idle readers (and to the ring's thread)
     int64_t waiter_wakes;     // times a routing or wait op waiting for reads woke up to look again
+    // the part of route_cpu_ns spent inside read waits (sampled on the same ops): the kernel's work to put the
+    // thread to sleep and wake it again. route_ns - wait_ns and route_cpu_ns - wait_cpu_ns - copy_cpu_ns are the
+    // ops' wall and CPU time with read waits excluded; the gap between them is time the thread was runnable but
+    // off its core (measured: mostly run-queue delay while readers and the spinning sibling compute thread hold both)
+    int64_t wait_cpu_ns;
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 20
+PATCH_SERIES_VERSION = 21
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -223,6 +223,7 @@ class Stats(ctypes.Structure):
         ("queue_locks", ctypes.c_int64),  # acquisitions of the queue's lock, every thread
         ("reader_wakes", ctypes.c_int64),  # notifications sent to idle readers (and the ring's thread)
         ("waiter_wakes", ctypes.c_int64),  # a routing or wait op waiting for reads woke to look again
+        ("wait_cpu_ns", ctypes.c_int64),  # the part of route_cpu_ns inside read waits (sleep and wake-up)
     ]
 
     route_calls: int
@@ -241,6 +242,7 @@ class Stats(ctypes.Structure):
     late_lost: int
     route_cpu_ns: int
     copy_cpu_ns: int
+    wait_cpu_ns: int
     hit_rows: int
     miss_rows: int
     route_ns: int

@@ -338,8 +338,10 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             # reads outstanding while a token waited (on the disk tier a read is one chunk of one kind of an
             # expert, 256 KiB at most), and how they were issued (io_uring or pread threads)
             "route_us_per_layer": c.get("route_us_per_layer"),
-            # ... and the CPU that took: far below route_us_per_layer, the op's thread waited for a core
+            # ... and the CPU that took (read waits left out too): far below route_us_per_layer, the op's thread
+            # waited for a core; the CPU of going to sleep for reads and waking again, apart
             "route_cpu_us_per_layer": c.get("route_cpu_us_per_layer"),
+            "wait_cpu_us_per_layer": c.get("wait_cpu_us_per_layer"),
             "reads_in_flight": c.get("reads_in_flight"), "native": bool(c.get("native")),
             "read_io": ("io_uring" if c.get("io_uring") else "pread") if c.get("read_ops") else None,
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,

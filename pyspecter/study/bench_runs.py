@@ -56,7 +56,7 @@ class Run:
 
 # counters that are ratios: recomputed from the summed counts, never summed themselves
 _RATIOS = ("hit_rate", "slot_row_rate", "route_us_per_call", "hook_us_per_call", "route_us_per_layer",
-           "route_cpu_us_per_layer", "reads_in_flight")
+           "route_cpu_us_per_layer", "wait_cpu_us_per_layer", "reads_in_flight")
 
 
 def merge_counters(parts: list[dict]) -> dict:
@@ -70,7 +70,8 @@ def merge_counters(parts: list[dict]) -> dict:
     out["hit_rate"] = (out["resident_at_need"] / out["needed"] if out.get("needed")
                        else out["slot_row_rate"])
     calls = out.get("route_calls", 0)
-    for k in ("route_us_per_call", "hook_us_per_call", "route_us_per_layer", "route_cpu_us_per_layer"):
+    for k in ("route_us_per_call", "hook_us_per_call", "route_us_per_layer", "route_cpu_us_per_layer",
+              "wait_cpu_us_per_layer"):
         if any(k in p for p in parts):
             out[k] = sum(p.get(k, 0.0) * p.get("route_calls", 0) for p in parts) / calls if calls else 0.0
     if "io_uring" in out:  # a flag, not a count

@@ -281,3 +281,35 @@ def test_a_calls_stale_lookahead_is_taken_back_not_read_in_the_decode_after(io: 
     issued = prompt["lookahead"] + prompt["late"] - prompt["waited"]
     assert prompt["lookahead"] > 0 and prompt["uploads"] < issued, prompt
     assert prompt["failed_uploads"] == 0 and dec["failed_uploads"] == 0
+
+
+def test_the_cpu_of_waiting_for_reads_is_kept_apart() -> None:
+    """The routing op's CPU time is reported with its read waits left out, as its wall time is: the waits' own CPU
+    (the kernel putting the thread to sleep and waking it) is counted apart, on the same sampled ops. Behind a
+    slow link (2 MB/s: about 12 ms per expert) the waits are long, and a wait that blocks, as it must, costs a
+    sliver of its wall time in CPU; the part is never more than the whole. Logits are stock's."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    with native.Model(path) as stock, native.Context(stock, n_threads=2) as ctx:
+        tokens = stock.tokenize(PROMPT)[:3]
+        ref = [ctx.decode(tokens, logits_all=True)]
+        for _ in range(31):
+            ref.append(ctx.decode([int(ref[-1][-1].argmax())], logits_all=True))
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(io="threads"), native=True,
+                            lookahead=False)
+        native.slots().set_link_gbps(m.ptr, 0.002)
+        with native.Context(m, n_threads=2) as ctx:
+            got = [ctx.decode(tokens, logits_all=True)]
+            cache.reset_counters()
+            for _ in range(31):
+                got.append(ctx.decode([int(got[-1][-1].argmax())], logits_all=True))
+        native.slots().set_link_gbps(m.ptr, 0.0)
+        cache.check()
+        c, raw = cache.counters(), native.slots().stats(m.ptr)
+        cache.close()
+    assert abs(np.concatenate(ref) - np.concatenate(got)).max() <= TOL
+    assert c["wait_ms"] > 100 and c["uploads"] >= 60, c  # about a hundred waits, an eighth of them sampled
+    assert 0 < raw.wait_cpu_ns <= raw.route_cpu_ns, (raw.wait_cpu_ns, raw.route_cpu_ns)
+    assert raw.wait_cpu_ns < 0.05 * raw.wait_ns, (raw.wait_cpu_ns, raw.wait_ns)  # blocked, not spinning
+    assert c["route_cpu_us_per_layer"] >= 0 and c["wait_cpu_us_per_layer"] > 0, c
