@@ -24,7 +24,7 @@ from typing import Protocol
 from pyspecter.errors import SpecterError
 from pyspecter.residency import LayerSlots, Residency
 from pyspecter.surrogate import Surrogates
-from pyspecter.tiers import RamTier, Tier
+from pyspecter.tiers import Tier
 
 MISS_MODES = ("wait", "cpu", "host", "surrogate")
 
@@ -34,13 +34,13 @@ def computes_in_place(tier: Tier, host_slots: bool) -> bool:
     copy is host RAM (the plain RAM tier on the CPU; not a device's slots, the disk, or the emulated link). A copy
     into a slot buys nothing there: on smol-moe at 50% the "cpu" mode's background copies came to 34 MB per token,
     on a reader thread that took a core from the two compute threads."""
-    return type(tier) is RamTier and host_slots
+    return tier.home == "host" and host_slots
 
 
 def default_miss(tier: Tier, host_slots: bool) -> str:
     """What a miss does when nobody said: wait on the disk tier (its home copy is on disk too), host where
     ``computes_in_place``, else cpu."""
-    if tier.name == "disk":
+    if tier.home == "file":
         return "wait"
     return "host" if computes_in_place(tier, host_slots) else "cpu"
 

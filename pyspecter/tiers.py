@@ -32,6 +32,9 @@ class Tier:
 
     name = "?"
     emulated = False
+    # where the experts' home copy is, as the miss modes see it (misses.default_miss): "host" RAM the host computes
+    # from at full speed, "link" (RAM behind a throttled, emulated link), or "file" (read from disk)
+    home = "link"
 
     def bind(self, model: native.Model, layout: ModelLayout) -> None:
         self.model, self.layout, self.api = model, layout, native.slots()
@@ -102,6 +105,7 @@ class RamTier(Tier):
     """Host RAM: the model's own (mmap'd) expert tensors are the host copy; upload is a memcpy."""
 
     name = "ram"
+    home = "host"
 
     def upload(self, il: int, expert: int, slot: int) -> None:
         # on the compute thread itself: no hand-off to the upload thread for a copy it waits for anyway
@@ -119,6 +123,7 @@ class EmulatedTier(RamTier):
     """Host RAM with uploads throttled to a given bandwidth (PCIe-shaped experiments). Results are emulated."""
 
     emulated = True
+    home = "link"  # the link is what is emulated: the host computes from its end of it only at the link's speed
 
     def __init__(self, gbps: float) -> None:
         if gbps <= 0:
@@ -184,6 +189,7 @@ class DiskTier(Tier):
     that moved with timing, on either backend); each layer's call now takes those back."""
 
     name = "disk"
+    home = "file"
     ALIGN = 4096
 
     def __init__(self, queue_depth: int = 4, read_chunk: int = 0, io: str | None = None) -> None:
