@@ -58,7 +58,10 @@ def load_prompts(path: str | os.PathLike | None = None, split: str | None = None
         out.append(normalize_prompt(obj, f"{where}:{lineno}", len(out)))
     if not out:
         raise SpecterError(f"{where}: no prompts (every line is empty{' or a comment' if jsonl else ''})")
-    return [p for p in out if split is None or p["split"] == split]
+    chosen = [p for p in out if split is None or p["split"] == split]
+    if not chosen:
+        raise SpecterError(f"{where}: no prompts of split {split!r} (a prompt without one is \"eval\")")
+    return chosen
 
 
 def _looks_like_jsonl(text: str) -> bool:

@@ -53,6 +53,10 @@ def bench(
                                                       ", ".join(BENCH_DEFAULTS) + " (+ specter, specter-equal-slots "
                                                       "with --draft)", show_default=False)] = None,
     prompts: PromptsOpt = None,
+    prompt_split: Annotated[str | None, typer.Option(
+        "--split", help="only the prompts of this split (tune or eval) of --prompts, or of the packaged prompts "
+                        "without it: eval is the held-out half, tune the half fit-predictor fits on",
+        show_default=False)] = None,
     prompt_tokens: Annotated[int | None, typer.Option(help="prompt length for prefill (default 64 tokens of the "
                                                            "packaged prompts); with --prompts, each prompt is used "
                                                            "whole unless this cuts it to its first N tokens",
@@ -91,10 +95,10 @@ def bench(
         thread_counts = [int(x) for x in split(threads)]
     except ValueError:
         raise SpecterError(f"--threads takes integers, got {threads!r}") from None
-    if prompts is not None:  # a bad prompt file is the one line printed, before any fitting or loading
+    if prompts is not None or prompt_split is not None:  # a bad prompt file is one line, before any loading
         from pyspecter.prompts import load_prompts
 
-        load_prompts(prompts)
+        load_prompts(prompts, prompt_split)
     unknown = [p for p in split(policies or "") if p not in BENCH_POLICIES]
     if unknown:
         raise SpecterError(f"unknown policy {unknown[0]!r}: use {', '.join(BENCH_POLICIES)}")
@@ -116,7 +120,7 @@ def bench(
         results.append(run_bench(path, tier=p.tier, budget=p.budget, policies=split(policies or "") or None,
                                  prompt_len=prompt_tokens, n=n, repeat=repeat, n_threads=th, draft=dpath, k=k,
                                  adaptive=not fixed_k, surrogate_width=surrogate_width,
-                                 prompts=prompts, device=p.device, forced=forced,
+                                 prompts=prompts, split=prompt_split, device=p.device, forced=forced,
                                  progress=progress_printer()))
         if not (json_out or csv_out):
             _print_bench(results[-1])
@@ -173,7 +177,8 @@ def _why_na(name: str, p: dict, key: str) -> str:
 def _prompt_desc(r: dict) -> str:
     if not r.get("prompts"):
         return f"{r['prompt_tokens']}-token prompt"
-    return f"{r['n_prompts']} prompts of {Path(r['prompts']).name} ({r['prompt_tokens']} tokens)"
+    of = f"the {r['split']} split of " if r.get("split") else ""
+    return f"{r['n_prompts']} prompts of {of}{Path(r['prompts']).name} ({r['prompt_tokens']} tokens)"
 
 
 def _mode(p: dict) -> str:

@@ -211,11 +211,13 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
 def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None, slots: int | None = None,
               policies: list[str] | None = None, prompt_len: int | None = None, n: int = 32, repeat: int = 3,
               n_threads: int = 2, draft: str | Path | None = None, k: int = 4, adaptive: bool = True,
-              surrogate_width: float = 0.25, prompts: str | Path | None = None,
+              surrogate_width: float = 0.25, prompts: str | Path | None = None, split: str | None = None,
               device: str | None = None, forced: bool | None = None, progress: Progress | None = None) -> dict:
     """Every policy over the same prompts, interleaved ``repeat`` times. ``prompts``: a prompt file (plain text,
     one prompt a line, or JSONL: ``prompts.load_prompts``), each prompt chat-rendered and used whole, or cut to
-    ``prompt_len`` tokens when that is given; without one, a single prompt of ``prompt_len`` (64) tokens. Each
+    ``prompt_len`` tokens when that is given; without one, a single prompt of ``prompt_len`` (64) tokens.
+    ``split``: only that split's prompts ("eval": the held-out half; the packaged file when no ``prompts``, whose
+    "tune" half is what ``fit-predictor`` fits the learned predictor on). Each
     run prefills every prompt in turn and decodes ``n`` tokens after each; figures cover all of them. ``forced``:
     each decode step fed the next token of a held-out text (``forced.py``) instead of the greedy one, identity
     checked on the logits; None: forced on the random-weight built-ins (whose greedy text cycles through two or
@@ -226,7 +228,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         if value < 1:
             raise SpecterError(f"{name} must be at least 1, got {value}")
     path = Path(path)
-    items = load_prompts(prompts) if prompts is not None else None  # a bad file fails before any model loads
+    # a bad file fails before any model loads
+    items = load_prompts(prompts, split) if prompts is not None or split is not None else None
     layout = read_layout(path).require_moe()
     dev = open_device(device)
     if dev is not None and tier != "ram":
@@ -297,7 +300,9 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "device": dev.name if dev else "CPU",
                  "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
-                 "n_expert_used": layout.n_expert_used, "prompts": str(prompts) if prompts is not None else None,
+                 "n_expert_used": layout.n_expert_used, "prompts": str(prompts) if prompts is not None else
+                 "eval_prompts.jsonl" if split else None,
+                 "split": split,
                  "n_prompts": len(sets), "prompt_tokens": n_prompt_tokens, "decode_tokens": n, "decode": mode,
                  "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps,
                  "memory_cap": next(iter(caps.values()), uncapped)["memory_cap"],

@@ -51,6 +51,26 @@ def test_the_baselines_in_capped_children_read_the_shared_inputs(tmp_path: Path)
     assert out["n_prompts"] == 2
 
 
+def test_split_benches_the_held_out_prompts_alone(tmp_path: Path) -> None:
+    """--split eval keeps a file's held-out prompts only (the packaged file's tune half is what fit-predictor fits
+    the learned predictor on, so a bench over the whole file grades it partly on its training text); a split with
+    no prompt in the file is one line and exit 2."""
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text('{"prompt": "Name a colour.", "split": "tune"}\n{"prompt": "Count to five.", "split": "eval"}\n'
+                       '{"prompt": "Say hello.", "split": "eval"}\n')
+    whole = _bench("--prompts", str(prompts), "--policies", "stock")
+    held = _bench("--prompts", str(prompts), "--split", "eval", "--policies", "stock")
+    assert whole["n_prompts"] == 3 and whole["split"] is None
+    assert held["n_prompts"] == 2 and held["split"] == "eval" and held["prompt_tokens"] < whole["prompt_tokens"]
+    packaged = _bench("--split", "eval", "--policies", "stock", "--prompt-tokens", "4")
+    assert packaged["prompts"] == "eval_prompts.jsonl" and packaged["n_prompts"] == packaged["prompt_tokens"] // 4
+    only_eval = tmp_path / "eval.txt"
+    only_eval.write_text("Why is the sky blue?\n")
+    r = run_cli("bench", "tiny-qwen3moe", "--prompts", str(only_eval), "--split", "tune")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "no prompts of split 'tune'" in lines[0], r.stderr
+
+
 def test_a_bad_prompt_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": oops}\n')
