@@ -38,6 +38,23 @@ def draft(moe: Path) -> Path:
     return drafts.build_smol_moe_draft(progress=False)
 
 
+# Parsing a GGUF header reads its whole vocabulary (~3 s for SmolLM2's 49k tokens and merges on 2 cores): each
+# file is parsed once for the module. The readers map the files read-only, so the tests cannot change them.
+@pytest.fixture(scope="module")
+def dense_reader(dense: Path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(dense)
+
+
+@pytest.fixture(scope="module")
+def moe_reader(moe: Path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(moe)
+
+
+@pytest.fixture(scope="module")
+def draft_reader(draft: Path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(draft)
+
+
 @pytest.fixture(scope="module")
 def heldout_tokens(dense: Path) -> list[int]:
     with native.Model(dense) as m:
@@ -54,8 +71,8 @@ def _logits(path: Path, tokens: list[int], n_batch: int) -> np.ndarray:
         return ctx.decode(tokens, logits_all=True)
 
 
-def _tensors(path: Path) -> dict:
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+def _tensors(reader: gguf.GGUFReader) -> dict:
+    return {t.name: t for t in reader.tensors}
 
 
 # --- the source model --------------------------------------------------------------------------------------------
@@ -79,13 +96,13 @@ def test_fetch_failures_are_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert "\n" not in str(e.value)
 
 
-def test_reference_forward_matches_llama_cpp(dense: Path, tmp_path: Path) -> None:
+def test_reference_forward_matches_llama_cpp(dense: Path, dense_reader: gguf.GGUFReader, tmp_path: Path) -> None:
     # The router is fitted on hidden states from the numpy forward pass, so it must be the model llama.cpp runs.
     # On the Q4_1 file the two differ by llama.cpp's 8-bit activation rounding (max ~1.7 logits); on F32 weights
     # that rounding is gone and only the F16 KV cache remains, so the comparison is tight. Four layers keep the
     # F32 file small.
     n_layer = 4
-    r = gguf.GGUFReader(dense)
+    r = dense_reader
     path = tmp_path / "smol-f32-4l.gguf"
     w = gguf.GGUFWriter(path, "llama")
     for key, f in r.fields.items():
@@ -123,7 +140,7 @@ def test_build_rejects_bad_arguments() -> None:
         smol.build_smol_moe(n_expert=16, top_k=0)
 
 
-def test_moe_layout_and_metadata(dense: Path, moe: Path) -> None:
+def test_moe_layout_and_metadata(moe: Path, dense_reader: gguf.GGUFReader, moe_reader: gguf.GGUFReader) -> None:
     lay = read_layout(moe).require_moe()
     assert (lay.arch, lay.n_layer, lay.n_expert, lay.n_expert_used) == ("llama", 30, N_EXPERT, TOP_K)
     assert lay.name.startswith("smol-moe:") and "not a trained MoE" in lay.name
@@ -133,7 +150,7 @@ def test_moe_layout_and_metadata(dense: Path, moe: Path) -> None:
             "gate": ("Q4_1", (N_EXPERT, 1536, 576)), "up": ("Q4_1", (N_EXPERT, 1536, 576)),
             "down": ("Q4_1", (N_EXPERT, 576, 1536))}
 
-    rd, rm = gguf.GGUFReader(dense), gguf.GGUFReader(moe)
+    rd, rm = dense_reader, moe_reader
     assert rm.fields["llama.feed_forward_length"].contents() == 1536  # Mixtral-style: the width of one expert
     assert rm.fields["llama.expert_count"].contents() == N_EXPERT
     assert rm.fields["llama.expert_used_count"].contents() == TOP_K
@@ -142,7 +159,7 @@ def test_moe_layout_and_metadata(dense: Path, moe: Path) -> None:
             continue
         assert rm.fields[key].contents() == f.contents(), key
 
-    td, tm = _tensors(dense), _tensors(moe)
+    td, tm = _tensors(rd), _tensors(rm)
     for name, t in td.items():
         if ".ffn_gate." in name or ".ffn_up." in name or ".ffn_down." in name:
             assert name not in tm
@@ -154,11 +171,11 @@ def test_moe_layout_and_metadata(dense: Path, moe: Path) -> None:
     assert np.asarray(router.data).shape == (N_EXPERT, 576)
 
 
-def test_every_expert_is_the_dense_ffn_permuted(dense: Path, moe: Path) -> None:
+def test_every_expert_is_the_dense_ffn_permuted(dense_reader: gguf.GGUFReader, moe_reader: gguf.GGUFReader) -> None:
     # Exact, not numeric: each expert's gate/up rows are the dense rows moved in 32-neuron groups, and its down
     # columns (whole Q4_1 blocks of 32) are moved by the same permutation; so each expert computes the dense FFN
     # (a sum over the same neurons, reordered). Every expert's permutation, hence its bytes, differ.
-    td, tm = _tensors(dense), _tensors(moe)
+    td, tm = _tensors(dense_reader), _tensors(moe_reader)
     n_groups = 1536 // 32
     for il in range(30):
         g_d = np.asarray(td[f"blk.{il}.ffn_gate.weight"].data).reshape(n_groups, -1)
@@ -243,7 +260,8 @@ def test_fit_router_balances_synthetic_clusters() -> None:
 
 # --- the draft ------------------------------------------------------------------------------------------------------
 
-def test_draft_types_and_size(moe: Path, draft: Path) -> None:
+def test_draft_types_and_size(moe: Path, draft: Path, moe_reader: gguf.GGUFReader,
+                              draft_reader: gguf.GGUFReader) -> None:
     t, d = read_layout(moe), read_layout(draft)
     assert (d.n_expert, d.n_expert_used, d.n_layer) == (t.n_expert, t.n_expert_used, t.n_layer)
     assert d.name.startswith("draft (experts Q2_K) of smol-moe")
@@ -257,7 +275,7 @@ def test_draft_types_and_size(moe: Path, draft: Path) -> None:
     assert d.expert_total_bytes < 0.8 * t.expert_total_bytes
     assert d.nonexpert_bytes == t.nonexpert_bytes
     # everything that is not a routed expert is byte-for-byte the target's: attention, norms, routers, embeddings
-    tt, td = _tensors(moe), _tensors(draft)
+    tt, td = _tensors(moe_reader), _tensors(draft_reader)
     assert tt.keys() == td.keys()
     for name, x in tt.items():
         if drafts._EXPERT_RE.match(name):
