@@ -20,10 +20,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check pyspecter tests tools
 
 # smol-moe and its learned predictor first (cached; minutes on a fresh machine, with progress lines), so the
-# tests that use it find both, as a user's first `generate` would
+# tests that use it find both, as a user's first `generate` would. --durations: the log says where the time went.
 test: build lint
 	$(VENV)/bin/pyspecter models build smol-moe
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The fast tier alone: no llama.cpp build needed, seconds.
 test-unit: $(STAMP)
