@@ -208,10 +208,11 @@ def test_moe_logits_match_dense(dense: Path, moe: Path) -> None:
         tokens += m.tokenize(" Sunlight is made of many colours, and the air scatters", add_special=False)
     base = _logits(dense, tokens, 64)
     noise = np.abs(_logits(dense, tokens, 1) - base)
-    diff = np.abs(_logits(moe, tokens, 64) - base)
+    got = _logits(moe, tokens, 64)
+    diff = np.abs(got - base)
     assert diff.mean() <= 2 * noise.mean(), (diff.mean(), noise.mean())
     assert diff.max() <= 2 * noise.max(), (diff.max(), noise.max())
-    assert (_logits(moe, tokens, 64).argmax(axis=1) == base.argmax(axis=1)).mean() >= 0.9
+    assert (got.argmax(axis=1) == base.argmax(axis=1)).mean() >= 0.9
 
 
 def test_moe_generates(moe: Path) -> None:
