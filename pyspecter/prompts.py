@@ -16,6 +16,9 @@ from pyspecter.native import Model
 SPLITS = ("tune", "eval")
 
 
+PACKAGED = "eval_prompts.jsonl"  # the packaged prompt set (pyspecter/data), half tune, half eval
+
+
 def load_prompts(path: str | os.PathLike | None = None, split: str | None = None) -> list[dict]:
     """Prompts from a file (default: the packaged eval_prompts.jsonl), as dicts with "id", "split" ("tune" |
     "eval"), "kind" and "messages" [{role, content}].
@@ -27,8 +30,8 @@ def load_prompts(path: str | os.PathLike | None = None, split: str | None = None
     Empty lines are skipped in both. A missing, unreadable, non-UTF-8 or empty file, or a line of a JSONL file
     that is not a prompt, is a SpecterError naming the file (and line)."""
     if path is None:
-        text = resources.files("pyspecter.data").joinpath("eval_prompts.jsonl").read_text(encoding="utf-8")
-        where, jsonl = "eval_prompts.jsonl", True
+        text = resources.files("pyspecter.data").joinpath(PACKAGED).read_text(encoding="utf-8")
+        where, jsonl = PACKAGED, True
     else:
         p = Path(path)
         if not p.is_file():

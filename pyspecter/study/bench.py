@@ -28,7 +28,7 @@ from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model
 from pyspecter.native.devices import Device, open_device
 from pyspecter.native.hooks import Hooks
-from pyspecter.prompts import load_prompts, render_prompt
+from pyspecter.prompts import PACKAGED, load_prompts, render_prompt
 from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
@@ -301,7 +301,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
                  "n_expert_used": layout.n_expert_used, "prompts": str(prompts) if prompts is not None else
-                 "eval_prompts.jsonl" if split else None,
+                 PACKAGED if split else None,
                  "split": split,
                  "n_prompts": len(sets), "prompt_tokens": n_prompt_tokens, "decode_tokens": n, "decode": mode,
                  "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps,

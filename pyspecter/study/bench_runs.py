@@ -54,9 +54,11 @@ class Run:
     digests: list[str] | None = None  # teacher-forced: each fed token's logits row (forced.digest), in order
 
 
+# per-call times: merged weighted by routing calls
+_PER_CALL = ("route_us_per_call", "hook_us_per_call", "route_us_per_layer", "route_cpu_us_per_layer",
+             "wait_cpu_us_per_layer")
 # counters that are ratios: recomputed from the summed counts, never summed themselves
-_RATIOS = ("hit_rate", "slot_row_rate", "route_us_per_call", "hook_us_per_call", "route_us_per_layer",
-           "route_cpu_us_per_layer", "wait_cpu_us_per_layer", "reads_in_flight")
+_RATIOS = ("hit_rate", "slot_row_rate", *_PER_CALL, "reads_in_flight")
 
 
 def merge_counters(parts: list[dict]) -> dict:
@@ -70,8 +72,7 @@ def merge_counters(parts: list[dict]) -> dict:
     out["hit_rate"] = (out["resident_at_need"] / out["needed"] if out.get("needed")
                        else out["slot_row_rate"])
     calls = out.get("route_calls", 0)
-    for k in ("route_us_per_call", "hook_us_per_call", "route_us_per_layer", "route_cpu_us_per_layer",
-              "wait_cpu_us_per_layer"):
+    for k in _PER_CALL:
         if any(k in p for p in parts):
             out[k] = sum(p.get(k, 0.0) * p.get("route_calls", 0) for p in parts) / calls if calls else 0.0
     if "io_uring" in out:  # a flag, not a count
