@@ -163,27 +163,37 @@ ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 
 # Executes tile instructions after asking the kernel for the tile state, on the main thread and on a thread that
-# existed before the request, the way ggml's AMX kernels will run on its worker threads.
-AMX_PROBE_C = r"""
+# existed before the request, the way ggml's AMX kernels will run on its worker threads. The tile configuration is
+# a local struct written field by field and handed to _tile_loadconfig, compiled as C++ at -O2, as ggml's
+# ggml_tile_config_init is: GCC 12's _tile_loadconfig tells the compiler it reads only the first 8 bytes of the
+# config, so the field stores after them are dropped as dead and ldtilecfg faults on an invalid config (SIGSEGV,
+# measured on a Sapphire Rapids VM whose kernel grants the tile state; a probe that configured the tiles another way
+# ran there, and every llama_cpp.Llama decode of a Q4_1 model then died).
+AMX_PROBE_CXX = r"""
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>
-#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-struct tile_config { uint8_t palette; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+struct tile_config { uint8_t palette = 0; uint8_t start_row = 0; uint8_t reserved[14] = {0};
+                     uint16_t colsb[16] = {0}; uint8_t rows[16] = {0}; };
+
+__attribute__((noinline)) static void configure() {
+    alignas(64) tile_config cfg = {};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = t < 2 ? 8 : 16;
+        cfg.colsb[t] = t == 2 || t == 3 ? 32 : 64;
+    }
+    _tile_loadconfig(&cfg);
+}
 
 static void * tiles(void * arg) {
     static __thread char out[16 * 64];
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    cfg.colsb[0] = 64;
-    cfg.rows[0] = 16;
-    _tile_loadconfig(&cfg);
-    _tile_zero(0);
-    _tile_stored(0, out, 64);
+    configure();
+    _tile_zero(4);
+    _tile_stored(4, out, 64);
     _tile_release();
     return arg;
 }
@@ -191,7 +201,7 @@ static void * tiles(void * arg) {
 static volatile int go;
 static void * later(void * arg) { while (!go) { } return tiles(arg); }
 
-int main(void) {
+int main() {
     pthread_t t;
     if (pthread_create(&t, 0, later, 0) != 0) return 4;
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 3;
@@ -218,17 +228,18 @@ def _request_tile_state() -> str | None:
 
 
 def _run_tile_probe() -> str | None:
-    """None when tile instructions ran in a child process, else why not."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        return "no C compiler to probe tile instructions with"
+    """None when tile instructions ran in a child process, else why not. Built by the C++ compiler CMake will
+    use (CXX, else c++), as ggml's AMX kernels are."""
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        return "no C++ compiler to probe tile instructions with"
     with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "amx_probe.c", Path(tmp) / "amx_probe"
-        src.write_text(AMX_PROBE_C)
-        r = subprocess.run([cc, "-O1", "-mamx-tile", "-pthread", str(src), "-o", str(exe)],
+        src, exe = Path(tmp) / "amx_probe.cpp", Path(tmp) / "amx_probe"
+        src.write_text(AMX_PROBE_CXX)
+        r = subprocess.run([cxx, "-O2", "-mamx-tile", "-pthread", str(src), "-o", str(exe)],
                            capture_output=True, text=True)
         if r.returncode != 0:
-            return "the C compiler cannot build AMX code"
+            return "the C++ compiler cannot build AMX code"
         try:
             r = subprocess.run([str(exe)], capture_output=True, timeout=20)
         except subprocess.TimeoutExpired:

@@ -139,6 +139,24 @@ def test_amx_is_off_unless_the_tiles_really_run(monkeypatch: pytest.MonkeyPatch)
     assert b.build_key(pin, [], off, []) != b.build_key(pin, [], on, [])
 
 
+def test_the_amx_probe_is_valid_code_and_fails_where_the_compiler_drops_the_config(tmp_path: Path) -> None:
+    # GCC 12's _tile_loadconfig lets -O2 drop the config's field stores (ggml's kernels then die in ldtilecfg):
+    # unoptimised, the same probe must run wherever the tiles work, so a failing probe means the compiler, not the
+    # probe's own code. On an AMX machine the two builds' outcomes and the build's decision are compared.
+    b = _build_module()
+    if "amx_tile" not in b.cpu_flags() or b._request_tile_state() is not None:
+        pytest.skip("this machine has no usable AMX tile state")
+    src = tmp_path / "probe.cpp"
+    src.write_text(b.AMX_PROBE_CXX)
+    ran = {}
+    for opt in ("-O0", "-O2"):
+        exe = tmp_path / f"probe{opt}"
+        subprocess.run(["c++", opt, "-mamx-tile", "-pthread", str(src), "-o", str(exe)], check=True)
+        ran[opt] = subprocess.run([str(exe)], timeout=20).returncode == 0
+    assert ran["-O0"], "the probe itself is wrong: it fails unoptimised"
+    assert _build_info()["amx"]["allowed"] == ran["-O2"]
+
+
 def test_build_records_its_amx_decision() -> None:
     info = _build_info()
     assert isinstance(info["amx"]["allowed"], bool) and info["amx"]["why"]
