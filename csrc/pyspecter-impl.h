@@ -84,10 +84,10 @@ struct llama_pyspecter_layer {
     uint64_t prev_call = 0, last_call = 0;                 // clock of the layer's previous and latest calls
     int64_t file_off[LLAMA_PYSPECTER_N_KINDS] = { -1, -1, -1, -1 }; // where expert 0 of each kind is in the file
     // reuse map (SCORE policy from the router input) and what it blends with: the layer's own past calls
-    std::vector<float> reuse_R, reuse_b, blend;  // [n_embd][n_expert], [n_expert], [6] or empty
+    std::vector<float> reuse_R, reuse_b, blend;  // [n_expert][n_embd] (an expert a row), [n_expert], [6] or empty
     int32_t reuse_embd = 0;
     const float * x_cur = nullptr;                 // this call's router input row (valid during the call)
-    bool scores_fresh = false;                     // score holds this call's reuse scores
+    std::vector<uint8_t> score_fresh;              // expert -> score holds this call's reuse score
     std::vector<uint8_t> ring;                     // [16][n_expert]: experts each of the last 16 calls used
     std::vector<int64_t> last_call_used;           // expert -> call index of its last use (-1: never)
     int64_t calls = 0;

@@ -720,11 +720,18 @@ static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert
 }
 
 // Eviction order of a resident slot: lower goes first.
+// This call scores experts by the layer's reuse map: it has one, and the router input it reads.
+static bool scores_live(const llama_pyspecter_layer * L) {
+    return !L->reuse_R.empty() && L->x_cur;
+}
+
 static bool scores_rule(const pyspecter_residency * R, const llama_pyspecter_layer * L) {
     return R->p.policy == LLAMA_PYSPECTER_POLICY_SCORE && (L->reuse_R.empty() || !R->duel || R->use_scores);
 }
 
-static std::pair<double, uint64_t> rank(const pyspecter_residency * R, const llama_pyspecter_layer * L, int32_t slot) {
+static float score_of(llama_pyspecter_layer * L, int32_t e);
+
+static std::pair<double, uint64_t> rank(const pyspecter_residency * R, llama_pyspecter_layer * L, int32_t slot) {
     const int32_t e = L->owner[slot];
     if (R->p.policy == LLAMA_PYSPECTER_POLICY_SCORE && !scores_rule(R, L)) {
         return { (double) L->last_use[slot], 0 }; // the duel has LRU ahead
@@ -732,7 +739,7 @@ static std::pair<double, uint64_t> rank(const pyspecter_residency * R, const lla
     switch (R->p.policy) {
         case LLAMA_PYSPECTER_POLICY_LFU:        return { (double) L->freq[e], L->last_use[slot] };
         case LLAMA_PYSPECTER_POLICY_PREV_TOKEN: return { L->last_use[slot] >= L->prev_call ? 1.0 : 0.0, L->loaded[slot] };
-        case LLAMA_PYSPECTER_POLICY_SCORE:      return { (double) L->score[e], L->last_use[slot] };
+        case LLAMA_PYSPECTER_POLICY_SCORE:      return { (double) score_of(L, e), L->last_use[slot] };
         default:                                return { (double) L->last_use[slot], 0 };
     }
 }
@@ -753,31 +760,39 @@ static void recency_features(const llama_pyspecter_layer * L, int32_t e, float f
     f[3] = L->last_call_used[e] >= 0 ? 1.0f / (1.0f + (float) (t - L->last_call_used[e])) : 0.0f;
 }
 
-// This call's reuse scores, computed on first need: most calls evict nothing and need none.
-static void ensure_scores(llama_pyspecter_layer * L) {
-    if (L->scores_fresh || L->reuse_R.empty() || !L->x_cur) {
-        return;
+// Expert e's reuse score for this call, computed on first need and for that expert alone: a victim is chosen
+// among the few resident experts not needed now (the map is stored an expert a row for this). Computing the whole
+// map on first need (smol-moe: 576 x 16 floats, 36 KB, mostly not in cache) took ~8 us of the engine's routing op
+// on the disk tier, most of what its op cost above LRU's (perf, 2 cores). Without this call's router input: the
+// score it had.
+static float score_of(llama_pyspecter_layer * L, int32_t e) {
+    if (!scores_live(L) || L->score_fresh[e]) {
+        return L->score[e];
     }
-    const int32_t E = (int32_t) L->remap.size(), D = L->reuse_embd;
-    float * sc = L->score.data();
-    std::copy(L->reuse_b.begin(), L->reuse_b.end(), sc);
+    const int32_t D = L->reuse_embd;
     const float * x = L->x_cur;
-    for (int32_t i = 0; i < D; ++i) {
-        const float xi = x[i];
-        const float * row = L->reuse_R.data() + (size_t) i * E;
-        for (int32_t e = 0; e < E; ++e) {
-            sc[e] += xi * row[e];
+    const float * w = L->reuse_R.data() + (size_t) e * D;
+    float acc[8] = {};
+    int32_t i = 0;
+    for (; i + 8 <= D; i += 8) { // eight partial sums: the compiler may vectorize them without reassociating
+        for (int32_t k = 0; k < 8; ++k) {
+            acc[k] += x[i + k] * w[i + k];
         }
     }
+    float sc = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < D; ++i) {
+        sc += x[i] * w[i];
+    }
+    sc += L->reuse_b[e];
     if (!L->blend.empty()) {
-        const float * w = L->blend.data();
-        for (int32_t e = 0; e < E; ++e) {
-            float f[4];
-            recency_features(L, e, f);
-            sc[e] = w[0] * sc[e] + w[1] * f[0] + w[2] * f[1] + w[3] * f[2] + w[4] * f[3] + w[5];
-        }
+        const float * b = L->blend.data();
+        float f[4];
+        recency_features(L, e, f);
+        sc = b[0] * sc + b[1] * f[0] + b[2] * f[1] + b[3] * f[2] + b[4] * f[3] + b[5];
     }
-    L->scores_fresh = true;
+    L->score[e] = sc;
+    L->score_fresh[e] = 1;
+    return sc;
 }
 
 static void recency_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed) {
@@ -805,16 +820,14 @@ static int32_t ghost_step(std::vector<int64_t> & res, const std::vector<int32_t>
         }
         ++misses;
         if (n_res >= capacity) {
-            if (scored) {
-                ensure_scores(scored);
-            }
+            const bool by_score = scored && scores_live(scored);
             int32_t victim = -1;
             for (int32_t v = 0; v < (int32_t) res.size(); ++v) {
                 if (res[v] < 0 || mark[v]) {
                     continue;
                 }
-                const bool better = victim < 0 || (scored && scored->scores_fresh
-                        ? std::make_pair(scored->score[v], res[v]) < std::make_pair(scored->score[victim], res[victim])
+                const bool better = victim < 0 || (by_score
+                        ? std::make_pair(score_of(scored, v), res[v]) < std::make_pair(score_of(scored, victim), res[victim])
                         : res[v] < res[victim]);
                 if (better) {
                     victim = v;
@@ -895,9 +908,6 @@ static int32_t victim(pyspecter_residency * R, llama_pyspecter_layer * L, const 
                       const std::vector<uint8_t> * taken, bool need) {
     int32_t best = -1, spared = -1;
     std::pair<double, uint64_t> best_key;
-    if (scores_rule(R, L)) {
-        ensure_scores(L);
-    }
     for (int32_t s = 0; s < L->n_usable; ++s) {
         if (L->pending[s] || (taken && (*taken)[s])) {
             continue;
@@ -1201,7 +1211,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         }
     } batched(R);
     L->x_cur = x && n_embd == L->reuse_embd ? x : nullptr;
-    L->scores_fresh = false;
+    std::fill(L->score_fresh.begin(), L->score_fresh.end(), 0);
     R->clock++;
     if (n_tokens == 1 && R->planner) {
         const int64_t now = pyspecter_now_ns(), gap = now - R->last_route_ns;
@@ -1660,7 +1670,13 @@ int32_t llama_pyspecter_set_reuse_map(llama_model * model, int32_t il, const flo
     try {
         std::lock_guard<std::mutex> lk(R->mu);
         const size_t E = L->remap.size();
-        L->reuse_R.assign(Rm, Rm + (size_t) n_embd * E);
+        L->reuse_R.resize((size_t) n_embd * E); // given [n_embd][n_expert]; kept an expert a row (score_of)
+        for (size_t e = 0; e < E; ++e) {
+            for (int32_t i = 0; i < n_embd; ++i) {
+                L->reuse_R[e * (size_t) n_embd + i] = Rm[(size_t) i * E + e];
+            }
+        }
+        L->score_fresh.assign(E, 0);
         L->reuse_b.assign(rb, rb + E);
         L->blend.assign(blend ? blend : rb, blend ? blend + 6 : rb); // empty without a blend
         L->reuse_embd = n_embd;
