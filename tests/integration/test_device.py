@@ -155,9 +155,13 @@ def test_splits_on_rpc_device_are_stock_cpu_moe_s(rpc: str) -> None:
                     ctx.decode(m.tokenize(LONG_PROMPT))
                     for t in range(4):
                         ctx.decode([t + 1])
+                    # the background uploads of miss mode cpu land when the readers get to them (in a full
+                    # suite run, 4 steps were not always enough): land them, then one more step's fence
+                    cache.drain()
+                    ctx.decode([5])
                     cache.check()
                 tables = native.device_stats(m.ptr)
-                assert tables.fences >= 5 and tables.table_pushes >= 1  # landed uploads reached the device
+                assert tables.fences >= 6 and tables.table_pushes >= 1  # landed uploads reached the device
             finally:
                 cache.close()
         assert ours == want, plan
