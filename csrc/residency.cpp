@@ -719,7 +719,6 @@ static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert
     return nullptr;
 }
 
-// Eviction order of a resident slot: lower goes first.
 // This call scores experts by the layer's reuse map: it has one, and the router input it reads.
 static bool scores_live(const llama_pyspecter_layer * L) {
     return !L->reuse_R.empty() && L->x_cur;
@@ -731,6 +730,7 @@ static bool scores_rule(const pyspecter_residency * R, const llama_pyspecter_lay
 
 static float score_of(llama_pyspecter_layer * L, int32_t e);
 
+// Eviction order of a resident slot: lower goes first.
 static std::pair<double, uint64_t> rank(const pyspecter_residency * R, llama_pyspecter_layer * L, int32_t slot) {
     const int32_t e = L->owner[slot];
     if (R->p.policy == LLAMA_PYSPECTER_POLICY_SCORE && !scores_rule(R, L)) {
