@@ -63,6 +63,9 @@ struct llama_pyspecter_layer {
     ggml_tensor * slot[LLAMA_PYSPECTER_N_KINDS] = {}; // [.., .., n_slots (+1 zero slot)] on the layer's device
     std::vector<int32_t> remap; // expert -> slot, -1 when not resident
     std::vector<int32_t> late;  // expert -> slot it is still being uploaded into (this ubatch), -1 otherwise
+    // every late expert of this ubatch is in its slot: the wait ops of the layer's other matmuls (one per kind)
+    // have nothing to wait for (set by the first, cleared by the routing op)
+    std::atomic<bool> late_settled{false};
     std::vector<int32_t> owner; // slot -> expert, -1 when free
     int32_t miss_slot = -1;     // where non-resident rows point in the slot matmul: -1 (CPU skips) or the zero slot
     llama_pyspecter_slots * parent = nullptr;
@@ -86,7 +89,11 @@ struct llama_pyspecter_layer {
     // reuse map (SCORE policy from the router input) and what it blends with: the layer's own past calls
     std::vector<float> reuse_R, reuse_b, blend;  // [n_expert][n_embd] (an expert a row), [n_expert], [6] or empty
     int32_t reuse_embd = 0;
+    // reuse_R again as a graph weight, [n_embd, n_expert] in a CPU buffer: graphs built while it exists compute
+    // map · x for the routing op as a matmul of the layer's graph (both compute threads), not inside the one-task op
+    ggml_tensor * reuse_t = nullptr;
     const float * x_cur = nullptr;                 // this call's router input row (valid during the call)
+    const float * raw_cur = nullptr;               // this call's map · x from the graph (valid during the call), or null
     std::vector<uint8_t> score_fresh;              // expert -> score holds this call's reuse score
     std::vector<uint8_t> ring;                     // [16][n_expert]: experts each of the last 16 calls used
     std::vector<int64_t> last_call_used;           // expert -> call index of its last use (-1: never)
@@ -315,9 +322,10 @@ size_t pyspecter_release_layer_experts(const llama_pyspecter_layer * L); // ... 
 // ids [n_tokens][n_used]; changes L's remap, which the op then applies. Stops the readers (slots destructor).
 bool pyspecter_native_enabled(const llama_pyspecter_slots * s);
 std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s); // not owning: not enabled
-// with_late: this graph has the late path (ordered misses may be marked late in L->late)
+// with_late: this graph has the late path (ordered misses may be marked late in L->late); raw: the graph's map · x
+// for x (reuse_t), or null
 void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
-                            bool with_late, const float * x, int32_t n_embd);
+                            bool with_late, const float * x, int32_t n_embd, const float * raw);
 bool pyspecter_native_wants_input(const llama_pyspecter_slots * s); // some layer has a reuse or ahead map
 
 // The native planner (planner.cpp). ahead_probs: map m's probabilities for router input x into probs[E], with

@@ -760,15 +760,9 @@ static void recency_features(const llama_pyspecter_layer * L, int32_t e, float f
     f[3] = L->last_call_used[e] >= 0 ? 1.0f / (1.0f + (float) (t - L->last_call_used[e])) : 0.0f;
 }
 
-// Expert e's reuse score for this call, computed on first need and for that expert alone: a victim is chosen
-// among the few resident experts not needed now (the map is stored an expert a row for this). Computing the whole
-// map on first need (smol-moe: 576 x 16 floats, 36 KB, mostly not in cache) took ~8 us of the engine's routing op
-// on the disk tier, most of what its op cost above LRU's (perf, 2 cores). Without this call's router input: the
-// score it had.
-static float score_of(llama_pyspecter_layer * L, int32_t e) {
-    if (!scores_live(L) || L->score_fresh[e]) {
-        return L->score[e];
-    }
+// map row e · x: expert e's raw reuse score. Here, for graphs built before the map was set; the others compute it
+// for every expert as a matmul before the routing op (raw_cur).
+static float reuse_dot(const llama_pyspecter_layer * L, int32_t e) {
     const int32_t D = L->reuse_embd;
     const float * x = L->x_cur;
     const float * w = L->reuse_R.data() + (size_t) e * D;
@@ -783,7 +777,18 @@ static float score_of(llama_pyspecter_layer * L, int32_t e) {
     for (; i < D; ++i) {
         sc += x[i] * w[i];
     }
-    sc += L->reuse_b[e];
+    return sc;
+}
+
+// Expert e's reuse score for this call, blended on first need. Its raw score comes from the layer's graph: inside
+// the routing op the map's 576 x 16 floats (36 KB, mostly not in cache after the layer's matmuls) took 8-10 us on
+// the disk tier while the other compute thread spun at the op's barrier, most of what the engine's op cost above
+// LRU's (2 cores). Without this call's router input: the score it had.
+static float score_of(llama_pyspecter_layer * L, int32_t e) {
+    if (!scores_live(L) || L->score_fresh[e]) {
+        return L->score[e];
+    }
+    float sc = (L->raw_cur ? L->raw_cur[e] : reuse_dot(L, e)) + L->reuse_b[e];
     if (!L->blend.empty()) {
         const float * b = L->blend.data();
         float f[4];
@@ -1198,7 +1203,7 @@ std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s) {
 }
 
 void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
-                            bool with_late, const float * x, int32_t n_embd) {
+                            bool with_late, const float * x, int32_t n_embd, const float * raw) {
     pyspecter_residency * R = L->parent->res.get(); // R->mu held by the caller (pyspecter_native_lock)
     auto & c = L->parent->counters;
     // the call's reads are queued together, at its first wait or at its end
@@ -1211,6 +1216,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         }
     } batched(R);
     L->x_cur = x && n_embd == L->reuse_embd ? x : nullptr;
+    L->raw_cur = L->x_cur ? raw : nullptr;
     std::fill(L->score_fresh.begin(), L->score_fresh.end(), 0);
     R->clock++;
     if (n_tokens == 1 && R->planner) {
@@ -1309,6 +1315,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         recency_observe(L, needed);
     }
     L->x_cur = nullptr;
+    L->raw_cur = nullptr;
     // Decoding: the next layers of this token. Not while the link is the bottleneck: when waits for reads take
     // more than max_stall of a layer-time the link has no idle time for prefetches to fill, and every wrong one
     // takes it from the misses the compute thread waits for (on smol-moe's disk tier at 50% prefetching raised
@@ -1447,6 +1454,7 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
     reap(R, L);
     // A late expert whose read failed is not resident, yet the graph computes its rows from its slot: read it
     // again, here; if that fails too, this ubatch's output is wrong, which the control plane reports as an error.
+    bool settled = true;
     for (auto [e, slot] : late) {
         if (L->remap[e] == slot) {
             continue;
@@ -1473,8 +1481,10 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
             map_slot(R, L, e, slot);
         } else {
             c.late_lost++;
+            settled = false; // the next kind's wait op tries again
         }
     }
+    L->late_settled.store(settled, std::memory_order_release);
 }
 
 void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept {
@@ -1676,6 +1686,24 @@ int32_t llama_pyspecter_set_reuse_map(llama_model * model, int32_t il, const flo
                 L->reuse_R[e * (size_t) n_embd + i] = Rm[(size_t) i * E + e];
             }
         }
+        if (!L->reuse_t || L->reuse_t->ne[0] != n_embd) {
+            ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+            ggml_context * ctx = ggml_init(ip);
+            if (!ctx) {
+                return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+            }
+            L->parent->ctxs.push_back(ctx);
+            ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, (int64_t) E);
+            ggml_format_name(t, "pyspecter.reuse.%d", il);
+            ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+            if (!buf) {
+                return LLAMA_PYSPECTER_ERR_NO_MEMORY;
+            }
+            L->parent->bufs.push_back(buf);
+            ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // the matmul runs where it lives
+            L->reuse_t = t;
+        }
+        ggml_backend_tensor_set(L->reuse_t, L->reuse_R.data(), 0, L->reuse_R.size() * sizeof(float));
         L->score_fresh.assign(E, 0);
         L->reuse_b.assign(rb, rb + E);
         L->blend.assign(blend ? blend : rb, blend ? blend + 6 : rb); // empty without a blend

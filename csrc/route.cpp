@@ -53,8 +53,8 @@ int32_t llama_pyspecter_set_late(llama_model * model, int32_t il, int32_t expert
 // The router input x (src[2] of the op, when it was built with one) to the input hook, then native residency's
 // decision for ids [n_tokens][n_used]. Returns native residency's lock, held (not owning: not enabled), so the
 // caller can apply the remap under the same snapshot.
-static std::unique_lock<std::mutex> decide(llama_pyspecter_layer * L, const ggml_tensor * x, const int32_t * ids,
-                                           int32_t n_tokens, int32_t n_used, bool with_late) {
+static std::unique_lock<std::mutex> decide(llama_pyspecter_layer * L, const ggml_tensor * x, const ggml_tensor * raw,
+                                           const int32_t * ids, int32_t n_tokens, int32_t n_used, bool with_late) {
     auto * s = L->parent;
     if (x && s->input_cb) {
         const int64_t c0 = pyspecter_now_ns();
@@ -65,7 +65,8 @@ static std::unique_lock<std::mutex> decide(llama_pyspecter_layer * L, const ggml
     if (native.owns_lock()) {
         const float * x_last = x && x->type == GGML_TYPE_F32 && n_tokens > 0 ? // a batch's next token is its last's
                 (const float *) x->data + (size_t) (n_tokens - 1) * x->ne[0] : nullptr;
-        pyspecter_native_route(L, ids, n_tokens, n_used, with_late, x_last, x ? (int32_t) x->ne[0] : 0);
+        const float * raw_last = x_last && raw && raw->type == GGML_TYPE_F32 ? (const float *) raw->data : nullptr;
+        pyspecter_native_route(L, ids, n_tokens, n_used, with_late, x_last, x ? (int32_t) x->ne[0] : 0, raw_last);
     }
     return native;
 }
@@ -106,9 +107,10 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     int32_t * late_ids = with_late ? host_ids + (size_t) n_used * n_tokens : nullptr;
     if (with_late) {
         std::fill(L->late.begin(), L->late.end(), -1);
+        L->late_settled.store(false, std::memory_order_relaxed);
     }
     // the lock also covers the remap below: the tables the matmuls read are one snapshot
-    std::unique_lock<std::mutex> native = decide(L, dst->src[2], host_ids, n_tokens, n_used, with_late);
+    std::unique_lock<std::mutex> native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, with_late);
     if (s->route_cb) {
         // with native residency the hook only observes (traces, predictors): the decision is made
         // router weights, packed the same way (slot_ids is scratch until the remap below)
@@ -170,7 +172,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     }
     // native residency decides for the next ubatches (this one's slot path ran from the table already): what
     // lands reaches the device at the next fence, an eviction at once only where the layer may still run
-    decide(L, dst->src[2], host_ids, n_tokens, n_used, false); // the lock it returns is released at once
+    decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, false); // the lock it returns is released at once
     if (s->route_cb) {
         thread_local std::vector<float> wts;
         if (w) {
@@ -210,7 +212,9 @@ static void wait_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         any = late_ids[i] >= 0;
     }
     if (any && pyspecter_native_enabled(s)) {
-        pyspecter_native_wait(L);
+        if (!L->late_settled.load(std::memory_order_acquire)) { // the first of the layer's wait ops waits for all
+            pyspecter_native_wait(L);
+        }
     } else if (any && s->wait_cb) {
         const int64_t c0 = pyspecter_now_ns();
         s->wait_cb(s->wait_ud, L->il);
@@ -229,6 +233,15 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
     // the input is read as contiguous f32 rows; any other form is simply not offered to the hook
     const bool with_input = (slots->input_cb || pyspecter_native_wants_input(slots)) && ffn_inp &&
             ffn_inp->type == GGML_TYPE_F32 && ggml_is_contiguous(ffn_inp);
+    // the reuse scores' map · x for the ubatch's last token (the op's x_last), as a matmul of the graph
+    ggml_tensor * raw = nullptr;
+    if (with_input && L->reuse_t && L->reuse_t->ne[0] == ffn_inp->ne[0]) {
+        const int64_t D = ffn_inp->ne[0], n_tokens = ggml_nelements(ffn_inp) / D;
+        ggml_tensor * x_last = ggml_view_2d(ctx, ffn_inp, D, 1, D * ggml_element_size(ffn_inp),
+                                            (size_t) ((n_tokens - 1) * D) * ggml_element_size(ffn_inp));
+        raw = ggml_mul_mat(ctx, L->reuse_t, x_last);
+        ggml_format_name(raw, "ffn_moe_reuse-%d", il);
+    }
     if (allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb && !pyspecter_native_late(slots)) {
         // (slot, expert) of every (token, expert) row, looked up on the device: one small tensor for the host to
         // read back, and the slot path's ids (the zero slot where not resident: never a negative id); ordered
@@ -243,10 +256,10 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
                                                                                   pairs->nb[1], 0)),
                                                  selected_experts->ne[0], selected_experts->ne[1]);
         ggml_format_name(slot_ids, "ffn_moe_slot_ids-%d", il);
-        ggml_tensor * args[4] = { pairs, slots->route_weights ? weights : nullptr, with_input ? ffn_inp : nullptr,
-                                  slots->cpu_anchor };
+        ggml_tensor * args[5] = { pairs, slots->route_weights ? weights : nullptr, with_input ? ffn_inp : nullptr,
+                                  slots->cpu_anchor, raw };
         ggml_tensor * route = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1,
-                                             1, args, 4, route_split_op, 1, (void *) L);
+                                             1, args, raw ? 5 : 4, route_split_op, 1, (void *) L);
         {
             std::lock_guard<std::mutex> lk(slots->graph_mu);
             slots->split_slot_ids[route] = slot_ids;
@@ -254,9 +267,9 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         slots->split_built = true;
         return route;
     }
-    // fixed places: 2 the input (or null), 3 the CPU anchor of device layers (or null)
-    ggml_tensor * args[4] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor };
-    const int n_args = slots->cpu_anchor ? 4 : with_input ? 3 : 2;
+    // fixed places: 2 the input (or null), 3 the CPU anchor of device layers (or null), 4 the reuse map · x
+    ggml_tensor * args[5] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor, raw };
+    const int n_args = raw ? 5 : slots->cpu_anchor ? 4 : with_input ? 3 : 2;
     // one task: the op is tiny (route_op itself makes sure only thread 0 works)
     return ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1],
                           slots->wait_cb || pyspecter_native_late(slots) ? 3 : 2, 1, args, n_args, route_op, 1,
