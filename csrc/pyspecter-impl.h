@@ -66,6 +66,7 @@ struct llama_pyspecter_layer {
     // every late expert of this ubatch is in its slot: the wait ops of the layer's other matmuls (one per kind)
     // have nothing to wait for (set by the first, cleared by the routing op)
     std::atomic<bool> late_settled{false};
+    bool route_missed = false;  // native residency's latest call of the layer found a needed expert not resident
     std::vector<int32_t> owner; // slot -> expert, -1 when free
     int32_t miss_slot = -1;     // where non-resident rows point in the slot matmul: -1 (CPU skips) or the zero slot
     llama_pyspecter_slots * parent = nullptr;
@@ -127,6 +128,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> late_lost{0}, route_cpu_ns{0}, copy_cpu_ns{0}, wait_cpu_ns{0};
     std::atomic<int64_t> ahead_maps{0}, ahead_prefetches{0}, ahead_late{0}, ahead_refused{0}; // the planner
     std::atomic<int64_t> ghost_misses{0}; // the held slots' ghost LRU (set_held)
+    std::atomic<int64_t> layer_cpu_hist[2][LLAMA_PYSPECTER_HIST_BINS] = {}; // llama_pyspecter_get_layer_cpu_hist
     std::atomic<int64_t> read_ops{0}, taken_back{0}; // chunk reads finished; prefetches a demand took back
     std::atomic<int64_t> queue_entries{0}, queue_scans{0}, queue_locks{0}, reader_wakes{0}, waiter_wakes{0};
     // device tables (llama_pyspecter_device_stats)
@@ -364,13 +366,20 @@ int64_t pyspecter_op_cpu_ns();
 // PYSPECTER_CPU_SAMPLE of each thread, scaled up: the thread CPU clock is a system call (0.7 us measured here), and
 // read twice per op it was a fifth of a cheap op's own time. A sampled op still pays the clock (and the kernel
 // entry's cache and TLB cost), so on ops of a few us the CPU figure reads above the wall time: read the wall one.
+// A layer's wait ops are sampled with its routing op, so that the layer's CPU time is whole (layer_cpu_hist).
 constexpr int PYSPECTER_CPU_SAMPLE = 8;
+enum pyspecter_op_kind { PYSPECTER_OP_ROUTE, PYSPECTER_OP_ROUTE_DECODE, PYSPECTER_OP_WAIT };
 struct pyspecter_op_timer {
     llama_pyspecter_counters & c;
+    const pyspecter_op_kind kind;
     const int64_t wall0, cpu0; // cpu0 < 0: this op's CPU time is not sampled
-    explicit pyspecter_op_timer(llama_pyspecter_counters & c);
+    bool missed = false;       // a routing op: some needed expert was not resident (set before the op returns)
+    pyspecter_op_timer(llama_pyspecter_counters & c, pyspecter_op_kind kind);
     ~pyspecter_op_timer();
 };
+// CPU time (this thread's clock, unscaled) of a read wait or a copy inside the op now running, left out of its
+// layer's histogram entry as wait_cpu_ns and copy_cpu_ns are left out of the means
+void pyspecter_op_exclude(int64_t cpu_ns);
 
 inline int64_t pyspecter_now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(

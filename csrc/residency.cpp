@@ -671,7 +671,9 @@ struct pyspecter_residency {
         if (stall) {
             s->counters.wait_ns += pyspecter_now_ns() - t0;
             if (cpu0 >= 0) { // the same ops' CPU as route_cpu_ns, scaled the same way
-                s->counters.wait_cpu_ns += (pyspecter_thread_cpu_ns() - cpu0) * PYSPECTER_CPU_SAMPLE;
+                const int64_t cpu = pyspecter_thread_cpu_ns() - cpu0;
+                s->counters.wait_cpu_ns += cpu * PYSPECTER_CPU_SAMPLE;
+                pyspecter_op_exclude(cpu);
             }
         }
     }
@@ -1119,7 +1121,9 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
         }
         c.wait_ns += pyspecter_now_ns() - t0;
         if (cpu0 >= 0) {
-            c.copy_cpu_ns += (pyspecter_thread_cpu_ns() - cpu0) * PYSPECTER_CPU_SAMPLE;
+            const int64_t cpu = pyspecter_thread_cpu_ns() - cpu0;
+            c.copy_cpu_ns += cpu * PYSPECTER_CPU_SAMPLE;
+            pyspecter_op_exclude(cpu);
         }
         return;
     }
@@ -1293,6 +1297,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     }
     c.needed += (int64_t) needed.size();
     c.resident_at_need += (int64_t) (needed.size() - missing.size());
+    L->route_missed = !missing.empty();
     const bool moves = R->p.miss != LLAMA_PYSPECTER_MISS_HOST; // host: every miss computed from home, in place
     if (n_tokens > 1 && R->p.lookahead && moves && R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
         prefill_lookahead(R, L, (int32_t) needed.size());
@@ -1435,7 +1440,7 @@ bool pyspecter_native_late(const llama_pyspecter_slots * s) {
 void pyspecter_native_wait(llama_pyspecter_layer * L) {
     pyspecter_residency * R = L->parent->res.get();
     auto & c = L->parent->counters;
-    pyspecter_op_timer timer(c); // the wait op is routing work too: its time joins the routing op's
+    pyspecter_op_timer timer(c, PYSPECTER_OP_WAIT); // the wait op is routing work too: its time joins the routing op's
     std::lock_guard<std::mutex> lk(R->mu);
     auto & late = R->loads; // (expert, slot)
     std::vector<pyspecter_read *> & reads = R->reads;

@@ -92,7 +92,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const ggml_tensor * w   = dst->src[1]; // [1, n_used, n_tokens]
     const int32_t n_used   = (int32_t) ids->ne[0];
     const int32_t n_tokens = (int32_t) ids->ne[1];
-    pyspecter_op_timer timer(s->counters);
+    pyspecter_op_timer timer(s->counters, n_tokens == 1 ? PYSPECTER_OP_ROUTE_DECODE : PYSPECTER_OP_ROUTE);
 
     // planes of dst: contiguous [n_tokens][n_used] each
     int32_t * slot_ids = (int32_t *) dst->data;
@@ -122,10 +122,12 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         s->counters.hook_ns += pyspecter_now_ns() - c0;
     }
     int64_t hit = 0;
+    bool missed = false; // some row's expert not resident (late rows included): the layer's CPU counts as a miss's
     for (int32_t i = 0; i < n_used * n_tokens; ++i) {
         const int32_t e = host_ids[i];
         const int32_t slot = e >= 0 && e < (int32_t) L->remap.size() ? L->remap[e] : -1;
         const int32_t late = with_late && slot < 0 && e >= 0 && e < (int32_t) L->late.size() ? L->late[e] : -1;
+        missed = missed || slot < 0;
         if (slot >= 0) {
             slot_ids[i] = slot;
             host_ids[i] = -1;
@@ -146,6 +148,8 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += (int64_t) n_used * n_tokens - hit;
     s->counters.route_calls += 1;
+    // native residency may have read its misses in already (miss mode wait): its decision says whether it missed
+    timer.missed = missed || (native.owns_lock() && L->route_missed);
 }
 
 // The route op of a split route: on the CPU, after the device ran the layer's slot path from its table. src[0] is
@@ -164,7 +168,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     const int32_t n_used   = (int32_t) dst->ne[0];
     const int32_t n_tokens = (int32_t) dst->ne[1];
     const int32_t n        = n_used * n_tokens;
-    pyspecter_op_timer timer(s->counters);
+    pyspecter_op_timer timer(s->counters, n_tokens == 1 ? PYSPECTER_OP_ROUTE_DECODE : PYSPECTER_OP_ROUTE);
 
     int32_t * host_ids = (int32_t *) dst->data;
     for (int32_t i = 0; i < n; ++i) {
@@ -172,7 +176,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     }
     // native residency decides for the next ubatches (this one's slot path ran from the table already): what
     // lands reaches the device at the next fence, an eviction at once only where the layer may still run
-    decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, false); // the lock it returns is released at once
+    const bool native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, false).owns_lock(); // released at once
     if (s->route_cb) {
         thread_local std::vector<float> wts;
         if (w) {
@@ -193,6 +197,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += n - hit;
     s->counters.route_calls += 1;
+    timer.missed = hit < n || (native && L->route_missed);
 }
 
 // Runs after the resident experts' matmul (its src[1], for ordering only): waits for the layer's late uploads

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 21
+#define LLAMA_PYSPECTER_VERSION 22
 
 #ifdef __cplusplus
 extern "C" {
@@ -366,6 +366,17 @@ struct llama_pyspecter_stats {
 };
 LLAMA_API void    llama_pyspecter_get_stats  (const struct llama_model * model, struct llama_pyspecter_stats * out);
 LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);
+
+// The CPU time of one MoE layer's routing in decoding, as a distribution: each sampled routing op of a one-token
+// ubatch (one in 8, as route_cpu_ns) together with its layer's wait ops, read waits and copies left out, counted in
+// bins of LLAMA_PYSPECTER_HIST_NS ns (the last bin: that much or more). Row 0: layers whose every needed expert was
+// resident when routed; row 1: layers with a miss. A mean over layers adds whatever the kernel charges the thread
+// while it runs (interrupts, where the kernel has no IRQ time accounting); a median is the op's own work.
+#define LLAMA_PYSPECTER_HIST_BINS 257
+#define LLAMA_PYSPECTER_HIST_NS   250
+// Copies the two rows (2 * LLAMA_PYSPECTER_HIST_BINS counts since the last stats_reset) into out; returns that
+// count, or LLAMA_PYSPECTER_ERR_ARG when n is smaller (all zero when slots are not enabled).
+LLAMA_API int32_t llama_pyspecter_get_layer_cpu_hist(const struct llama_model * model, int64_t * out, int32_t n);
 
 #ifdef __cplusplus
 }

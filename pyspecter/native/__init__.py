@@ -36,12 +36,14 @@ from pyspecter.native.lib import (
     status_name,
 )
 from pyspecter.native.model import Context, Model
+from pyspecter.native.stats_api import HIST_NS, layer_cpu_hist
 
 __all__ = [
-    "ERR_IO", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
+    "ERR_IO", "HIST_NS", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
     "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ResidencyParams",
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits", "read_table",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",
+    "HIST_NS", "layer_cpu_hist",
 ]

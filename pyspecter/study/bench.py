@@ -347,6 +347,10 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             # waited for a core; the CPU of going to sleep for reads and waking again, apart
             "route_cpu_us_per_layer": c.get("route_cpu_us_per_layer"),
             "wait_cpu_us_per_layer": c.get("wait_cpu_us_per_layer"),
+            # the median decode layer's routing CPU, every needed expert resident / some not (the mean above also
+            # holds the interrupts the kernel charged the op's thread: native_residency.layer_cpu_p50_us)
+            "route_cpu_us_p50_resident": c.get("route_cpu_us_p50_resident"),
+            "route_cpu_us_p50_miss": c.get("route_cpu_us_p50_miss"),
             "reads_in_flight": c.get("reads_in_flight"), "native": bool(c.get("native")),
             "read_io": ("io_uring" if c.get("io_uring") else "pread") if c.get("read_ops") else None,
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,

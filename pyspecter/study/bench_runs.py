@@ -24,6 +24,7 @@ from pyspecter.misses import computes_in_place
 from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model, graph_splits
 from pyspecter.native.devices import Device
+from pyspecter.native_residency import layer_cpu_p50_us
 from pyspecter.policies import hot_experts
 from pyspecter.session import Session, SessionConfig
 from pyspecter.study.forced import FORCED, FREE, ForcedSampler, digest
@@ -58,7 +59,8 @@ class Run:
 _PER_CALL = ("route_us_per_call", "hook_us_per_call", "route_us_per_layer", "route_cpu_us_per_layer",
              "wait_cpu_us_per_layer")
 # counters that are ratios: recomputed from the summed counts, never summed themselves
-_RATIOS = ("hit_rate", "slot_row_rate", *_PER_CALL, "reads_in_flight")
+_RATIOS = ("hit_rate", "slot_row_rate", *_PER_CALL, "reads_in_flight", "layer_cpu_hist", "route_cpu_us_p50_resident",
+           "route_cpu_us_p50_miss")
 
 
 def merge_counters(parts: list[dict]) -> dict:
@@ -75,6 +77,11 @@ def merge_counters(parts: list[dict]) -> dict:
     for k in _PER_CALL:
         if any(k in p for p in parts):
             out[k] = sum(p.get(k, 0.0) * p.get("route_calls", 0) for p in parts) / calls if calls else 0.0
+    if any("layer_cpu_hist" in p for p in parts):  # histograms: summed bin by bin, medians read from the sums
+        rows = [p["layer_cpu_hist"] for p in parts if "layer_cpu_hist" in p]
+        out["layer_cpu_hist"] = tuple(np.sum([r[i] for r in rows], axis=0).tolist() for i in range(2))
+        out["route_cpu_us_p50_resident"] = layer_cpu_p50_us(out["layer_cpu_hist"][0])
+        out["route_cpu_us_p50_miss"] = layer_cpu_p50_us(out["layer_cpu_hist"][1])
     if "io_uring" in out:  # a flag, not a count
         out["io_uring"] = max(p.get("io_uring", 0) for p in parts)
     wait = out.get("wait_ms", 0.0)

@@ -287,7 +287,8 @@ def test_the_cpu_of_waiting_for_reads_is_kept_apart() -> None:
     """The routing op's CPU time is reported with its read waits left out, as its wall time is: the waits' own CPU
     (the kernel putting the thread to sleep and waking it) is counted apart, on the same sampled ops. Behind a
     slow link (2 MB/s: about 12 ms per expert) the waits are long, and a wait that blocks, as it must, costs a
-    sliver of its wall time in CPU; the part is never more than the whole. Logits are stock's."""
+    sliver of its wall time in CPU; the part is never more than the whole. The per-layer histogram leaves the
+    waits out too: its layers with a miss sit far below one wait's 12 ms. Logits are stock's."""
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
     with native.Model(path) as stock, native.Context(stock, n_threads=2) as ctx:
@@ -307,9 +308,18 @@ def test_the_cpu_of_waiting_for_reads_is_kept_apart() -> None:
         native.slots().set_link_gbps(m.ptr, 0.0)
         cache.check()
         c, raw = cache.counters(), native.slots().stats(m.ptr)
+        cache.reset_counters()
+        after_reset = cache.counters()["layer_cpu_hist"]
         cache.close()
     assert abs(np.concatenate(ref) - np.concatenate(got)).max() <= TOL
     assert c["wait_ms"] > 100 and c["uploads"] >= 60, c  # about a hundred waits, an eighth of them sampled
     assert 0 < raw.wait_cpu_ns <= raw.route_cpu_ns, (raw.wait_cpu_ns, raw.route_cpu_ns)
     assert raw.wait_cpu_ns < 0.05 * raw.wait_ns, (raw.wait_cpu_ns, raw.wait_ns)  # blocked, not spinning
     assert c["route_cpu_us_per_layer"] >= 0 and c["wait_cpu_us_per_layer"] > 0, c
+    resident, missed = c["layer_cpu_hist"]
+    sampled = sum(resident) + sum(missed)
+    # one decode layer in 8 at random: 31 steps of every layer give about 31 * n_layer / 8
+    assert raw.route_calls / 32 <= sampled <= raw.route_calls / 2, (sampled, raw.route_calls)
+    # layers with a miss are told apart; a blocked wait is no CPU of theirs (each wait is 12 ms of wall)
+    assert sum(missed) > 0 and 0 < c["route_cpu_us_p50_miss"] < 2000, c["route_cpu_us_p50_miss"]
+    assert sum(after_reset[0]) + sum(after_reset[1]) == 0
