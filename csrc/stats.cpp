@@ -38,10 +38,11 @@ struct layer_sample {
     }
 };
 static thread_local layer_sample layer;
+static thread_local bool route_sampled = false; // the latest routing op on this thread was sampled: so are its wait ops
 
 static int64_t sampled_cpu_ns(llama_pyspecter_counters & c, pyspecter_op_kind kind) {
-    if (kind == PYSPECTER_OP_WAIT) { // with its layer's routing op
-        op_sampled = layer.c == &c;
+    if (kind == PYSPECTER_OP_WAIT) { // with its layer's routing op (a prompt's too: route_cpu_ns holds both)
+        op_sampled = route_sampled;
     } else {
         layer = {};
         // at random, not every 8th: a fixed stride over a model's layers times the same layers every token
@@ -49,7 +50,7 @@ static int64_t sampled_cpu_ns(llama_pyspecter_counters & c, pyspecter_op_kind ki
         x ^= x << 13;
         x ^= x >> 17;
         x ^= x << 5;
-        op_sampled = x % PYSPECTER_CPU_SAMPLE == 0;
+        op_sampled = route_sampled = x % PYSPECTER_CPU_SAMPLE == 0;
         if (op_sampled && kind == PYSPECTER_OP_ROUTE_DECODE) {
             layer.c = &c;
         }
