@@ -55,6 +55,24 @@ class Run:
     digests: list[str] | None = None  # teacher-forced: each fed token's logits row (forced.digest), in order
 
 
+def step_token_times(stamps: list[float], steps: list[int]) -> list[float]:
+    """Per-token decode times from each token's arrival (``stamps``; the first is the prefill's token) and the
+    decode step that emitted it (``steps``). Accepted drafts come out in bursts, so a token's own gap means
+    nothing: each token of a step gets the step's time (from the step before's last token to its own last)
+    over the tokens it emitted. A step of one token is its gap, as the other policies count it, so medians
+    compare; the sum is the decode's wall time either way."""
+    out: list[float] = []
+    i, prev = 1, stamps[0] if stamps else 0.0
+    while i < len(stamps):
+        j = i
+        while j + 1 < len(stamps) and steps[j + 1] == steps[i]:
+            j += 1
+        n = j - i + 1
+        out += [(stamps[j] - prev) / n] * n
+        prev, i = stamps[j], j + 1
+    return out
+
+
 # per-call times: merged weighted by routing calls
 _PER_CALL = ("route_us_per_call", "hook_us_per_call", "route_us_per_layer", "route_cpu_us_per_layer",
              "wait_cpu_us_per_layer")
@@ -261,8 +279,11 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
             if forced is not None:
                 s.sampler = ForcedSampler(forced[i])
 
-            def on_token(_t: int, stamps: list[float] = stamps) -> None:
+            steps: list[int] = []
+
+            def on_token(_t: int, stamps: list[float] = stamps, steps: list[int] = steps) -> None:
                 stamps.append(time.perf_counter())
+                steps.append(s.decoder.stats.steps if draft is not None else len(stamps))  # no draft: a token a step
                 if len(stamps) == 1:  # decode counters only, as for the other policies
                     s.reset_stats()
 
@@ -271,10 +292,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
             out = s.generate(prompt, n + 1, stop_at_eog=False, on_token=on_token)
             prefill += stamps[0] - t0
             first_prefill = prefill if first_prefill is None else first_prefill
-            if draft is None:  # one decode per token: per-token times, as the other policies report them
-                tpots += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-            else:  # accepted drafts come out in bursts: a token's own time means nothing, only the step's mean
-                tpots += [(stamps[-1] - stamps[0]) / max(len(out) - 1, 1)] * (len(out) - 1)
+            tpots += step_token_times(stamps, steps)
             parts.append(s.cache.counters() if s.cache is not None else {})
             tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
             if forced is not None:

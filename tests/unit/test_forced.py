@@ -54,3 +54,19 @@ def test_the_held_out_text_is_the_packaged_prose_and_eval_prompts() -> None:
         assert p["messages"][-1]["content"] in text
     for p in load_prompts(split="tune"):  # static-hot's profile reads the tune split: never the forced text
         assert p["messages"][-1]["content"] not in text
+
+
+def test_step_token_times_give_a_burst_its_step_time_per_token() -> None:
+    from pyspecter.study.bench_runs import step_token_times
+
+    # prefill's token at 0; step 1 emits one token at 10; step 2 a burst of three at 40, 40.001, 40.002; step 3 at 45
+    stamps = [0.0, 10.0, 40.0, 40.001, 40.002, 45.0]
+    steps = [0, 1, 2, 2, 2, 3]
+    t = step_token_times(stamps, steps)
+    assert len(t) == 5
+    assert t[0] == 10.0 and t[4] == 45.0 - 40.002
+    assert all(abs(x - (40.002 - 10.0) / 3) < 1e-12 for x in t[1:4])
+    assert abs(sum(t) - 45.0) < 1e-9  # the decode's wall time, whatever the bursts
+    # one token a step: the gaps themselves, as every other policy's row counts them
+    assert step_token_times([0.0, 1.0, 3.0], [0, 1, 2]) == [1.0, 2.0]
+    assert step_token_times([0.0], [0]) == []
