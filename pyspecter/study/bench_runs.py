@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -62,14 +63,11 @@ def step_token_times(stamps: list[float], steps: list[int]) -> list[float]:
     over the tokens it emitted. A step of one token is its gap, as the other policies count it, so medians
     compare; the sum is the decode's wall time either way."""
     out: list[float] = []
-    i, prev = 1, stamps[0] if stamps else 0.0
-    while i < len(stamps):
-        j = i
-        while j + 1 < len(stamps) and steps[j + 1] == steps[i]:
-            j += 1
-        n = j - i + 1
-        out += [(stamps[j] - prev) / n] * n
-        prev, i = stamps[j], j + 1
+    prev = stamps[0] if stamps else 0.0
+    for _, group in groupby(zip(steps[1:], stamps[1:], strict=True), key=lambda st: st[0]):
+        ts = [t for _, t in group]
+        out += [(ts[-1] - prev) / len(ts)] * len(ts)
+        prev = ts[-1]
     return out
 
 
