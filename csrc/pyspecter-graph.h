@@ -12,7 +12,7 @@ struct llama_pyspecter_slots;
 // input hook is set (learned predictors read it).
 //
 // Two forms. Split (a device layer, allow_split, no wait hook): the slot path reads its ids from the device's remap
-// table (get_rows over selected_experts: (slot, expert) per row, the zero slot where not resident) and never waits
+// table (get_rows over selected_experts: (slot, expert) per row, zero slot j where row j's expert is not resident) and never waits
 // for the host; the op reads those pairs back (with the router weights if the hook wants them) and returns I32
 // [n_used, n_tokens, 1], the logical ids for the host path (-1 where the slot path computes the row). The layer
 // then costs one CPU split (this op and every host matmul) between two device ones, with stock --cpu-moe's two

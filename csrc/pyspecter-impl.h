@@ -60,7 +60,7 @@ struct pyspecter_upload_stream {
 struct llama_pyspecter_layer {
     int32_t il = -1;
     ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS] = {}; // the model's own expert tensors (the host copy)
-    ggml_tensor * slot[LLAMA_PYSPECTER_N_KINDS] = {}; // [.., .., n_slots (+1 zero slot)] on the layer's device
+    ggml_tensor * slot[LLAMA_PYSPECTER_N_KINDS] = {}; // [.., .., n_slots + n_zero] on the layer's device
     std::vector<int32_t> remap; // expert -> slot, -1 when not resident
     std::vector<int32_t> late;  // expert -> slot it is still being uploaded into (this ubatch), -1 otherwise
     // every late expert of this ubatch is in its slot: the wait ops of the layer's other matmuls (one per kind)
@@ -68,7 +68,12 @@ struct llama_pyspecter_layer {
     std::atomic<bool> late_settled{false};
     bool route_missed = false;  // native residency's latest call of the layer found a needed expert not resident
     std::vector<int32_t> owner; // slot -> expert, -1 when free
-    int32_t miss_slot = -1;     // where non-resident rows point in the slot matmul: -1 (CPU skips) or the zero slot
+    // Where non-resident rows point in the slot matmul: -1 on the CPU (its kernel skips negative ids), else the first
+    // of n_zero all-zero slots after the real ones. A device kernel takes no negative id and no id twice in one
+    // token (CUDA's MUL_MAT_ID groups a token's rows by expert and leaves a repeated one unwritten), so the miss in
+    // row j of a token reads zero slot j: one per row a token has.
+    int32_t miss_slot = -1;
+    int32_t n_zero = 0;
     llama_pyspecter_slots * parent = nullptr;
     pyspecter_upload_stream * stream = nullptr; // its device's upload stream (null: synchronous copies)
 
@@ -111,10 +116,13 @@ struct llama_pyspecter_layer {
     std::atomic<bool> passed{false}; // this ubatch's slot path of the layer has run (its route op has started)
 };
 
-// One remap table per device: [2 * n_expert, n_layer] I32 in a weights buffer of that device, (slot, expert) per
-// expert of each device layer (the layer's zero slot where not resident), and its host image.
+// One remap table per device: [2 * n_expert * n_used, n_layer] I32 in a weights buffer of that device, and its host
+// image. A layer's row holds a plane per row j of a token: (slot, expert) per expert, the layer's zero slot j where
+// the expert is not resident, so that a token's misses read distinct zero slots. The slot path looks up row
+// j * n_expert + expert, adding offs (F32 [n_used], j * n_expert) to the router's ids on the device.
 struct llama_pyspecter_table {
     ggml_tensor * t = nullptr;
+    ggml_tensor * offs = nullptr;
     std::vector<int32_t> image; // what the device holds
     bool dirty = false;         // remap changed since the image was last pushed
 };
@@ -180,6 +188,8 @@ private:
 struct llama_pyspecter_slots {
     int32_t n_slots  = 0;
     int32_t n_expert = 0;
+    int32_t n_used   = 0; // experts a token uses (the model's top-k): rows per token, zero slots per device layer
+    bool poison = false;  // SPECTER_POISON_SLOTS=1: device slots start as NaN, not zeros (tests: reads before writes)
     std::vector<std::unique_ptr<llama_pyspecter_layer>> layers; // by layer index; null for dense layers
     struct slot_ref {
         llama_pyspecter_layer * layer;
@@ -240,6 +250,15 @@ struct llama_pyspecter_slots {
 // the ubatch in flight (a slot it maps may be overwritten right after); a new mapping waits for the next fence.
 // Returns LLAMA_PYSPECTER_OK or ERR_ARG.
 int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
+
+// The slot a non-resident expert in row j of a token reads in the slot matmul: -1 on the CPU, zero slot j on a device.
+inline int32_t pyspecter_zero_slot(const llama_pyspecter_layer * L, int32_t j) {
+    return L->miss_slot < 0 ? -1 : L->miss_slot + j % L->n_zero;
+}
+
+inline bool pyspecter_is_zero_slot(const llama_pyspecter_layer * L, int32_t slot) {
+    return L->miss_slot >= 0 && slot >= L->miss_slot;
+}
 
 llama_pyspecter_slots * pyspecter_slots_of(const llama_model * model);
 llama_pyspecter_layer * pyspecter_layer_of(const llama_model * model, int32_t il);

@@ -123,8 +123,10 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     int64_t hit = 0;
     bool missed = false; // some row's expert not resident (late rows included): the layer's CPU counts as a miss's
+    const int32_t n_alloc = s->n_slots + L->n_zero;
     for (int32_t i = 0; i < n_used * n_tokens; ++i) {
         const int32_t e = host_ids[i];
+        const int32_t zero = pyspecter_zero_slot(L, i % n_used); // distinct per row of a token, as a device needs
         const int32_t slot = e >= 0 && e < (int32_t) L->remap.size() ? L->remap[e] : -1;
         const int32_t late = with_late && slot < 0 && e >= 0 && e < (int32_t) L->late.size() ? L->late[e] : -1;
         missed = missed || slot < 0;
@@ -133,17 +135,18 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
             host_ids[i] = -1;
             ++hit;
         } else if (late >= 0) {
-            slot_ids[i] = L->miss_slot;
+            slot_ids[i] = zero;
             host_ids[i] = -1;
             ++hit; // computed from a slot, only later
         } else {
-            slot_ids[i] = L->miss_slot;
+            slot_ids[i] = zero;
         }
         if (with_late) {
-            late_ids[i] = late >= 0 ? late : L->miss_slot;
+            late_ids[i] = late >= 0 ? late : zero;
         }
-        // a device kernel reads a negative id as a huge unsigned one: on a device every id is a slot or the zero slot
-        GGML_ASSERT(L->miss_slot < 0 || (slot_ids[i] >= 0 && (!with_late || late_ids[i] >= 0)));
+        // a device kernel reads a negative id as a huge unsigned one: on a device every id is a slot or a zero slot
+        GGML_ASSERT(L->miss_slot < 0 || ((uint32_t) slot_ids[i] < (uint32_t) n_alloc &&
+                                         (!with_late || (uint32_t) late_ids[i] < (uint32_t) n_alloc)));
     }
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += (int64_t) n_used * n_tokens - hit;
@@ -189,7 +192,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     }
     int64_t hit = 0;
     for (int32_t i = 0; i < n; ++i) {
-        if (*(const int32_t *) ((const char *) pairs->data + i * pairs->nb[1]) != L->miss_slot) {
+        if (!pyspecter_is_zero_slot(L, *(const int32_t *) ((const char *) pairs->data + i * pairs->nb[1]))) {
             host_ids[i] = -1;
             ++hit;
         }
@@ -249,13 +252,19 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
     }
     if (allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb && !pyspecter_native_late(slots)) {
         // (slot, expert) of every (token, expert) row, looked up on the device: one small tensor for the host to
-        // read back, and the slot path's ids (the zero slot where not resident: never a negative id); ordered
-        // misses, Python's or C's, keep the per-matmul route: their late path needs it
-        ggml_tensor * table = slots->tables[L->table].t; // [2 * n_expert, n_layer]
-        ggml_tensor * row = ggml_view_2d(ctx, table, 2, table->ne[0] / 2, 2 * table->nb[0],
-                                         (size_t) L->table_row * table->nb[1]);
-        ggml_tensor * ids = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx, selected_experts);
-        ggml_tensor * pairs = ggml_get_rows(ctx, row, ggml_reshape_1d(ctx, ids, ggml_nelements(ids)));
+        // read back, and the slot path's ids (zero slot j where row j's expert is not resident: never a negative
+        // id, never one twice in a token); ordered misses, Python's or C's, keep the per-matmul route: their late
+        // path needs it
+        const auto & tab = slots->tables[L->table];
+        ggml_tensor * row = ggml_view_2d(ctx, tab.t, 2, tab.t->ne[0] / 2, 2 * tab.t->nb[0],
+                                         (size_t) L->table_row * tab.t->nb[1]); // [2, n_used * n_expert]
+        // row j of a token looks up plane j: j * n_expert + expert, added in F32 (exact; the device has no integer
+        // add) and cast back
+        GGML_ASSERT(selected_experts->ne[0] <= L->n_zero && "more rows per token than zero slots");
+        ggml_tensor * offs = ggml_view_1d(ctx, tab.offs, selected_experts->ne[0], 0);
+        ggml_tensor * plane = ggml_add(ctx, ggml_cast(ctx, selected_experts, GGML_TYPE_F32), offs);
+        ggml_tensor * idx = ggml_cast(ctx, plane, GGML_TYPE_I32); // [n_used, n_tokens]
+        ggml_tensor * pairs = ggml_get_rows(ctx, row, ggml_reshape_1d(ctx, idx, ggml_nelements(idx)));
         ggml_format_name(pairs, "ffn_moe_slot_pairs-%d", il);
         ggml_tensor * slot_ids = ggml_reshape_2d(ctx, ggml_cont(ctx, ggml_view_2d(ctx, pairs, 1, pairs->ne[1],
                                                                                   pairs->nb[1], 0)),

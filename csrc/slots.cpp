@@ -8,8 +8,10 @@
 #include "ggml-cpu.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <exception>
 #include <new>
+#include <string>
 
 llama_pyspecter_slots::~llama_pyspecter_slots() {
     pyspecter_native_stop(this); // before any buffer goes: queued or running copies write into them
@@ -69,9 +71,11 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
                            ggml_tensor * const host[LLAMA_PYSPECTER_N_KINDS]) {
     ggml_backend_dev_t dev = model->dev_layer(il);
     const bool on_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-    // CUDA and friends would read a negative id as a huge unsigned one, so misses point at a zero slot there;
-    // the patched CPU kernel skips negative ids instead, which saves a useless matmul.
-    const int32_t n_alloc = s->n_slots + (on_cpu ? 0 : 1);
+    // CUDA and friends take neither a negative id nor an id twice in a token, so misses point at zero slots there,
+    // one per row of a token (pyspecter_zero_slot); the patched CPU kernel skips negative ids instead, which saves
+    // a useless matmul.
+    const int32_t n_zero  = on_cpu ? 0 : s->n_used;
+    const int32_t n_alloc = s->n_slots + n_zero;
     std::vector<ggml_tensor *> small;
     if (!on_cpu) {
         layer_small_tensors(model, il, small);
@@ -90,6 +94,7 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     L->il = il;
     L->parent = s;
     L->miss_slot = on_cpu ? -1 : s->n_slots;
+    L->n_zero = n_zero;
     L->stream = on_cpu ? nullptr : pyspecter_upload_stream_for(s, dev);
     L->remap.assign(s->n_expert, -1);
     L->late.assign(s->n_expert, -1);
@@ -129,11 +134,18 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     s->bufs.push_back(buf);
     // weights usage makes the scheduler run the slot matmul where the slots live
     ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    // Only a device layer's zero slot must be zero; the rest is overwritten on upload. CPU slots are left
-    // untouched, so slots never written take no memory: the engine allocates as many as the budget buys without
-    // the draft and uses them only once the draft is gone.
+    // A device layer's zero slots are written zero explicitly; its other slots are read only once an upload wrote
+    // them, so they start as zeros, or as NaN under SPECTER_POISON_SLOTS=1, where any read of a slot before its
+    // upload turns the logits NaN (a GPU's fresh memory is garbage; the RPC server's starts zeroed and hides it).
+    // CPU slots are left untouched, so slots never written take no memory: the engine allocates as many as the
+    // budget buys without the draft and uses them only once the draft is gone.
     if (!on_cpu) {
-        ggml_backend_buffer_clear(buf, 0);
+        ggml_backend_buffer_clear(buf, s->poison ? 0xFF : 0);
+        for (ggml_tensor * t : L->slot) {
+            if (t) {
+                ggml_backend_tensor_memset(t, 0, (size_t) s->n_slots * t->nb[2], (size_t) n_zero * t->nb[2]);
+            }
+        }
     }
     for (auto & [h, t] : copies) {
         ggml_backend_tensor_set(t, h->data, 0, ggml_nbytes(h));
@@ -143,8 +155,30 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     return LLAMA_PYSPECTER_OK;
 }
 
-// The remap tables of device layers: one [2 * n_expert, n_layer] I32 tensor per device buffer type, (slot, expert)
-// per expert, every slot the layer's zero slot (nothing resident).
+// Layer L's row of its table (pyspecter-impl.h) from its remap: plane j holds (slot, expert) per expert, zero slot
+// j where not resident. Returns whether anything changed. Every id written is checked against the slot tensor here,
+// where the device's ids are made: a kernel must never see one outside it.
+static bool fill_row(llama_pyspecter_layer * L, int32_t * row) {
+    const int32_t E = L->parent->n_expert, n_alloc = L->parent->n_slots + L->n_zero;
+    bool changed = false;
+    for (int32_t j = 0; j < L->n_zero; ++j) {
+        for (int32_t e = 0; e < E; ++e) {
+            const int32_t v = L->remap[e] >= 0 ? L->remap[e] : pyspecter_zero_slot(L, j);
+            GGML_ASSERT(v >= 0 && v < n_alloc);
+            int32_t * pair = row + 2 * ((size_t) j * E + e);
+            changed |= pair[0] != v || pair[1] != e;
+            pair[0] = v;
+            pair[1] = e;
+        }
+    }
+    return changed;
+}
+
+static size_t row_len(const llama_pyspecter_slots * s) {
+    return (size_t) 2 * s->n_expert * s->n_used;
+}
+
+// The remap tables of device layers: one per device buffer type (pyspecter-impl.h), nothing resident at first.
 static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
     std::vector<ggml_backend_buffer_type_t> bufts;
     for (int32_t il = 0; il < (int32_t) s->layers.size(); ++il) {
@@ -161,31 +195,34 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         }
     }
     for (auto * buft : bufts) {
-        ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+        ggml_init_params ip = { 2 * ggml_tensor_overhead(), nullptr, true };
         ggml_context * ctx = ggml_init(ip);
         if (!ctx) {
             return LLAMA_PYSPECTER_ERR_NO_MEMORY;
         }
         s->ctxs.push_back(ctx);
         llama_pyspecter_table tab;
-        tab.t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 2 * (int64_t) s->n_expert, (int64_t) s->layers.size());
+        tab.t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, (int64_t) row_len(s), (int64_t) s->layers.size());
         ggml_format_name(tab.t, "pyspecter.remap.%zu", s->tables.size());
+        tab.offs = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, s->n_used);
+        ggml_format_name(tab.offs, "pyspecter.remap_offs.%zu", s->tables.size());
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
         if (!buf) {
             return LLAMA_PYSPECTER_ERR_NO_MEMORY;
         }
         s->bufs.push_back(buf);
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // get_rows runs on the device
-        tab.image.assign((size_t) 2 * s->n_expert * s->layers.size(), 0);
+        tab.image.assign(row_len(s) * s->layers.size(), 0);
+        std::vector<float> offs(s->n_used);
+        for (int32_t j = 0; j < s->n_used; ++j) {
+            offs[j] = (float) j * (float) s->n_expert; // exact: the table has far fewer than 2^24 rows
+        }
+        ggml_backend_tensor_set(tab.offs, offs.data(), 0, offs.size() * sizeof(float));
         s->tables.push_back(std::move(tab));
     }
     for (auto & L : s->layers) {
         if (L && L->table >= 0) {
-            int32_t * row = s->tables[L->table].image.data() + (size_t) 2 * L->table_row * s->n_expert;
-            for (int32_t e = 0; e < s->n_expert; ++e) {
-                row[2 * e]     = L->miss_slot;
-                row[2 * e + 1] = e;
-            }
+            fill_row(L.get(), s->tables[L->table].image.data() + row_len(s) * L->table_row);
         }
     }
     for (auto & tab : s->tables) {
@@ -238,6 +275,9 @@ int32_t llama_pyspecter_slots_init_layers(llama_model * model, int32_t n_slots, 
         auto s = std::make_shared<llama_pyspecter_slots>();
         s->n_slots  = std::min(n_slots, n_expert);
         s->n_expert = n_expert;
+        s->n_used   = std::max<int32_t>(1, (int32_t) model->hparams.n_expert_used_max());
+        const char * poison = std::getenv("SPECTER_POISON_SLOTS");
+        s->poison   = poison && *poison && std::string(poison) != "0";
         s->layers.resize(model->layers.size());
 
         for (int32_t il = 0; il < (int32_t) model->layers.size(); ++il) {
@@ -323,12 +363,16 @@ static void unmap_on_device(llama_pyspecter_layer * L, int32_t expert) {
         return; // not read from a table, or not again before the next fence, which pushes the change
     }
     auto & tab = s->tables[L->table];
-    const size_t i = 2 * ((size_t) L->table_row * s->n_expert + expert);
-    if (tab.image[i] == L->miss_slot) {
+    const size_t row = row_len(s) * L->table_row;
+    if (pyspecter_is_zero_slot(L, tab.image[row + 2 * (size_t) expert])) {
         return;
     }
-    tab.image[i] = L->miss_slot;
-    ggml_backend_tensor_set(tab.t, &tab.image[i], i * sizeof(int32_t), sizeof(int32_t));
+    for (int32_t j = 0; j < L->n_zero; ++j) { // one write of the span of the planes the expert is in
+        tab.image[row + 2 * ((size_t) j * s->n_expert + expert)] = pyspecter_zero_slot(L, j);
+    }
+    const size_t first = row + 2 * (size_t) expert;
+    const size_t n = 2 * (size_t) (L->n_zero - 1) * s->n_expert + 1;
+    ggml_backend_tensor_set(tab.t, &tab.image[first], first * sizeof(int32_t), n * sizeof(int32_t));
     s->counters.eviction_writes++;
 }
 
@@ -380,12 +424,7 @@ void llama_pyspecter_fence(llama_pyspecter_slots * s) {
             if (!L || L->table < 0 || &s->tables[L->table] != &tab) {
                 continue;
             }
-            int32_t * row = tab.image.data() + (size_t) 2 * L->table_row * s->n_expert;
-            for (int32_t e = 0; e < s->n_expert; ++e) {
-                const int32_t v = L->remap[e] >= 0 ? L->remap[e] : L->miss_slot;
-                changed |= row[2 * e] != v;
-                row[2 * e] = v;
-            }
+            changed |= fill_row(L.get(), tab.image.data() + row_len(s) * L->table_row);
         }
         if (changed) {
             // the device is idle here (the previous ubatch's slot paths have all run): a plain copy is ordered
@@ -407,7 +446,7 @@ int32_t llama_pyspecter_read_table(const llama_model * model, int32_t il, int32_
         return model ? LLAMA_PYSPECTER_ERR_NO_SLOTS : LLAMA_PYSPECTER_ERR_ARG;
     }
     auto * L = s->layer(il);
-    const int32_t len = 2 * s->n_expert;
+    const int32_t len = (int32_t) row_len(s);
     if (!L || L->table < 0 || !out || n < len) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }

@@ -62,9 +62,12 @@ class LayerPlan:
         return {il: _NATIVE[k] for il, k in self.kinds.items()}
 
     def device_bytes(self, layout: ModelLayout) -> int:
-        """Device memory for experts: a full layer's every expert, a slot layer's slots and its zero slot."""
+        """Device memory for experts: a full layer's every expert, a slot layer's slots and its zero slots (one per
+        expert a token uses: a device kernel takes no expert id twice in a token, so each of a token's misses reads
+        its own)."""
         eb = {L.index: L.expert_bytes for L in layout.layers}
-        return sum(eb[il] * (layout.n_expert if k == "full" else self.n_slots + 1 if k == "slots" else 0)
+        zero = layout.n_expert_used
+        return sum(eb[il] * (layout.n_expert if k == "full" else self.n_slots + zero if k == "slots" else 0)
                    for il, k in self.kinds.items())
 
     def switches_per_token(self) -> int:
@@ -102,7 +105,7 @@ def hit_rate(n_slots: int, n_expert: int) -> float:
 
 def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts) -> float:
     """Predicted time per decode token: the costs' base plus each MoE layer's experts and switches. A slot layer's
-    device path runs all k rows (misses on the zero slot), its misses run on the host as well and are uploaded
+    device path runs all k rows (misses on zero slots), its misses run on the host as well and are uploaded
     (counted in full: on RPC the link is this machine's CPU)."""
     k = layout.n_expert_used
     h = hit_rate(plan.n_slots, layout.n_expert)
@@ -143,7 +146,7 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts) -> L
         rest = layers[: len(layers) - f]
         full = {il: "full" for il in layers[len(layers) - f:]}
         for n in [0, *range(k, E)]:
-            fit = min(len(rest), left // ((n + 1) * eb)) if n else 0
+            fit = min(len(rest), left // ((n + k) * eb)) if n else 0  # n slots and k zero slots
             for s in {0, fit}:
                 kinds = {**{il: "host" for il in rest}, **full}
                 for il in rest[len(rest) - s:] if s else []:

@@ -74,7 +74,9 @@ def device_fit(layout: ModelLayout, device: str) -> DeviceFit:
         raise SpecterError(f"--device {device!r}: not a device")
     free, total = dev.memory()
     room = max(usable_memory(free) - layout.nonexpert_bytes, 0)
-    slots = slots_for_budget(layout, room)
+    # each slot layer also holds one all-zero slot per expert a token uses (where its misses point on a device)
+    zero = layout.n_expert_used * layout.expert_total_bytes // layout.n_expert
+    slots = slots_for_budget(layout, max(room - zero, 0))
     nonexp = fmt_bytes(layout.nonexpert_bytes)
     if room >= layout.expert_total_bytes:
         why = "the whole model fits on the device"

@@ -717,8 +717,14 @@ def main() -> None:
     shutil.copytree(tree / "llama_cpp", staging / "llama_cpp", ignore=shutil.ignore_patterns("server", "__pycache__"))
     libdir = staging / "llama_cpp" / "lib"
     libdir.mkdir(exist_ok=True)
+    # CMake's links (libggml.so -> libggml.so.0 -> libggml.so.0.25.3) stay links: the bindings open libllama.so and
+    # pyspecter opens libggml-cpu.so and libggml-rpc.so by name, and the loader finds libggml-cpu.so.0 by soname.
+    # Copies would be separate files, so one process would hold two instances of a library, each with its own
+    # state (a switch set through one would not reach the other; two backend registries).
     for so in bdir.rglob("*.so*"):
-        if so.is_file():
+        if so.is_symlink():
+            (libdir / so.name).symlink_to(os.readlink(so))
+        elif so.is_file():
             shutil.copy2(so, libdir / so.name)
     build_s = time.time() - t0
     (staging / "BUILD_INFO.json").write_text(json.dumps({

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 22
+#define LLAMA_PYSPECTER_VERSION 23
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,7 +58,8 @@ typedef void (*llama_pyspecter_route_cb)(void * user_data, int32_t il, int32_t n
                                          const int32_t * ids, const float * weights);
 
 // Allocate n_slots expert slots in every MoE layer, on the layer's device, with the layer's expert tensor types
-// (plus one all-zero slot on non-CPU devices, where misses point). Call after loading the model and before
+// (plus n_used all-zero slots on non-CPU devices, where misses point: row j of a token reads zero slot j, since a
+// device kernel takes no expert id twice in a token). Call after loading the model and before
 // creating a context on it. All experts start non-resident. CPU slots are not touched here, so a slot takes memory
 // only once an expert is written into it. Returns 0, or a negative status.
 LLAMA_API int32_t llama_pyspecter_slots_init(struct llama_model * model, int32_t n_slots);
@@ -306,10 +307,11 @@ struct llama_pyspecter_device_stats {
 };
 LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
                                                    struct llama_pyspecter_device_stats * out);
-// Layer il's row of its device's remap table, read back from the device: (slot, expert) per expert, 2 * n_expert
-// int32 into out (n at least that). The slot matmul's ids are get_rows over it, so every slot in it must be a
-// slot or the layer's zero slot, never negative. Returns 2 * n_expert, LLAMA_PYSPECTER_ERR_NO_SLOTS, or
-// LLAMA_PYSPECTER_ERR_ARG (no such device layer, or n too small).
+// Layer il's row of its device's remap table, read back from the device: a plane per row j of a token (n_used
+// of them), (slot, expert) per expert in each, 2 * n_expert * n_used int32 into out (n at least that). The slot
+// matmul's ids are get_rows over it, so every slot in it must be a slot or the layer's zero slot j (n_slots + j),
+// never negative, and a token's rows never share one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS,
+// or LLAMA_PYSPECTER_ERR_ARG (no such device layer, or n too small).
 LLAMA_API int32_t llama_pyspecter_read_table(const struct llama_model * model, int32_t il, int32_t * out, int32_t n);
 
 // Counters since the last reset (all zero when slots are not enabled).

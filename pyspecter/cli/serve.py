@@ -95,6 +95,9 @@ def rpc_server(
                                            "127.0.0.1 unless the network is yours alone")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 50052,
     threads: ThreadsOpt = DEFAULT_THREADS,
+    strict: Annotated[bool, typer.Option("--strict", help="hold clients to a GPU's contract: abort on an expert id "
+                                         "outside the weights or repeated in a token, which a GPU kernel would "
+                                         "not survive (for tests of the device path)")] = False,
 ) -> None:
     """Serve this machine's CPU as a ggml RPC device (llama.cpp's rpc-server, in-process), for --device
     rpc:HOST:PORT. It serves one client at a time and runs until stopped (Ctrl-C)."""
@@ -112,6 +115,6 @@ def rpc_server(
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"pyspecter: warning: listening on {host}: the RPC server has no authentication", file=sys.stderr)
     native_errors_exit()
-    serve_rpc(host, port, threads)
+    serve_rpc(host, port, threads, strict)
 
 

@@ -63,17 +63,20 @@ def llama_pyspecter_set_route_weights(model: ModelPtr, enabled: bool, /) -> None
 
 @ctypes_function("llama_pyspecter_read_table", [_model, _i32, ctypes.POINTER(_i32), _i32], _i32)
 def llama_pyspecter_read_table(model: ModelPtr, il: int, out: Any, n: int, /) -> int:
-    """Layer il's row of its device remap table, read back from the device: (slot, expert) per expert."""
+    """Layer il's row of its device remap table, read back from the device: a plane per row of a token, (slot,
+    expert) per expert in each. Returns the ints written (2 * n_expert * n_used) or a negative error."""
     ...
 
 
-def read_table(model: ModelPtr, il: int, n_expert: int) -> list[tuple[int, int]]:
-    """Device layer il's remap table as the device holds it: (slot, expert) per expert."""
-    buf = (_i32 * (2 * n_expert))()
+def read_table(model: ModelPtr, il: int, n_expert: int, n_used: int) -> list[list[tuple[int, int]]]:
+    """Device layer il's remap table as the device holds it: per row j of a token, (slot, expert) per expert (zero
+    slot j where the expert is not resident)."""
+    buf = (_i32 * (2 * n_expert * n_used))()
     rc = slots().read_table(model, il, buf, len(buf))
     if rc != len(buf):
         raise RuntimeError(f"llama_pyspecter_read_table(layer {il}): {rc}")
-    return [(buf[2 * e], buf[2 * e + 1]) for e in range(n_expert)]
+    return [[(buf[2 * (j * n_expert + e)], buf[2 * (j * n_expert + e) + 1]) for e in range(n_expert)]
+            for j in range(n_used)]
 
 
 def device_stats(model: ModelPtr) -> DeviceStats:

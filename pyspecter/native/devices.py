@@ -208,7 +208,17 @@ def _cpu_buffer_type() -> int:
     return lib.ggml_backend_cpu_buffer_type()
 
 
-def serve_rpc(host: str, port: int, threads: int) -> None:
-    """Run ggml's RPC server on this machine's CPU until the process is stopped (it does not return)."""
+def serve_rpc(host: str, port: int, threads: int, strict: bool = False) -> None:
+    """Run ggml's RPC server on this machine's CPU until the process is stopped (it does not return).
+
+    ``strict``: the server holds its clients to a GPU's contract instead of the CPU's leniency. Its CPU
+    ``mul_mat_id`` aborts on an expert id outside the weight tensor or repeated within a token (a CUDA kernel
+    corrupts memory or leaves rows unwritten on those; the CPU kernel would skip or compute them), so a suite run
+    against it catches on every machine what only a GPU would show."""
+    if strict:
+        lib = ctypes.CDLL(str(_lib_dir() / "libggml-cpu.so"))
+        lib.ggml_cpu_set_strict_ids.argtypes = [ctypes.c_bool]
+        lib.ggml_cpu_set_strict_ids.restype = None
+        lib.ggml_cpu_set_strict_ids(True)
     devs = (ctypes.c_void_p * 1)(cpu_device())
     ggml_rpc().ggml_backend_rpc_start_server(f"{host}:{port}".encode(), None, threads, 1, devs)

@@ -187,7 +187,7 @@ def _stale(old: str, new: str, count: int = 1) -> str:
 
 @pytest.mark.parametrize("old, new, says", [
     (f"C API v{c_api_version()}", f"C API v{c_api_version() - 2}", "C API"),
-    ("five small patches", "3 small patches", "patches"),
+    ("six small patches", "3 small patches", "patches"),
     ("(8/16 expert slots, disk)", "(7/16 expert slots, disk)", "pyspecter row"),
     ("budget 50%: 8/16 slots per layer", "budget 50%: 7/16 slots per layer", "inspect line"),
     ("(8 in 29 of 30 layers)", "(8 in 30 of 30 layers)", "predictor note"),
