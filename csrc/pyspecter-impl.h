@@ -190,6 +190,7 @@ struct llama_pyspecter_slots {
     int32_t n_expert = 0;
     int32_t n_used   = 0; // experts a token uses (the model's top-k): rows per token, zero slots per device layer
     bool poison = false;  // SPECTER_POISON_SLOTS=1: device slots start as NaN, not zeros (tests: reads before writes)
+    int64_t upload_fault_us = 0; // SPECTER_UPLOAD_FAULT_US=N: each copy NaN-fills its bytes, waits N us, then copies
     std::vector<std::unique_ptr<llama_pyspecter_layer>> layers; // by layer index; null for dense layers
     struct slot_ref {
         llama_pyspecter_layer * layer;

@@ -278,6 +278,8 @@ int32_t llama_pyspecter_slots_init_layers(llama_model * model, int32_t n_slots, 
         s->n_used   = std::max<int32_t>(1, (int32_t) model->hparams.n_expert_used_max());
         const char * poison = std::getenv("SPECTER_POISON_SLOTS");
         s->poison   = poison && *poison && std::string(poison) != "0";
+        const char * fault = std::getenv("SPECTER_UPLOAD_FAULT_US");
+        s->upload_fault_us = fault ? std::max<int64_t>(0, std::atoll(fault)) : 0;
         s->layers.resize(model->layers.size());
 
         for (int32_t il = 0; il < (int32_t) model->layers.size(); ++il) {

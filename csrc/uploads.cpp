@@ -16,6 +16,7 @@
 #include <new>
 #include <string>
 #include <system_error>
+#include <thread>
 
 //
 // the upload thread
@@ -211,6 +212,13 @@ public:
     // n bytes into slot, at byte `at` of the slot's expert (a chunk of it)
     void copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n, size_t at = 0) {
         const size_t off = (size_t) slot * slot_t->nb[2] + at;
+        if (const int64_t us = L->parent->upload_fault_us) {
+            // fault injection (tests): the bytes of a copy in flight are undefined, so make them NaN for a while
+            // before the real ones land; a kernel that reads the slot in that window (mapped before its upload
+            // landed, or still read for the expert it held) turns the logits NaN
+            ggml_backend_tensor_memset(slot_t, 0xFF, off, n);
+            std::this_thread::sleep_for(std::chrono::microseconds(us));
+        }
         if (st) {
             ggml_backend_tensor_set_async(st->backend, slot_t, src, off, n);
         } else {

@@ -474,3 +474,20 @@ def native_greedy_steps(ctx: native.Context, prompt: list[int], n: int):
         yield step
         if i + 1 >= n:
             return
+
+
+@pytest.mark.parametrize("miss, ordered", [("cpu", False), ("wait", False), ("wait", True)])
+def test_uploads_that_land_late_are_never_read_early(miss: str, ordered: bool, rpc: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection in the upload path (SPECTER_UPLOAD_FAULT_US): every copy first fills its bytes with NaN and
+    lands its real ones 3 ms later, as a copy on another stream is undefined until its event. Under eviction at
+    top-k slots, with misses computed on the host or awaited (ordered: in the same ubatch, by the wait op), no
+    kernel may read a slot in that window: the logits stay stock's to the bit."""
+    monkeypatch.setenv("SPECTER_UPLOAD_FAULT_US", "3000")
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    r = verify(path, slots=lay.n_expert_used, miss=miss, ordered=ordered, prompt=LONG_PROMPT, n_tokens=10,
+               device=rpc)
+    assert r["uploads"] > 0
+    assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0, (r["stock_tokens"], r["slot_tokens"])
+    assert r["contract_ok"], r["contract"]
