@@ -32,6 +32,7 @@ from pyspecter.native.lib import (
     llama_lib,
     patch_series_version,
     quiet_logs,
+    recent_log_errors,
     slots,
     status_name,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits", "read_table",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
-    "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",
+    "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "recent_log_errors",
+    "slots", "status_name",
     "HIST_NS", "layer_cpu_hist",
 ]

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 22
+PATCH_SERIES_VERSION = 23
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -69,34 +69,49 @@ def patch_series_version() -> int:
 
 # llama_context's line at context creation: "graph: nodes = N, splits = S, ..." or, when the prompt (pp) and the
 # one-token (tg) graphs differ, "graph (pp bs=.., tg bs=..): nodes = N / n, splits = S / s, ..."
-_SPLITS = re.compile(rb"graph[^:]*: nodes = \d+(?: / \d+)?, splits = (\d+)(?: / (\d+))?")
-_graph_splits: list[tuple[int, int]] = []
+_SPLITS = re.compile(r"graph[^:]*: nodes = \d+(?: / \d+)?, splits = (\d+)(?: / (\d+))?")
+_quiet = False  # quiet_logs ran: the native sink holds the lines read below
 
 
 def graph_splits() -> tuple[int, int] | None:
     """(prompt graph, one-token graph) splits of the latest context created in this process, as llama.cpp's
     scheduler counted them at its reserve (each split boundary is a switch between backends: on a device, a host
-    round trip); None before any context. Read from the log line the sink below keeps while discarding the rest."""
-    return _graph_splits[-1] if _graph_splits else None
+    round trip); None before any context. Read from the log line the native sink keeps (``quiet_logs``)."""
+    if not _quiet:
+        return None
+    m = _SPLITS.search(_native_text(llama_pyspecter_logs_splits_line))
+    if m is None:
+        return None
+    pp = int(m.group(1))
+    return pp, int(m.group(2) or pp)
+
+
+def recent_log_errors() -> list[str]:
+    """llama.cpp's and ggml's latest error and warning lines (at most LLAMA_PYSPECTER_LOG_LINES), oldest first, as
+    the native sink remembered them since ``quiet_logs``; what a fatal abort prints before its message."""
+    if not _quiet:
+        return []
+    return _native_text(llama_pyspecter_logs_recent).splitlines()
 
 
 def quiet_logs() -> None:
-    """Silence llama.cpp's stderr chatter (model loading prints hundreds of lines); keep only the graph split
-    counts (``graph_splits``)."""
-    import llama_cpp
+    """Silence llama.cpp's stderr chatter (model loading prints hundreds of lines); keep the graph split counts
+    (``graph_splits``) and the last error and warning lines, which a fatal ggml abort (a CUDA error, a failed
+    GGML_ASSERT) prints before its own message, so that it says what failed, where, and in which op."""
+    global _quiet
+    llama_pyspecter_logs_quiet()
+    _quiet = True
 
-    @llama_cpp.llama_log_callback
-    def _sink(level, text, user_data):  # noqa: ARG001
-        if text and b"splits = " in text:
-            m = _SPLITS.search(text)
-            if m:
-                pp = int(m.group(1))
-                _graph_splits.append((pp, int(m.group(2) or pp)))
-                del _graph_splits[:-1]
-        return None
 
-    quiet_logs._keep = _sink  # type: ignore[attr-defined]  # the C side holds a pointer to it
-    llama_cpp.llama_log_set(_sink, ctypes.c_void_p(0))
+def _native_text(fn: Callable[[Any, int], int]) -> str:
+    """The text a ``(char * buf, int32_t size) -> bytes needed`` function of the C API copies out."""
+    size = 4096
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        need = fn(buf, size)
+        if need < size:
+            return buf.value.decode("utf-8", "replace")
+        size = need + 1
 
 
 # --- declarations --------------------------------------------------------------------------------------------------
@@ -286,6 +301,21 @@ _i32, _i64, _size = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 @ctypes_function("llama_pyspecter_version", [], _i32)
 def llama_pyspecter_version() -> int:
     """LLAMA_PYSPECTER_VERSION of the loaded library."""
+
+
+@ctypes_function("llama_pyspecter_logs_quiet", [], None)
+def llama_pyspecter_logs_quiet() -> None:
+    """Route llama.cpp's and ggml's logs to the native sink and set ggml's abort callback (csrc/logs.cpp)."""
+
+
+@ctypes_function("llama_pyspecter_logs_recent", [ctypes.c_char_p, _i32], _i32)
+def llama_pyspecter_logs_recent(buf: Any, size: int, /) -> int:
+    """Copy the remembered error and warning lines into buf; the bytes they need."""
+
+
+@ctypes_function("llama_pyspecter_logs_splits_line", [ctypes.c_char_p, _i32], _i32)
+def llama_pyspecter_logs_splits_line(buf: Any, size: int, /) -> int:
+    """Copy the latest graph split-count line into buf; the bytes it needs (0: none yet)."""
 
 
 @ctypes_function("llama_pyspecter_slots_init", [_model, _i32], _i32)
