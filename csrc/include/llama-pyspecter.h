@@ -380,6 +380,22 @@ LLAMA_API void    llama_pyspecter_stats_reset(struct llama_model * model);
 // count, or LLAMA_PYSPECTER_ERR_ARG when n is smaller (all zero when slots are not enabled).
 LLAMA_API int32_t llama_pyspecter_get_layer_cpu_hist(const struct llama_model * model, int64_t * out, int32_t n);
 
+// Logs (csrc/logs.cpp). llama.cpp and ggml log through one callback; this one keeps their lines off stderr while
+// remembering what a failure needs: the last LLAMA_PYSPECTER_LOG_LINES error and warning lines (with their
+// continuations) and the latest line reporting a graph's split counts. It also sets ggml's abort callback: a fatal
+// GGML_ABORT, GGML_ASSERT or CUDA error prints the remembered lines to stderr before its own message (a CUDA error
+// logs its error string, the function, the failing statement and the op as error lines just before it aborts),
+// then a backtrace, and the process aborts as before. Non-fatal errors stay quiet. Call it once the library is
+// loaded, before loading models; calling it again changes nothing.
+#define LLAMA_PYSPECTER_LOG_LINES 16
+LLAMA_API void    llama_pyspecter_logs_quiet(void);
+// Copies the remembered lines, oldest first, each ending in a newline, NUL-terminated and cut to size bytes, into
+// buf (null: only measure); returns the bytes they need without the NUL.
+LLAMA_API int32_t llama_pyspecter_logs_recent(char * buf, int32_t size);
+// The same for the latest line containing "splits = " (llama_context's graph line when a context is created):
+// 0 when there was none since logs_quiet.
+LLAMA_API int32_t llama_pyspecter_logs_splits_line(char * buf, int32_t size);
+
 #ifdef __cplusplus
 }
 #endif

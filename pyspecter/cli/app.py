@@ -13,24 +13,18 @@ import typer
 
 from pyspecter.errors import SpecterError
 
-_display_type = typer.core.TyperOption.display_type_rich
 
-
-def _no_type_for_flags(self, ctx):
-    # a flag takes no value; typer's rich help would still show it as "--force <bool>"
-    return None if self.is_flag else _display_type(self, ctx)
-
-
-typer.core.TyperOption.display_type_rich = _no_type_for_flags
-
-
+# Only typer's public surface here: the CLI must import on every typer that pyproject allows (its internals move
+# between releases; an assignment to one, TyperOption.display_type_rich, once broke every command at import on all
+# typers but one). A group class passed as Typer(cls=...) overriding click's Group.list_commands is documented
+# typer/click API and works at both ends of the pinned range (tests/integration/test_typer_range.py).
 class _ByUse(typer.core.TyperGroup):
     """--help lists commands in the order people reach for them, not the order they were written."""
 
     ORDER = ("chat", "generate", "serve", "rpc-server", "inspect", "bench", "scale", "verify", "models", "draft",
              "trace", "analyze", "fit-predictor", "surrogate", "demo")
 
-    def list_commands(self, ctx) -> list[str]:
+    def list_commands(self, ctx: typer.Context) -> list[str]:
         names = super().list_commands(ctx)
         return sorted(names, key=lambda n: self.ORDER.index(n) if n in self.ORDER else len(self.ORDER))
 

@@ -1,5 +1,5 @@
 """pyspecter's native side: our C API compiled into the libllama that llama-cpp-python loads (``lib``), and the
-models and contexts opened through those bindings (``model``)."""
+models and contexts opened through those bindings (``model``), and llama.cpp's logs (``logs``)."""
 
 from pyspecter.native.device_api import (
     LAYER_FULL,
@@ -28,13 +28,12 @@ from pyspecter.native.lib import (
     Stats,
     batch_invariant,
     build_key,
-    graph_splits,
     llama_lib,
     patch_series_version,
-    quiet_logs,
     slots,
     status_name,
 )
+from pyspecter.native.logs import graph_splits, quiet_logs, recent_log_errors
 from pyspecter.native.model import Context, Model
 from pyspecter.native.stats_api import HIST_NS, layer_cpu_hist
 
@@ -44,6 +43,7 @@ __all__ = [
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits", "read_table",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
-    "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "slots", "status_name",
+    "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "recent_log_errors",
+    "slots", "status_name",
     "HIST_NS", "layer_cpu_hist",
 ]

@@ -15,7 +15,6 @@ import contextlib
 import ctypes
 import functools
 import os
-import re
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -65,38 +64,6 @@ def build_key() -> str:
 
 def patch_series_version() -> int:
     return int(llama_lib().llama_pyspecter_version())
-
-
-# llama_context's line at context creation: "graph: nodes = N, splits = S, ..." or, when the prompt (pp) and the
-# one-token (tg) graphs differ, "graph (pp bs=.., tg bs=..): nodes = N / n, splits = S / s, ..."
-_SPLITS = re.compile(rb"graph[^:]*: nodes = \d+(?: / \d+)?, splits = (\d+)(?: / (\d+))?")
-_graph_splits: list[tuple[int, int]] = []
-
-
-def graph_splits() -> tuple[int, int] | None:
-    """(prompt graph, one-token graph) splits of the latest context created in this process, as llama.cpp's
-    scheduler counted them at its reserve (each split boundary is a switch between backends: on a device, a host
-    round trip); None before any context. Read from the log line the sink below keeps while discarding the rest."""
-    return _graph_splits[-1] if _graph_splits else None
-
-
-def quiet_logs() -> None:
-    """Silence llama.cpp's stderr chatter (model loading prints hundreds of lines); keep only the graph split
-    counts (``graph_splits``)."""
-    import llama_cpp
-
-    @llama_cpp.llama_log_callback
-    def _sink(level, text, user_data):  # noqa: ARG001
-        if text and b"splits = " in text:
-            m = _SPLITS.search(text)
-            if m:
-                pp = int(m.group(1))
-                _graph_splits.append((pp, int(m.group(2) or pp)))
-                del _graph_splits[:-1]
-        return None
-
-    quiet_logs._keep = _sink  # type: ignore[attr-defined]  # the C side holds a pointer to it
-    llama_cpp.llama_log_set(_sink, ctypes.c_void_p(0))
 
 
 # --- declarations --------------------------------------------------------------------------------------------------
@@ -286,6 +253,21 @@ _i32, _i64, _size = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 @ctypes_function("llama_pyspecter_version", [], _i32)
 def llama_pyspecter_version() -> int:
     """LLAMA_PYSPECTER_VERSION of the loaded library."""
+
+
+@ctypes_function("llama_pyspecter_logs_quiet", [], None)
+def llama_pyspecter_logs_quiet() -> None:
+    """Route llama.cpp's and ggml's logs to the native sink and set ggml's abort callback (csrc/logs.cpp)."""
+
+
+@ctypes_function("llama_pyspecter_logs_recent", [ctypes.c_char_p, _i32], _i32)
+def llama_pyspecter_logs_recent(buf: Any, size: int, /) -> int:
+    """Copy the remembered error and warning lines into buf; the bytes they need."""
+
+
+@ctypes_function("llama_pyspecter_logs_splits_line", [ctypes.c_char_p, _i32], _i32)
+def llama_pyspecter_logs_splits_line(buf: Any, size: int, /) -> int:
+    """Copy the latest graph split-count line into buf; the bytes it needs (0: none yet)."""
 
 
 @ctypes_function("llama_pyspecter_slots_init", [_model, _i32], _i32)

@@ -8,7 +8,8 @@ from collections.abc import Iterable
 
 from pyspecter.errors import SpecterError
 from pyspecter.native.devices import Device, Placement
-from pyspecter.native.lib import llama_lib, quiet_logs, slots
+from pyspecter.native.lib import llama_lib, slots
+from pyspecter.native.logs import quiet_logs
 
 
 class Model:

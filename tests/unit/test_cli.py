@@ -47,12 +47,6 @@ def test_help_lists_are_whole_at_80_columns() -> None:
     assert all(p in h for p in cli.BENCH_POLICIES)
 
 
-def test_flags_show_no_value() -> None:
-    for cmd in ("generate", "bench", "chat", "inspect", "serve"):
-        assert "<bool>" not in _help(cmd), cmd
-    assert "<bool>" not in runner.invoke(cli.app, ["--help"], env={"COLUMNS": "200"}).output
-
-
 def test_every_model_command_defaults_to_the_embedded_model() -> None:
     import typer
 
