@@ -12,6 +12,7 @@
 
 #include "ggml.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -20,8 +21,8 @@
 
 #if defined(__GLIBC__)
 #include <execinfo.h>
-#include <unistd.h>
 #endif
+#include <unistd.h>
 
 namespace {
 
@@ -96,6 +97,9 @@ int32_t recent(const log_memory & m, char * buf, int32_t size) {
     return need;
 }
 
+// 0: ggml's abort() follows the callback; else the exit code of a command-line program (exit_on_abort)
+std::atomic<int32_t> g_exit_code{0};
+
 void on_abort(const char * message) {
     log_memory & m = memory();
     // another thread holds the lock only to copy a line; the aborting thread itself may hold it (an abort inside
@@ -114,6 +118,16 @@ void on_abort(const char * message) {
         fputs("llama.cpp's last errors and warnings before it aborted:\n", stderr);
         fputs(text, stderr);
     }
+    if (const int32_t code = g_exit_code.load()) {
+        // a command-line program: the reason's first line as its one error line, then the exit code, no core
+        size_t len = 0;
+        while (message != nullptr && message[len] != '\0' && message[len] != '\n') {
+            ++len;
+        }
+        fprintf(stderr, "pyspecter: fatal: %.*s\n", (int) len, message != nullptr ? message : "ggml aborted");
+        fflush(stderr);
+        _exit(code);
+    }
     fprintf(stderr, "%s\n", message != nullptr ? message : "ggml aborted");
 #if defined(__GLIBC__)
     // ggml prints a backtrace only when no abort callback is set: keep one (glibc's, no debugger needed)
@@ -130,6 +144,12 @@ void on_abort(const char * message) {
 void llama_pyspecter_logs_quiet(void) {
     memory(); // made before any callback can run
     llama_log_set(on_log, nullptr);
+    ggml_set_abort_callback(on_abort);
+}
+
+void llama_pyspecter_exit_on_abort(int32_t code) {
+    memory(); // made before any callback can run
+    g_exit_code.store(code);
     ggml_set_abort_callback(on_abort);
 }
 

@@ -171,9 +171,10 @@ LLAMA_API size_t  llama_pyspecter_release_host_experts(struct llama_model * mode
 // Process-wide; change it only between decodes.
 LLAMA_API void    llama_pyspecter_set_batch_invariant(bool enabled);
 
-// For command-line programs: when ggml aborts (an assertion, or a lost RPC connection, which ggml treats as fatal),
-// print one line "pyspecter: fatal: <first line of the message>" to stderr and exit with `code` instead of dumping
-// a backtrace and dumping core. A library user who wants the default behaviour never calls this.
+// For command-line programs: when ggml aborts (an assertion, a CUDA error, or a lost RPC connection, which ggml
+// treats as fatal), print llama.cpp's last remembered error and warning lines (llama_pyspecter_logs_quiet's), then
+// one line "pyspecter: fatal: <first line of the message>" to stderr, and exit with `code` instead of dumping a
+// backtrace and dumping core. A library user who wants the default behaviour never calls this.
 LLAMA_API void    llama_pyspecter_exit_on_abort(int32_t code);
 
 // Native residency: the routing op itself decides, reads and evicts, with no call into the control plane inside a

@@ -68,13 +68,13 @@ def test_bad_plans_are_refused() -> None:
 
 
 def test_the_split_counts_are_read_from_llama_cpps_line() -> None:
-    from pyspecter.native.lib import _SPLITS
+    from pyspecter.native.logs import _SPLITS
 
-    same = _SPLITS.search(b"graph_reserve: graph: nodes = 1234, splits = 62, input objects = 3, input tensors = 5\n")
-    assert same is not None and same.group(1) == b"62" and same.group(2) is None
-    both = _SPLITS.search(b"llama_context: graph (pp bs=512, tg bs=1): nodes = 1500 / 1234, splits = 64 / 62, "
-                          b"input objects = 3 / 3, input tensors = 5 / 5\n")
-    assert both is not None and (both.group(1), both.group(2)) == (b"64", b"62")
+    same = _SPLITS.search("graph_reserve: graph: nodes = 1234, splits = 62, input objects = 3, input tensors = 5\n")
+    assert same is not None and same.group(1) == "62" and same.group(2) is None
+    both = _SPLITS.search("llama_context: graph (pp bs=512, tg bs=1): nodes = 1500 / 1234, splits = 64 / 62, "
+                          "input objects = 3 / 3, input tensors = 5 / 5\n")
+    assert both is not None and (both.group(1), both.group(2)) == ("64", "62")
 
 
 def _uneven_layout() -> ModelLayout:
