@@ -23,7 +23,7 @@ import pyspecter.server.http as http
 import pyspecter.server.wire as oa
 from pyspecter.errors import SpecterError
 from pyspecter.server.wire import ApiError
-from pyspecter.server.worker import Job, Worker, metrics, prometheus
+from pyspecter.server.worker import Job, Worker, metrics, prometheus, slots
 from pyspecter.session import Session
 
 MAX_BODY = 8 * 2**20
@@ -226,7 +226,7 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": int(s.cfg.model.stat().st_mtime),
                 "owned_by": "pyspecter", "n_ctx": s.cfg.n_ctx, "tier": s.tier.name,
-                "slots_per_layer": s.n_slots, "n_expert": s.layout.n_expert}
+                "slots_per_layer": slots(w.stats)[1], "slots": slots(w.stats)[0], "n_expert": s.layout.n_expert}
 
     @app.get("/v1/models")
     async def models():
@@ -337,7 +337,7 @@ def serve(session: Session, sock: socket.socket, *, model_id: str, aliases: set[
         host, port = sock.getsockname()[:2]
         where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         print(f"pyspecter serve: {model_id} at {where}/v1 (OpenAI-compatible; /health, /metrics), "
-              f"{session.n_slots}/{session.layout.n_expert} expert slots per layer, tier {session.tier.name}, "
+              f"{slots(w.stats)[0]}, tier {session.tier.name}, "
               f"context {session.cfg.n_ctx}, queue {queue_size}, at most {max_connections} connections, idle "
               f"ones closed after {idle_timeout:g} s" + (", API key required" if api_key else ""),
               file=sys.stderr, flush=True)

@@ -244,6 +244,16 @@ class Worker:
         job.emit(("done", reason, len(job.prompt), n_out))
 
 
+def slots(st: dict) -> tuple[str, int | None]:
+    """The slots as the server reports them (banner, /v1/models, /metrics), from the session's stats: its own
+    words for them, and the count per layer, None when there are none (a model that fits runs stock, every
+    expert resident, and its session's nominal count means nothing)."""
+    has = st.get("has_slots", True) and not st.get("stock", False)
+    per_layer = st.get("slots_per_layer") if has else None
+    text = st.get("slots_text") or (f"{per_layer}/{st.get('n_expert', '?')} slots per layer" if has else "no slots")
+    return text, per_layer
+
+
 def _pct(xs, q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
@@ -276,7 +286,8 @@ def prometheus(m: dict) -> str:
         ("ttft_p95_seconds", "gauge", "time to first token (queue wait included), p95", m["ttft_p95_s"]),
         ("expert_hit_rate", "gauge", "experts resident when their layer needed them", st.get("hit_rate", 0.0)),
         ("expert_slot_row_rate", "gauge", "expert rows computed from slots", st.get("coverage", 0.0)),
-        ("expert_slots_per_layer", "gauge", "expert slots per MoE layer", st.get("slots_per_layer", 0)),
+        ("expert_slots_per_layer", "gauge", "expert slots per MoE layer (0: no slots)",
+         slots(st)[1] or 0),
         ("expert_uploads_total", "counter", "experts read from the slow tier", st.get("uploads", 0)),
         ("upload_bytes_total", "counter", "bytes read from the slow tier", st.get("upload_mib", 0.0) * 2**20),
         ("upload_bytes_per_token", "gauge", "bytes read from the slow tier per token", m["bytes_read_per_token"]),
