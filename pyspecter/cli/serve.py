@@ -42,8 +42,9 @@ def serve(
                                                 help="require 'Authorization: Bearer KEY' on every route but "
                                                      "/health (or set PYSPECTER_API_KEY)")] = None,
     queue: Annotated[int, typer.Option(help="requests that may wait for the one generating; more get 429")] = 8,
-    max_connections: Annotated[int, typer.Option(help="open connections at most; one more gets 503 and is "
-                                                      "closed")] = 64,
+    max_connections: Annotated[int, typer.Option(help="open connections at most; one more closes the oldest "
+                                                      "idle one, or gets 503 if none is idle (/health is always "
+                                                      "answered)")] = 64,
     idle_timeout: Annotated[float, typer.Option(help="seconds a connection may stay open without sending a whole "
                                                      "request (after it opens or after its last answer)")] = 5.0,
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; "

@@ -4,8 +4,9 @@
 Batch size 1: llama.cpp's context here holds one sequence, so one worker thread generates one answer at a time
 (``worker.Worker``); requests wait in a bounded queue in front of it, and a request that finds it full is refused
 with 429 and a Retry-After header. Every request carries its own sampling settings. A client that goes away
-cancels its answer (checked between tokens). Wire format and validation: ``wire``; connection limits, timeouts
-and the access log: ``http``.
+cancels its answer: the connection's loss (seen by ``http``'s protocol, not polled) stops a generating answer at
+its next token and takes a waiting one out of the queue at once, as llama-server does. Wire format and
+validation: ``wire``; connection limits, timeouts and the access log: ``http``.
 """
 
 # no `from __future__ import annotations` here: FastAPI reads the handlers' annotations (``request: Request``,
@@ -22,10 +23,11 @@ import pyspecter.server.http as http
 import pyspecter.server.wire as oa
 from pyspecter.errors import SpecterError
 from pyspecter.server.wire import ApiError
-from pyspecter.server.worker import Job, Worker, metrics, prometheus
+from pyspecter.server.worker import Job, Worker, metrics, prometheus, slots
 from pyspecter.session import Session
 
 MAX_BODY = 8 * 2**20
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted for answers nobody was left to read
 _DEPS = ("fastapi", "uvicorn", "sse_starlette")
 
 
@@ -40,6 +42,24 @@ def require_deps() -> None:
 
 
 # --- HTTP -----------------------------------------------------------------------------------------------------------
+
+def client_gone(scope: dict) -> None:
+    """The connection of the request ``scope`` was lost before its response ended (http's protocol calls this):
+    its answer, if it has one, is abandoned now; one not yet submitted is abandoned as it is (``start``)."""
+    state = scope.setdefault("state", {})
+    state[http.GONE_KEY] = True
+    job = state.get(http.JOB_KEY)
+    if job is not None:
+        job.abandon()
+
+
+def health(w: Worker, model_id: str) -> tuple[int, dict]:
+    """/health's status and body: cheap, no lock, so it answers while an answer generates and the queue is full
+    (also used by ``http`` for a connection over the cap)."""
+    if not w.alive:
+        return 503, {"status": "error", "message": "the generation thread stopped"}
+    return 200, {"status": "ok", "model": model_id, "busy": w.busy, "queue_depth": w.queue_depth}
+
 
 class _Auth:
     """ASGI middleware: every route but /health needs ``Authorization: Bearer KEY`` when a key is set."""
@@ -69,6 +89,7 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
     from sse_starlette.sse import EventSourceResponse
     from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
     from pyspecter.prompts import render_prompt
 
@@ -88,6 +109,11 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
     async def _http_error(_req, e: HTTPException):
         return JSONResponse(oa.error_body(str(e.detail), code="not_found" if e.status_code == 404 else None),
                             e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_req, _e: ClientDisconnect):  # left while sending its body: nobody reads this, the log does
+        return JSONResponse(oa.error_body("client closed the connection", code="client_closed_request"),
+                            CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def _internal(_req, e: Exception):
@@ -148,45 +174,43 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
 
         job = Job(prompt, n, req, emit=emit)
         w.submit(job)
-        request.state.pyspecter_job = job  # the access log reads its tokens
+        state = request.scope.setdefault("state", {})
+        state[http.JOB_KEY] = job
+        if state.get(http.GONE_KEY):  # the client left while its prompt was read and tokenized
+            job.abandon()
         return job, q, req
 
-    async def collect(request: Request, job: Job, q: asyncio.Queue) -> tuple | None:
-        """The whole answer, or None if the client went away (its answer is then cancelled)."""
+    async def collect(job: Job, q: asyncio.Queue) -> tuple | None:
+        """The whole answer, or None if the client went away (``client_gone`` has abandoned it)."""
         parts: list[str] = []
-        getter = None
         try:
             while True:
-                getter = getter or asyncio.ensure_future(q.get())
-                done, _ = await asyncio.wait({getter}, timeout=0.25)
-                if not done:
-                    if await request.is_disconnected():
-                        return None
-                    continue
-                ev, getter = getter.result(), None
+                ev = await q.get()
                 if ev[0] == "text":
                     parts.append(ev[1])
                 elif ev[0] == "done":
                     return "".join(parts), *ev[1:]
+                elif ev[0] == "cancelled":
+                    return None
                 else:
                     raise ApiError(ev[2], ev[1], type="server_error",
                                    code="server_shutting_down" if ev[2] == 503 else "generation_failed")
         finally:
-            if getter is not None:
-                getter.cancel()
-            job.cancel.set()  # nothing if it finished; stops it if the client left
+            job.abandon()  # nothing if it finished; stops it if this handler was cancelled
 
     def stream(job: Job, q: asyncio.Queue, req: oa.GenRequest, chat: bool):
+        # the background task covers a stream whose generator never started (the client left first)
         return EventSourceResponse(stream_events(job, q, req, chat, model_id), ping=15, sep="\n",
-                                   background=BackgroundTask(job.cancel.set))
+                                   background=BackgroundTask(job.abandon))
 
     async def complete(request: Request, chat: bool):
         job, q, req = await start(request, chat)
         if req.stream:
             return stream(job, q, req, chat)
-        r = await collect(request, job, q)
-        if r is None:
-            return JSONResponse(oa.error_body("client disconnected"), 400)
+        r = await collect(job, q)
+        if r is None:  # sent to nobody: the status is for the access log and /metrics
+            return JSONResponse(oa.error_body("client closed the connection", code="client_closed_request"),
+                                CLIENT_CLOSED)
         text, finish, n_prompt, n_completion = r
         make = oa.chat_response if chat else oa.completion_response
         return make(oa.new_id("chatcmpl" if chat else "cmpl"), model_id, text, finish, n_prompt, n_completion)
@@ -202,7 +226,7 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": int(s.cfg.model.stat().st_mtime),
                 "owned_by": "pyspecter", "n_ctx": s.cfg.n_ctx, "tier": s.tier.name,
-                "slots_per_layer": s.n_slots, "n_expert": s.layout.n_expert}
+                "slots_per_layer": slots(w.stats)[1], "slots": slots(w.stats)[0], "n_expert": s.layout.n_expert}
 
     @app.get("/v1/models")
     async def models():
@@ -216,10 +240,9 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
         return model_card()
 
     @app.get("/health")
-    async def health():
-        if not w._thread.is_alive():
-            return JSONResponse({"status": "error", "message": "the generation thread stopped"}, 503)
-        return {"status": "ok", "model": model_id, "busy": w.busy, "queue_depth": w.jobs.qsize()}
+    async def get_health():
+        status, body = health(w, model_id)
+        return JSONResponse(body, status)
 
     @app.get("/metrics")
     async def get_metrics(request: Request):
@@ -256,13 +279,15 @@ async def stream_events(job: Job, q: asyncio.Queue, req: oa.GenRequest, chat: bo
                     yield json.dumps(oa.usage_chunk(rid, model_id, obj, ev[2], ev[3]))
                 yield "[DONE]"
                 return
+            elif ev[0] == "cancelled":  # the client is gone: nothing more to send, nobody to read it
+                return
             else:
                 code = "server_shutting_down" if ev[2] == 503 else "generation_failed"
                 yield json.dumps(oa.error_body(ev[1], "server_error", code))
                 yield "[DONE]"
                 return
     finally:
-        job.cancel.set()  # a client that disconnects cancels its answer
+        job.abandon()  # a stream that ends early (the client left, sse-starlette cancelled it) frees its place
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -306,12 +331,13 @@ def serve(session: Session, sock: socket.socket, *, model_id: str, aliases: set[
         stats = http.HttpStats()
         app = create_app(w, model_id, aliases | {model_id}, api_key, stats)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                http=http.protocol(max_connections, idle_timeout, stats),
+                                http=http.protocol(max_connections, idle_timeout, stats,
+                                                   health=lambda: health(w, model_id), client_gone=client_gone),
                                 timeout_keep_alive=max(1, round(idle_timeout)))
         host, port = sock.getsockname()[:2]
         where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         print(f"pyspecter serve: {model_id} at {where}/v1 (OpenAI-compatible; /health, /metrics), "
-              f"{session.n_slots}/{session.layout.n_expert} expert slots per layer, tier {session.tier.name}, "
+              f"{slots(w.stats)[0]}, tier {session.tier.name}, "
               f"context {session.cfg.n_ctx}, queue {queue_size}, at most {max_connections} connections, idle "
               f"ones closed after {idle_timeout:g} s" + (", API key required" if api_key else ""),
               file=sys.stderr, flush=True)

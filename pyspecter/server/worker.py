@@ -6,7 +6,6 @@ side (``app``) only submits jobs and reads their events. No web framework here.
 from __future__ import annotations
 
 import math
-import queue
 import random
 import threading
 import time
@@ -29,8 +28,9 @@ class _Finish(Exception):
 @dataclass
 class Job:
     """One answer to generate. ``emit`` hands events to the request's event loop (thread-safe):
-    ("text", str) as the answer grows, then ("done", finish_reason, n_prompt, n_completion) or
-    ("error", message, status): 500 for a failed answer, 503 when the server shuts down."""
+    ("text", str) as the answer grows, then ("done", finish_reason, n_prompt, n_completion),
+    ("error", message, status): 500 for a failed answer, 503 when the server shuts down, or ("cancelled",) once
+    an abandoned answer has stopped."""
 
     prompt: list[int]
     max_tokens: int
@@ -39,17 +39,30 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.perf_counter)
     n_out: int = 0  # tokens generated so far (the access log reads it)
+    outcome: str | None = None  # once it ends: "completed", "cancelled", "failed" (or "aborted" on shutdown)
+    _on_abandon: Callable[[Job], None] | None = field(default=None, repr=False)  # set by Worker.submit
+
+    def abandon(self) -> None:
+        """Its client went away: stop at the next token if it generates, and give its queue place back now if it
+        waits. Safe to call more than once, and after the answer is done."""
+        self.cancel.set()
+        if self._on_abandon is not None:
+            self._on_abandon(self)
 
 
 class Worker:
-    """The one thread that touches the session after startup: it takes jobs from a bounded queue, one at a time."""
+    """The one thread that touches the session after startup: it takes jobs from a bounded queue, one at a time.
+
+    The queue is a deque under a condition rather than a ``queue.Queue`` so that an abandoned job leaves it at
+    once: a client that went away must not hold a place that the next client would get a 429 for."""
 
     def __init__(self, session: Session, queue_size: int) -> None:
         self.s = session
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.queue_size = queue_size  # jobs that may wait for the one generating (0: none may wait)
-        self.inflight = 0  # waiting + generating, under _admit
-        self._admit = threading.Lock()
+        self._waiting: deque[Job] = deque()  # under _cv
+        self._running: Job | None = None  # taken from _waiting, not yet finished (under _cv)
+        self._stop = False  # under _cv: the thread ends
+        self._cv = threading.Condition(threading.Lock())
         self.lock = threading.Lock()  # held while the session generates (and while it is closed)
         self.base = session.sampler.params  # the server's defaults: what a request does not set
         self._pinned: int | None = None  # the governor's K to restore after a seeded sampled request
@@ -63,37 +76,58 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="pyspecter-generate", daemon=True)
         self._thread.start()
 
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for the one generating (abandoned ones are gone from the queue already)."""
+        return len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     # --- the request side (event loop thread) ---
 
     def submit(self, job: Job) -> None:
         if self.closing:
             raise ApiError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
-        with self._admit:
-            full = self.inflight > self.queue_size
+        with self._cv:
+            inflight = len(self._waiting) + (self._running is not None)
+            full = inflight > self.queue_size
             if not full:
-                self.inflight += 1
-                self.jobs.put_nowait(job)
+                job._on_abandon = self._abandoned
+                self._waiting.append(job)
+                self._cv.notify()
         if full:
             self.counts["refused"] += 1
             per = sum(self.durations) / len(self.durations) if self.durations else 1.0
-            wait = min(60, max(1, math.ceil(per * self.inflight)))
+            wait = min(60, max(1, math.ceil(per * inflight)))
             raise ApiError(429, f"the server is busy: {self.queue_size} requests already wait for the one "
                                 f"generating (batch size 1); retry after {wait} s", type="requests",
                            code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+
+    def _abandoned(self, job: Job) -> None:
+        """A waiting job leaves the queue now (its place is free for the next request); the one generating stops
+        at its next token, in the worker thread, which then frees its place."""
+        with self._cv:
+            try:
+                self._waiting.remove(job)
+            except ValueError:  # generating, done, or removed already
+                return
+            self.counts["cancelled"] += 1
+        job.outcome = "cancelled"
+        job.emit(("cancelled",))
 
     def abort(self, message: str = "the server is shutting down") -> None:
         """End every answer now, waiting or generating: each gets an error event (its stream then ends properly)
         and is cancelled. Takes no new job after this."""
         self.closing = True
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel.set()
-                job.emit(("error", message, 503))
-        current = self._current
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), deque()
+            current = self._running
+        for job in waiting:
+            job.cancel.set()
+            job.outcome = "aborted"
+            job.emit(("error", message, 503))
         if current is not None:
             current.emit(("error", message, 503))
             current.cancel.set()
@@ -101,12 +135,12 @@ class Worker:
     def close(self) -> None:
         """Cancel what waits and what runs, stop the thread, then free the session."""
         self.abort()
-        self.jobs.put_nowait(None)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
         self._thread.join(timeout=30)
         with self.lock:
             self.s.close()
-
-    _current: Job | None = None  # the job generating, if any
 
     # --- the worker thread ---
 
@@ -118,23 +152,29 @@ class Worker:
 
     def _loop(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                if job.cancel.is_set():  # its client left while it waited
+            with self._cv:
+                while not self._waiting and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = self._running = self._waiting.popleft()
+                if job.cancel.is_set():  # cancelled but not through abandon(): nothing to generate
                     self.counts["cancelled"] += 1
+                    self._running = None
+                    job.outcome = "cancelled"
+                    job.emit(("cancelled",))
                     continue
+            try:
                 with self.lock:
-                    self.busy, self._current = True, job
+                    self.busy = True
                     try:
                         self._generate(job)
                     finally:
-                        self.busy, self._current = False, None
+                        self.busy = False
                         self.stats = self._session_stats()
             finally:
-                with self._admit:
-                    self.inflight -= 1
+                with self._cv:
+                    self._running = None
 
     def _samplers(self, req: oa.GenRequest) -> None:
         params = replace(self.base, **req.sampling()).check()
@@ -182,21 +222,36 @@ class Worker:
             reason = f.reason
         except Exception as e:  # noqa: BLE001 - one answer fails, the server goes on
             self.counts["failed"] += 1
+            job.outcome = "failed"
             job.emit(("error", str(e) if isinstance(e, SpecterError) else repr(e), 500))
             return
         finally:
             if self._pinned is not None and s.decoder is not None:  # back to adapting K
                 s.decoder.governor.pinned, s.decoder.governor.k = None, self._pinned
         if reason == "cancelled":
-            self.counts["cancelled"] += 1
+            with self._cv:  # counts are bumped from the event loop too
+                self.counts["cancelled"] += 1
+            job.outcome = "cancelled"
+            job.emit(("cancelled",))
             return
         rest = text.flush()
         if rest:
             job.emit(("text", rest))
         self.counts["completed"] += 1
+        job.outcome = "completed"
         self.prompt_tokens += len(job.prompt)
         self.durations.append(time.perf_counter() - t0)
         job.emit(("done", reason, len(job.prompt), n_out))
+
+
+def slots(st: dict) -> tuple[str, int | None]:
+    """The slots as the server reports them (banner, /v1/models, /metrics), from the session's stats: its own
+    words for them, and the count per layer, None when there are none (a model that fits runs stock, every
+    expert resident, and its session's nominal count means nothing)."""
+    has = st.get("has_slots", True) and not st.get("stock", False)
+    per_layer = st.get("slots_per_layer") if has else None
+    text = st.get("slots_text") or (f"{per_layer}/{st.get('n_expert', '?')} slots per layer" if has else "no slots")
+    return text, per_layer
 
 
 def _pct(xs, q: float) -> float:
@@ -208,7 +263,7 @@ def metrics(w: Worker) -> dict:
     """The engine's live figures: the session's counters (refreshed between tokens) and the server's own."""
     st = dict(w.stats)
     tokens = st.get("tokens", 0)
-    out = {"requests": dict(w.counts), "queue_depth": w.jobs.qsize(), "queue_capacity": w.queue_size,
+    out = {"requests": dict(w.counts), "queue_depth": w.queue_depth, "queue_capacity": w.queue_size,
            "busy": w.busy, "prompt_tokens": w.prompt_tokens,
            "ttft_p50_s": _pct(w.ttft, 0.5), "ttft_p95_s": _pct(w.ttft, 0.95),
            "bytes_read_per_token": st.get("upload_mib", 0.0) * 2**20 / tokens if tokens else 0.0,
@@ -231,7 +286,8 @@ def prometheus(m: dict) -> str:
         ("ttft_p95_seconds", "gauge", "time to first token (queue wait included), p95", m["ttft_p95_s"]),
         ("expert_hit_rate", "gauge", "experts resident when their layer needed them", st.get("hit_rate", 0.0)),
         ("expert_slot_row_rate", "gauge", "expert rows computed from slots", st.get("coverage", 0.0)),
-        ("expert_slots_per_layer", "gauge", "expert slots per MoE layer", st.get("slots_per_layer", 0)),
+        ("expert_slots_per_layer", "gauge", "expert slots per MoE layer (0: no slots)",
+         slots(st)[1] or 0),
         ("expert_uploads_total", "counter", "experts read from the slow tier", st.get("uploads", 0)),
         ("upload_bytes_total", "counter", "bytes read from the slow tier", st.get("upload_mib", 0.0) * 2**20),
         ("upload_bytes_per_token", "gauge", "bytes read from the slow tier per token", m["bytes_read_per_token"]),

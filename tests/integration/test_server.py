@@ -400,12 +400,38 @@ def _closed_within(socks: list[socket.socket], seconds: float) -> int:
     return closed
 
 
+def _which_closed(socks: list[socket.socket]) -> list[bool]:
+    """Whether the server has closed each of ``socks`` (EOF or reset waiting to be read), without waiting."""
+    out = []
+    for s in socks:
+        s.setblocking(False)  # else recv waits out the socket's timeout first
+        try:
+            out.append(s.recv(4096, socket.MSG_PEEK) == b"")
+        except ConnectionResetError:
+            out.append(True)
+        except BlockingIOError:
+            out.append(False)
+    return out
+
+
 def _open_idle(srv: Server, n: int, partial: bool = False) -> list[socket.socket]:
     host, port = srv.url.removeprefix("http://").split(":")
     socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(n)]
     if partial:  # a request head that never ends (slowloris)
         for s in socks:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    return socks
+
+
+def _open_busy(srv: Server, n: int) -> list[socket.socket]:
+    """Connections each with a request under way: its head sent, its body never finished (not idle, so never
+    closed to make room)."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(n)]
+    for s in socks:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+    time.sleep(0.3)  # the server has read every head
     return socks
 
 
@@ -452,7 +478,7 @@ def _hostile_probes(srv: Server) -> dict[int, int]:
         seen[code] = seen.get(code, 0) + 1
     socks = _open_idle(srv, 150 - 100) + _open_idle(srv, 100, partial=True)  # more than --max-connections
     try:
-        assert _closed_within(socks, 10) == len(socks)  # refused over the cap, or timed out idle
+        assert _closed_within(socks, 10) == len(socks)  # closed oldest-first over the cap, or timed out idle
     finally:
         for s in socks:
             s.close()
@@ -479,7 +505,7 @@ def test_hostile_input_gets_4xx_and_leaves_rss_flat(tmp_path: Path) -> None:
             if 400 <= code < 500:
                 assert m["client_errors"][str(code)] >= seen1.get(code, 0) + seen2.get(code, 0)
         assert m["client_errors"]["400"] >= 12 and m["client_errors"]["413"] >= 2
-        assert m["connections"]["refused"] > 0 and m["connections"]["timed_out"] > 0
+        assert m["connections"]["evicted"] > 0 and m["connections"]["timed_out"] > 0
         assert "server_errors" not in m or not m["server_errors"], m["server_errors"]
         assert 'pyspecter_http_client_errors_total{status="400"}' in srv.get("/metrics").text
         assert srv.get("/health").json()["status"] == "ok"
@@ -504,9 +530,19 @@ def test_idle_connections_close_and_the_cap_holds(tmp_path: Path) -> None:
             for s in idle:
                 s.close()
         held = _open_idle(srv, 24)
-        try:
-            over = _raw(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:  # at the cap with idle connections: the oldest idle one makes room
+            assert _raw(srv, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") \
+                .startswith(b"HTTP/1.1 200")
+            assert _closed_within(held[:1], 5) == 1
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.5)
+        held = _open_busy(srv, 24)
+        try:  # at the cap with a request under way on each: refused, but /health is answered
+            over = _raw(srv, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
             assert over.startswith(b"HTTP/1.1 503") and b"too_many_connections" in over
+            assert _raw(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
         finally:
             for s in held:
                 s.close()
@@ -558,3 +594,153 @@ def test_fuzz_the_live_server_never_answers_5xx(tiny: Server, body: dict, chat: 
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert r.json()["error"]["message"]
+
+
+# --- clients that go away, idle sockets: the server lets go -----------------------------------------------------
+
+ROOMY_ARGS = ("tiny-qwen3moe", "--budget", "50%", "-c", "2048")  # an answer of 2000 tokens takes seconds here
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(tmp_path_factory.mktemp("roomy"), *ROOMY_ARGS) as srv:  # --queue 8, --max-connections 64
+        yield srv
+
+
+def _request(path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), len(data), data))
+
+
+def _abandon(srv: Server, n: int, stream: bool, read: bool = False) -> None:
+    """``n`` clients each ask for a long answer and go away: all send at once, then all close (``read``: after
+    the first bytes of the answer, as a user who gives up on a stream; else without reading anything)."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(n)]
+    for i, s in enumerate(socks):
+        s.sendall(_request("/v1/completions", {"prompt": f"go on {i}", "max_tokens": 2000, "stream": stream}))
+    if read:
+        for s in socks:
+            assert s.recv(64).startswith(b"HTTP/1.1 ")  # answered 200 (admitted) or 429 (the queue is full)
+    else:
+        time.sleep(0.2)  # admitted or refused, not yet done
+    for s in socks:
+        s.close()
+
+
+def _idle_quickly(srv: Server, seconds: float = 3) -> dict:
+    """/health once nothing generates or waits: an abandoned answer must stop at once, not run its 2000 tokens."""
+    deadline = time.monotonic() + seconds
+    while True:
+        h = srv.get("/health", timeout=5).json()
+        if not h["busy"] and h["queue_depth"] == 0:
+            return h
+        assert time.monotonic() < deadline, f"abandoned answers still hold the server: {h}"
+        time.sleep(0.05)
+
+
+def test_abandoned_answers_free_their_places(roomy: Server) -> None:
+    """20 clients ask for long answers (9 admitted: one generating and --queue 8 waiting, 11 refused with 429)
+    and go away; their answers stop (the generating one within a token of the loss being seen) and their places
+    are free at once, so the next client is answered. Streamed and not, reading the first bytes or not."""
+    client = roomy.client()
+    before = roomy.metrics()
+    for stream, read in ((True, True), (True, False), (False, False)):
+        _abandon(roomy, 20, stream, read)
+        r = client.chat.completions.create(model="tiny-qwen3moe", max_tokens=4,  # no 429, no waiting it out
+                                           messages=[{"role": "user", "content": "still there?"}])
+        assert r.usage.completion_tokens == 4
+        _idle_quickly(roomy)
+    after = roomy.metrics()
+    n_abandoned = after["requests"]["cancelled"] - before["requests"]["cancelled"]
+    assert n_abandoned >= 20, (before["requests"], after["requests"])
+    tokens = after["session"]["tokens"] - before["session"]["tokens"]
+    assert tokens < 2000, f"{tokens} tokens generated for clients that had gone"
+    refused = after["requests"]["refused"] - before["requests"]["refused"]
+    assert refused > 0 and after["client_errors"].get("429", 0) - before["client_errors"].get("429", 0) == refused
+    text = roomy.get("/metrics").text
+    assert 'pyspecter_http_client_errors_total{status="429"}' in text
+    log = roomy.log.read_text()
+    assert re.search(r" POST /v1/completions 429 \d+ ms$", log, re.M)  # refusals are in the access log
+    assert re.search(r" POST /v1/completions 499 tokens \d+\+\d+ cancelled \d+ ms$", log, re.M), log[-3000:]
+    assert re.search(r" POST /v1/completions 200 tokens \d+\+\d+ cancelled \d+ ms$", log, re.M)  # a stream's
+    assert "Traceback" not in log and "Exception in ASGI" not in log
+
+
+def test_idle_sockets_are_closed_oldest_first(roomy: Server) -> None:
+    """64 idle sockets (the cap): a request is answered, and so is /health with the queue full too, by closing
+    the oldest idle sockets rather than refusing the newcomers."""
+    before = roomy.metrics()["connections"]
+    idle = _open_idle(roomy, 64)
+    streams = []
+    try:
+        time.sleep(0.3)
+        r = roomy.client().completions.create(model="tiny-qwen3moe", prompt="my turn", max_tokens=4)
+        assert r.usage.completion_tokens == 4
+        host, port = roomy.url.removeprefix("http://").split(":")
+        for i in range(9):  # one generating, eight waiting: the queue is full
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(_request("/v1/completions", {"prompt": f"busy {i}", "max_tokens": 2000, "stream": True}))
+            streams.append(s)
+        time.sleep(0.3)
+        h = roomy.get("/health", timeout=5)
+        assert h.status_code == 200 and h.json()["busy"] and h.json()["queue_depth"] == 8, h.text
+        time.sleep(0.2)
+        closed = _which_closed(idle)  # the oldest made room for the request, the 9 streams and /health
+        k = closed.count(True)  # (connections left idle by the tests before, older still, may have gone first)
+        assert 8 <= k <= 11 and closed == [True] * k + [False] * (64 - k), closed
+    finally:
+        for s in idle + streams:
+            s.close()
+    after = roomy.metrics()["connections"]
+    assert after["evicted"] - before["evicted"] >= 11 and after["refused"] == before["refused"]
+    _idle_quickly(roomy)
+
+
+def test_over_the_cap_health_is_answered_and_refusals_counted(roomy: Server) -> None:
+    """64 connections with a request under way each (none idle to close): a new request gets 503, logged and
+    counted, and /health is still answered."""
+    before = roomy.metrics()
+    held = _open_busy(roomy, 64)
+    try:
+        over = _raw(roomy, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert over.startswith(b"HTTP/1.1 503") and b"too_many_connections" in over
+        health = _raw(roomy, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert health.startswith(b"HTTP/1.1 200") and json.loads(health.split(b"\r\n\r\n", 1)[1])["status"] == "ok"
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    after = roomy.metrics()
+    assert after["connections"]["refused"] - before["connections"]["refused"] == 1
+    assert after["server_errors"].get("503", 0) - before["server_errors"].get("503", 0) == 1
+    log = roomy.log.read_text()
+    assert re.search(r" GET /v1/models 503 \d+ ms$", log, re.M) and re.search(r" GET /health 200 \d+ ms$", log,
+                                                                               re.M)
+
+
+def test_rss_stays_flat_over_abuse_rounds(roomy: Server) -> None:
+    """The server's memory after rounds of abandoned answers, idle sockets and connections over the cap: the
+    first round warms pools and caches, the next ones must not grow it."""
+    import psutil
+
+    proc = psutil.Process(roomy.proc.pid)
+
+    def abuse() -> None:
+        _abandon(roomy, 20, stream=True)
+        _abandon(roomy, 20, stream=False)
+        idle = _open_idle(roomy, 80)  # over the cap: the oldest are closed
+        busy = _open_busy(roomy, 8)
+        for s in idle + busy:
+            s.close()
+        _idle_quickly(roomy)
+
+    abuse()
+    rss1 = proc.memory_info().rss
+    for _ in range(4):
+        abuse()
+    rss2 = proc.memory_info().rss
+    print(f"\nserver RSS: {rss1 / 2**20:.1f} MiB after one abuse round, {rss2 / 2**20:.1f} MiB after four more")
+    assert rss2 - rss1 < 50 << 20, (rss1, rss2)
+    assert roomy.get("/health").json()["status"] == "ok"

@@ -264,3 +264,96 @@ def test_prometheus_counts_client_errors_by_status() -> None:
     assert 'pyspecter_http_client_errors_total{status="400"} 3' in text
     assert 'pyspecter_http_client_errors_total{status="404"} 1' in text
     assert "pyspecter_connections_open 0" in text and "pyspecter_connections_refused_total 0" in text
+
+
+class _FakeSession:
+    """What the worker needs of a Session, generating on command: each token waits for ``step`` (a semaphore
+    the test releases), so the test knows exactly how many tokens a job made."""
+
+    def __init__(self) -> None:
+        import threading
+        from types import SimpleNamespace
+
+        from pyspecter.sampling import Sampler, SamplingParams
+
+        self.sampler = Sampler(SamplingParams())
+        self.decoder = None
+        self.target = SimpleNamespace(detokenize=lambda toks: "x" * len(toks), is_eog=lambda t: False)
+        self.step = threading.Semaphore(0)
+        self.started = threading.Event()
+
+    def stats(self) -> dict:
+        return {}
+
+    def generate(self, prompt, n, on_token):
+        self.started.set()
+        out = []
+        for _ in range(n):
+            self.step.acquire()
+            out.append(1)
+            on_token(1)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_abandoned_job_frees_its_place_and_stops_within_a_token() -> None:
+    """The worker without a model: a waiting job that is abandoned leaves the queue at once (the next submit is
+    admitted, not refused with 429); the generating one stops at its next token."""
+    import time
+
+    from pyspecter.server.worker import Job, Worker
+
+    s = _FakeSession()
+    w = Worker(s, queue_size=2)
+    events: dict[int, list] = {}
+
+    def job(i: int) -> Job:
+        events[i] = []
+        return Job([1], 1000, parse_completion({"prompt": "x"}), emit=events[i].append)
+
+    try:
+        running, a, b = job(0), job(1), job(2)
+        for j in (running, a, b):
+            w.submit(j)
+        assert s.started.wait(10)
+        with pytest.raises(ApiError) as e:
+            w.submit(job(3))
+        assert e.value.status == 429
+        a.abandon()
+        assert w.queue_depth == 1 and events[1] == [("cancelled",)] and a.outcome == "cancelled"
+        w.submit(job(4))  # a's place is free: admitted
+        s.step.release(3)
+        deadline = time.monotonic() + 10
+        while running.n_out < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        running.abandon()
+        s.step.release(50)  # the worker may make one more token, never more
+        while running.outcome is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert running.outcome == "cancelled" and running.n_out == 4 and events[0][-1] == ("cancelled",)
+        running.abandon()  # again, and after the end: nothing happens
+        assert w.counts["cancelled"] == 2 and w.counts["refused"] == 1
+    finally:
+        w.abort()
+        s.step.release(10_000)
+        w.close()
+
+
+def test_a_fitting_model_reports_no_slots() -> None:
+    """A model that fits runs stock: the server says "no slots" (banner, /v1/models, /metrics), not the session's
+    nominal count; a slotted one reports its count per layer."""
+    from pyspecter.server.worker import prometheus, slots
+
+    stock = {"stock": True, "has_slots": False, "slots_text": "stock: no slots", "slots_per_layer": 4,
+             "n_expert": 32}
+    slotted = {"stock": False, "has_slots": True, "slots_text": "4/32 slots per layer", "slots_per_layer": 4,
+               "n_expert": 32}
+    assert slots(stock) == ("stock: no slots", None) and slots(slotted) == ("4/32 slots per layer", 4)
+    m = {"requests": {}, "queue_depth": 0, "busy": False, "prompt_tokens": 0, "ttft_p50_s": 0, "ttft_p95_s": 0,
+         "bytes_read_per_token": 0, "draft": "none"}
+    assert "pyspecter_expert_slots_per_layer 0\n" in prometheus(m | {"session": stock})
+    assert "pyspecter_expert_slots_per_layer 4\n" in prometheus(m | {"session": slotted})
