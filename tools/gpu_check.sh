@@ -27,7 +27,8 @@
 #      every expert in a slot = stock-device, with misses no further from stock-device than stock's --cpu-moe run;
 #      the row shows the reference and the bound), else the CPU criterion against stock with the same placement
 #      (identical greedy tokens, max |dlogit| <= 1e-4); plus one prompt of >= 32 tokens per arch (the ubatch where
-#      op offload would kick in)
+#      op offload would kick in); run breadth first (every arch's first case, then every arch's second, ...). A step
+#      the run's budget cuts short, or leaves no time for, is a skip row saying so, not a failure
 #   5. bench: one VRAM budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in
 #      time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
@@ -371,16 +372,19 @@ say() { echo "[gpu_check $(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
 record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(printf '%s' "$4" | tr '\t\n' '  ' | cut -c1-300)" >> "$STEPS"; }
 
 # run NAME CAP_S UNTIL OUTFILE CMD...: runs CMD under timeout (CAP_S, or less so as to end by UNTIL, an epoch
-# second), output to OUTFILE and the log; sets RC (124: timed out, 125: not run for lack of time) and SECS
+# second), output to OUTFILE and the log; sets RC (124: timed out, 125: not run for lack of time), SECS and CUT (1:
+# its time was cut to end by UNTIL)
 RC=0
 SECS=0
+CUT=0
 run() {
     local name=$1 cap=$2 until=$3 outf=$4
     shift 4
     local now left t0
     now=$(date +%s)
     left=$((until - now))
-    [ "$left" -lt "$cap" ] && cap=$left
+    CUT=0
+    [ "$left" -lt "$cap" ] && cap=$left CUT=1
     if [ "$cap" -lt 5 ]; then
         RC=125 SECS=0
         echo "not run: out of time" > "$outf"
@@ -398,7 +402,8 @@ run() {
 status_of() {  # RC -> word
     case $1 in
         0) echo ok ;;
-        124|137) echo TIMEOUT ;;
+        # cut short by the run's budget (not by its own cap): out of time, as a step not run for want of it is
+        124|137) if [ "$CUT" = 1 ]; then echo skip; else echo TIMEOUT; fi ;;
         125) echo "skip" ;;
         *) echo FAIL ;;
     esac
@@ -411,7 +416,7 @@ last_line() { grep -v '^\s*$' "$1" 2>/dev/null | tail -1; }
 why() {
     local rc=$1 f=$2 pre c
     case $rc in
-        124|137) pre="timed out after ${SECS}s: " ;;
+        124|137) if [ "$CUT" = 1 ]; then pre="cut at the run's deadline after ${SECS}s: "; else pre="timed out after ${SECS}s: "; fi ;;
         125) echo "not run: out of time"; return ;;
         *) if [ "$rc" -gt 128 ]; then pre="killed by SIG$(kill -l $((rc - 128)) 2>/dev/null): "; else pre="exit $rc: "; fi ;;
     esac
@@ -588,18 +593,23 @@ LONG_PROMPT="The quick brown fox jumps over the lazy dog while seven wizards qui
 meanwhile, a lazy river carries forty jugs of liquid past the old mill, and nobody counts the tokens."
 mkdir -p "$WORK/verify"
 if [ "$BUILT" = 1 ]; then
+    # breadth first: every arch's first case (E/2 slots, misses on the CPU), then every arch's second, ...; so a
+    # run that the budget cuts short has covered every arch. Each line's key (arch, case) orders the table's rows.
     cases=$("$PY" -c 'from pyspecter.models.tiny import TINY_MODELS
+per_arch = []
 for n, s in TINY_MODELS.items():
-    for slots in sorted({s.n_expert_used, s.n_expert // 2, s.n_expert}):
-        for miss in ("wait", "cpu"):
-            print(n, slots, miss, "short")
-    print(n, s.n_expert // 2, "cpu", "long")' 2> "$WORK/cases.txt")
+    half = s.n_expert // 2
+    cs = [(half, "cpu", "short")] + [(k, miss, "short") for k in sorted({s.n_expert_used, half, s.n_expert})
+                                     for miss in ("wait", "cpu") if (k, miss) != (half, "cpu")] + [(half, "cpu", "long")]
+    per_arch.append([(n, *c) for c in cs])
+for j in range(max(map(len, per_arch))):
+    for a, cs in enumerate(per_arch):
+        if j < len(cs):
+            print(f"{a:02d}-{j:02d}", *cs[j])' 2> "$WORK/cases.txt")
     [ -n "$cases" ] || record verify FAIL 0 "could not list the fixture models: $(why 1 "$WORK/cases.txt")"
-    i=0
     pids=()
-    while read -r m slots miss plen; do
+    while read -r key m slots miss plen; do
         [ -n "$m" ] || continue
-        i=$((i + 1))
         # PAR cases at a time (GPU_CHECK_PAR: 4 on a GPU, 1 on the dry run's one-client RPC server); each writes
         # its own row, gathered in order below
         while :; do
@@ -609,7 +619,7 @@ for n, s in TINY_MODELS.items():
             sleep 0.2
         done
         (
-            STEPS=$WORK/verify/$(printf '%03d' $i).row
+            STEPS=$WORK/verify/$key.row
             name="verify $m slots=$slots miss=$miss"
             [ "$plen" = long ] && name="$name (long prompt)"
             f="$WORK/verify/$m-$slots-$miss-$plen.json"
