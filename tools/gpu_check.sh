@@ -1,42 +1,54 @@
 #!/usr/bin/env bash
 # tools/gpu_check.sh: pyspecter's CUDA path checked end to end, in one prepared run, on a machine with an NVIDIA GPU.
 #
-#   bash tools/gpu_check.sh --prepare        here, where the package registry is reachable: writes .gpu/ (ignored
-#                                            through .git/info/exclude): the pinned sdist trimmed to ~11 MiB and the
-#                                            pure-Python wheels a bare GPU machine's Python may lack (gguf, diskcache)
+#   bash tools/gpu_check.sh --prepare        here, where the package registry is reachable: writes .gpu/ (git-
+#                                            ignored): the pinned sdist trimmed to ~11 MiB and a wheelhouse of every
+#                                            runtime dependency (pyproject's, transitively, read now) for the GPU
+#                                            machine's Python: 3.12 x86_64, else GPU_CHECK_PYVER / GPU_CHECK_ARCH;
+#                                            fails when .gpu/ is over the device tool's 64 MiB carry limit
+#   bash tools/gpu_check.sh --list-requirements   what --prepare starts from: pyproject's dependencies
 #   bash tools/gpu_check.sh                  on the GPU machine, from the repository root, with .gpu/ carried along
 #                                            (the device tool: carry [".gpu"]); results under $OUT
-#   GPU_CHECK_DRY=1 bash tools/gpu_check.sh  anywhere: the same steps against the CPU build the venv has linked
-#                                            (GPU_CHECK_DRY_BUILD=1: build it, from .gpu/ too), the device being a
+#   GPU_CHECK_DRY=1 bash tools/gpu_check.sh  anywhere: the same steps against this checkout's CPU build (or the one
+#                                            the venv has linked; GPU_CHECK_DRY_BUILD=1: build it, from .gpu/ too),
+#                                            with GPU_CHECK_PYTHON a bare venv to rehearse the GPU machine; the device a
 #                                            local `pyspecter rpc-server` (GPU_CHECK_DEVICE=cpu for none: bench's
 #                                            device-only policies then fail, a row says so)
 #
 # The steps, each time-boxed (timeout) and recorded; a failure is a row of the table and the run goes on:
-#   1. python: the interpreter and the imports pyspecter needs (wheels from .gpu/wheels into a scratch folder)
+#   1. python: the wheelhouse installed offline into a scratch folder first on PYTHONPATH (pip from the wheelhouse
+#      where the interpreter has none), every requirement's version checked, and `pyspecter --help` (the CLI imports)
 #   2. build: SPECTER_CUDA=1 tools/build_llama.py from .gpu/llama-src.tar.gz (SPECTER_SDIST), one architecture (the
 #      GPU's compute capability, else 90; SPECTER_CUDA_ARCH wins), flash-attention kernels left out; its own cache
 #      key; the bindings are used through PYTHONPATH (--print-root), whatever the interpreter has linked
 #   3. device: nvidia-smi, and `pyspecter inspect tiny-qwen3moe --device cuda0` (the device enumerates, memory)
 #   4. verify: every fixture arch (pyspecter/models/tiny.py TINY_MODELS) with --device cuda0, slots k, E/2 and E,
-#      misses wait and cpu, stock llama.cpp with the same placement as the reference (identical greedy tokens, max
-#      |dlogit| <= 1e-4); plus one prompt of >= 32 tokens per arch (the ubatch where op offload would kick in)
+#      misses wait and cpu; verify's `contract_ok` decides where its JSON has one (the GPU contract: never NaN/inf,
+#      every expert in a slot = stock-device, with misses no further from stock-device than stock's --cpu-moe run;
+#      the row shows the reference and the bound), else the CPU criterion against stock with the same placement
+#      (identical greedy tokens, max |dlogit| <= 1e-4); plus one prompt of >= 32 tokens per arch (the ubatch where
+#      op offload would kick in); run breadth first (every arch's first case, then every arch's second, ...). A step
+#      the run's budget cuts short, or leaves no time for, is a skip row saying so, not a failure
 #   5. bench: one VRAM budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in
 #      time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
 #      and slot layers the cost model chooses at the budget), on-demand-lru and specter (with a draft made by
 #      `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device and them; what is missing is a
 #      row saying so
-# Then one table (stdout and $OUT/table.txt), and under it the device rows' host round trips beside their time per
-# token (llama.cpp's splits of the one-token graph, host switches per MoE layer: stock --cpu-moe, stock --n-cpu-moe
-# at equal memory, our plan; also $OUT/device_table.txt), $OUT/results.json (every step; the JSON that verify and
+# Then one table (stdout and $OUT/table.txt) whose failed rows give the cause found in the output (a traceback's
+# exception and where, else the first error line; a timeout or a signal such as SEGV), and under it the device
+# rows' host round trips beside their time per token (llama.cpp's splits of the one-token graph, host switches per
+# MoE layer: stock --cpu-moe, stock --n-cpu-moe at equal memory, our plan; also $OUT/device_table.txt),
+# $OUT/results.json (every step; the JSON that verify and
 # bench printed), $OUT/build_log_tail.txt, $OUT/bench.json and $OUT/gpu_check.log (every command's output).
 #
 # Assumptions about the GPU machine (this workplace's H200 kind: 16 cores, no network; run by the device tool):
 #   - bash with coreutils (timeout), a C/C++ compiler, CMake >= 3.18 on PATH or as this Python's `cmake` package;
 #   - nvcc (CUDA 12 or 13) at $CUDACXX, $CUDA_HOME/bin, /usr/local/cuda/bin or on PATH; the driver's libcuda.so.1;
 #   - cuBLAS in that toolkit or as NVIDIA's wheel in the Python (nvidia-cublas for CUDA 13, as PyTorch brings it);
-#   - Python >= 3.11 (GPU_CHECK_PYTHON, else python3) with numpy, typer, psutil, jinja2, typing-extensions, pyyaml,
-#     tqdm and requests; gguf and diskcache come from .gpu/wheels when it lacks them; nothing is fetched;
+#   - Python >= 3.11 (GPU_CHECK_PYTHON: an interpreter or a venv's folder; else python3) of the version and machine
+#     the wheelhouse was prepared for, with nothing installed (not even pip); its own packages are shadowed by the
+#     wheelhouse's; nothing is fetched;
 #   - the source is .gpu/llama-src.tar.gz (or SPECTER_SDIST); without either the build tries the registry.
 # Sized to finish in under 9 minutes on 16 cores: GPU_CHECK_BUDGET_S (default 510) bounds the whole run; the verify
 # steps stop early enough to leave GPU_CHECK_BENCH_S (default 150) for the model, the draft and the bench.
@@ -49,21 +61,61 @@ set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 REPO=$(pwd)
 
+# The runtime requirements: pyproject's [project].dependencies, read when asked (the pins move; nothing is copied
+# here). Needs a Python >= 3.11 (tomllib).
+requirements() {
+    "$1" -c 'import tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))'
+}
+
+# pip with nothing but its arguments: this machine's pip configuration (extra indexes, find-links, constraints) and
+# PIP_* variables must not decide what the wheelhouse holds or where the GPU machine's pip looks
+PIP_CLEAN=(env)
+for v in $(compgen -e | grep '^PIP_'); do PIP_CLEAN+=(-u "$v"); done
+PIP_CLEAN+=(PIP_CONFIG_FILE=/dev/null)
+
+if [ "${1:-}" = "--list-requirements" ]; then  # what --prepare carries (before dependencies), one a line
+    PY=python3
+    [ -x .venv/bin/python ] && PY=.venv/bin/python
+    requirements "$PY"
+    exit
+fi
+
 if [ "${1:-}" = "--prepare" ]; then
-    PY=${GPU_CHECK_PYTHON:-}
-    [ -n "$PY" ] || { [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3; }
-    mkdir -p .gpu/wheels || exit 2
-    if [ -d .git ] && ! grep -qx '/.gpu/' .git/info/exclude 2>/dev/null; then
-        mkdir -p .git/info && echo '/.gpu/' >> .git/info/exclude
-    fi
+    # the Python that runs pip here (any >= 3.11); the wheels are for the GPU machine's, GPU_CHECK_PYVER
+    PY=python3
+    [ -x .venv/bin/python ] && PY=.venv/bin/python
+    PYVER=${GPU_CHECK_PYVER:-3.12}
+    ARCH=${GPU_CHECK_ARCH:-x86_64}
+    [[ $PYVER =~ ^3\.[0-9]+$ ]] || { echo "GPU_CHECK_PYVER=$PYVER: want 3.N, e.g. 3.12" >&2; exit 2; }
+    ABI=cp${PYVER/./}
+    # manylinux up to glibc 2.28 (numpy's newest wheels need 2.27+): any GPU machine of the last years has that
+    PLATFORMS=()
+    for p in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux_2_12 manylinux2010 manylinux_2_5 \
+        manylinux1; do
+        PLATFORMS+=(--platform "${p}_$ARCH")
+    done
+    TARGET=(--only-binary=:all: --python-version "$PYVER" --implementation cp --abi "$ABI" "${PLATFORMS[@]}")
     "$PY" tools/build_llama.py --trim-sdist .gpu/llama-src.tar.gz || exit 2
-    # the same requirement strings as pyproject's, so the carried versions are the project's
-    mapfile -t reqs < <("$PY" -c 'import re, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-print("\n".join(d for d in deps if re.match(r"(gguf|diskcache)\b", d)))')
-    rm -f .gpu/wheels/*.whl
-    "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "${reqs[@]}" || exit 2
-    du -sh .gpu; ls -l .gpu/llama-src.tar.gz .gpu/wheels
+    # one wheelhouse, for one Python: a second version would double numpy (~16 MB) against the 64 MiB carry limit
+    rm -rf .gpu/wheels
+    mkdir -p .gpu/wheels || exit 2
+    requirements "$PY" > .gpu/wheels/requirements.txt || exit 2
+    echo "$PYVER $ARCH" > .gpu/wheels/PYTHON
+    # every dependency, transitively, as resolved for that Python (pydantic comes with a typer that needs it, pyyaml,
+    # tqdm and requests with gguf, ...); and pip itself, run from its wheel where the GPU machine's Python has none.
+    # No cmake wheel (~30 MB): CMake is assumed there.
+    "$PY" -m pip download -q "${TARGET[@]}" -d .gpu/wheels -r .gpu/wheels/requirements.txt pip || exit 2
+    # the proof that the wheelhouse alone satisfies pyproject on that Python: resolve from it, offline, as step 1 will
+    scratch=$(mktemp -d)
+    "${PIP_CLEAN[@]}" "$PY" -m pip install --dry-run --no-index --find-links .gpu/wheels "${TARGET[@]}" \
+        --target "$scratch" -r .gpu/wheels/requirements.txt | grep -i '^would install' || exit 2
+    rmdir "$scratch"
+    ls -l .gpu/llama-src.tar.gz .gpu/wheels
+    size=$(du -sb .gpu | cut -f1)
+    echo ".gpu: $((size / 1024 / 1024)) MiB (Python $PYVER $ARCH wheels: $(du -sh .gpu/wheels | cut -f1))"
+    # the device tool carries at most 64 MiB of ignored paths in all
+    if [ "$size" -gt $((64 * 1024 * 1024)) ]; then echo "over the 64 MiB carry limit" >&2; exit 2; fi
     echo "ready: carry .gpu with the working tree (device tool: carry [\".gpu\"]) and run: bash tools/gpu_check.sh"
     exit 0
 fi
@@ -86,6 +138,8 @@ PY=${GPU_CHECK_PYTHON:-}
 if [ -z "$PY" ]; then
     if [ "$DRY" = 1 ] && [ -x .venv/bin/python ]; then PY=$REPO/.venv/bin/python; else PY=$(command -v python3); fi
 fi
+# a venv's folder stands for its interpreter
+if [ -d "$PY" ] && [ -x "$PY/bin/python" ]; then PY=$PY/bin/python; fi
 mkdir -p "$OUT" "$WORK" || exit 2
 LOG=$OUT/gpu_check.log
 STEPS=$WORK/steps.tsv
@@ -95,9 +149,10 @@ T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET_S))
 RPC_PID=
 
-# the Python side of the report, written once: gc.py python | build-detail | verify-detail | bench-rows | table
+# the Python side of the report, written once: gc.py cause | python | build-detail | verify-row | bench-rows |
+# device-table | table
 cat > "$WORK/gc.py" <<'EOF'
-import importlib, json, sys
+import json, re, sys
 from pathlib import Path
 
 
@@ -116,16 +171,64 @@ def last_json(path):
     return found
 
 
-def python():
-    bad = []
-    for m in ("numpy", "gguf", "typer", "psutil", "jinja2", "diskcache", "typing_extensions", "yaml", "tqdm"):
+def cause(path):
+    """The real cause of a failed step, in a line or two: a Python traceback's exception line and where it was
+    raised; else the output's first error line (the root, before its consequences) and the one after it; else the
+    last line."""
+    lines = [ln.rstrip() for ln in Path(path).read_text(errors="replace").splitlines()
+             if ln.strip() and not ln.startswith("-- exit ")]
+    tb = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
+    if tb:
+        frames, exc = [], None
+        for ln in lines[tb[-1] + 1:]:
+            if ln.startswith("  File "):
+                frames.append(ln)
+            elif not ln.startswith(" "):
+                exc = ln
+                break
+        if exc:
+            where = ""
+            if frames and (m := re.match(r'  File "([^"]+)", line (\d+)', frames[-1])):
+                where = f" (at {'/'.join(Path(m[1]).parts[-2:])}:{m[2]})"
+            print(exc[:240] + where)
+            return
+    err = re.compile(r"error|fatal|abort|failed|cannot|no such|not found|illegal|segmentation|killed", re.I)
+    for i, ln in enumerate(lines):
+        if err.search(ln):
+            print(" | ".join(x.strip() for x in lines[i:i + 2])[:300])
+            return
+    print(lines[-1][:300] if lines else "(no output)")
+
+
+def python(reqs, site, wheels=""):
+    """Every requirement's distribution, its version and where it comes from (the wheelhouse's scratch folder or
+    the interpreter), or MISSING / OUT OF RANGE: exit 1 then."""
+    import importlib.metadata as md
+    # the version ranges are read with pip's packaging: the interpreter's pip, else the wheelhouse's, as a zip
+    sys.path += [str(w) for w in sorted(Path(wheels).glob("pip-*.whl"))] if wheels else []
+    try:
+        from pip._vendor.packaging.requirements import Requirement
+    except ImportError:
+        Requirement = None
+    got, bad = [], []
+    for line in Path(reqs).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        name = re.match(r"[A-Za-z0-9._-]+", line)[0]
         try:
-            importlib.import_module(m)
-        except Exception as e:  # noqa: BLE001
-            bad.append(f"{m} ({e.__class__.__name__})")
-    import numpy
-    print(f"Python {sys.version.split()[0]} at {sys.executable}, numpy {numpy.__version__}"
-          + (f"; MISSING: {', '.join(bad)}" if bad else ""))
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            bad.append(f"{name} MISSING")
+            continue
+        v = dist.version
+        if Requirement is not None and not Requirement(line).specifier.contains(v, prereleases=True):
+            bad.append(f"{name} {v} OUT OF RANGE ({line})")
+            continue
+        from_site = site and str(Path(dist.locate_file("")).resolve()).startswith(str(Path(site).resolve()))
+        got.append(f"{name} {v}" + ("" if from_site else " (interpreter's)"))
+    print(f"Python {sys.version.split()[0]} at {sys.executable}; " + ", ".join(bad + got)
+          + ("" if Requirement else " (versions unchecked: no pip to read the ranges)"))
     sys.exit(1 if bad else 0)
 
 
@@ -136,16 +239,47 @@ def build_detail(info_path, what):
           + (f", CUDA {c['release']} arch {c['arch']}, cuBLAS {c['cublas']}, libcuda {c['libcuda']}" if c else ""))
 
 
-def verify_detail(path):
-    r = last_json(path)
-    print(f"{'IDENTICAL' if r['identical_tokens'] else 'DIFFERENT'} tokens ({r['n_tokens']} after a "
-          f"{r['n_prompt_tokens']}-token prompt) on {r['device']}, max |dlogit| {r['max_abs_logit_diff']:.1e}, "
-          f"hit {100 * r['hit_rate']:.0f}%, {r['uploads']} uploads")
+def _num(x):
+    return f"{x:.1e}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
 
 
-def bench_rows(path, steps, status, secs):
+def verify_row(path, rc):
+    """STATUS<tab>DETAIL of one verify case from the JSON it printed (exit 3 when it printed none). The GPU
+    exactness contract decides where verify reports one (contract_ok: never NaN/inf; every expert in a slot: stock
+    with every expert on the device; with misses: no further from stock-device than stock's own --cpu-moe run);
+    else the CPU criterion: identical tokens and max |dlogit| <= 1e-4 against stock with the same placement."""
+    try:
+        r = last_json(path)
+    except (OSError, ValueError):
+        sys.exit(3)
+    d = r.get("max_abs_logit_diff", float("nan"))
+    same = r.get("identical_tokens")
+    detail = (f"{'IDENTICAL' if same else 'DIFFERENT'} tokens ({r.get('n_tokens')} after a "
+              f"{r.get('n_prompt_tokens')}-token prompt) on {r.get('device')}, max |dlogit| vs stock same placement "
+              f"{_num(d)}, hit {100 * r.get('hit_rate', 0):.0f}%, {r.get('uploads')} uploads")
+    if "contract_ok" in r:
+        ok = bool(r["contract_ok"])
+        c = r.get("contract") or {}
+        diff = c.get("max_abs_logit_diff_vs_device")
+        shown = {"ok", "finite", "reference", "max_abs_logit_diff_vs_device", "bound", "bound_is"}
+        detail += (f"; contract {'met' if ok else 'NOT MET'}: " + ("" if c.get("finite", True) else "NaN/inf! ")
+                   + f"|dlogit| vs {c.get('reference', 'reference')} {_num(diff)} "
+                   + ("<=" if ok else "vs") + f" bound {_num(c.get('bound'))}"
+                   + (f" ({c['bound_is']})" if c.get("bound_is") else "")
+                   + "".join(f", {k} {_num(v)}" for k, v in c.items()
+                             if k not in shown and isinstance(v, (int, float, str, bool))))
+    else:
+        ok = bool(same) and d <= 1e-4  # a NaN fails too
+        detail += " (CPU criterion: verify's JSON has no contract)"
+    if rc not in ("0", "1"):  # it printed its result, then failed
+        print(f"FAIL\texit {rc} after its result: {detail}")
+    else:
+        print(f"{'ok' if ok else 'DIFF'}\t{detail}")
+
+
+def bench_rows(path, steps, status, secs, cause=""):
     r = last_json(path)
-    rows = [("bench", status, secs,
+    rows = [("bench", status, secs, (f"{cause}; " if cause else "") +
              f"{r['model'].rsplit('/', 1)[-1]} on {r.get('device')}, budget {r['budget']} = {r['slots_per_layer']}/"
              f"{r['n_expert']} slots per layer, {r['decode_tokens']} decode tokens x {r['repeat']}"
              + (f", routing round trip {r['round_trip_us_per_layer']:.1f} us per MoE layer"
@@ -226,6 +360,7 @@ GC=$WORK/gc.py
 
 cleanup() {
     if [ -n "$RPC_PID" ]; then kill "$RPC_PID" 2>/dev/null; wait "$RPC_PID" 2>/dev/null; fi
+    if [ -f "$WORK/rpc.txt" ]; then { echo "-- the dry run's rpc-server:"; cat "$WORK/rpc.txt"; } >> "$LOG"; fi
     # the scratch folder (wheels, the draft, raw outputs) goes, unless GPU_CHECK_WORK named it
     if [ -z "${GPU_CHECK_WORK:-}" ]; then rm -rf "$WORK"; fi
 }
@@ -234,19 +369,22 @@ trap cleanup EXIT
 say() { echo "[gpu_check $(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
 
 # record NAME STATUS SECONDS DETAIL: one row of the table
-record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(echo "$4" | tr '\t\n' '  ' | cut -c1-300)" >> "$STEPS"; }
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(printf '%s' "$4" | tr '\t\n' '  ' | cut -c1-300)" >> "$STEPS"; }
 
 # run NAME CAP_S UNTIL OUTFILE CMD...: runs CMD under timeout (CAP_S, or less so as to end by UNTIL, an epoch
-# second), output to OUTFILE and the log; sets RC (124: timed out, 125: not run for lack of time) and SECS
+# second), output to OUTFILE and the log; sets RC (124: timed out, 125: not run for lack of time), SECS and CUT (1:
+# its time was cut to end by UNTIL)
 RC=0
 SECS=0
+CUT=0
 run() {
     local name=$1 cap=$2 until=$3 outf=$4
     shift 4
     local now left t0
     now=$(date +%s)
     left=$((until - now))
-    [ "$left" -lt "$cap" ] && cap=$left
+    CUT=0
+    [ "$left" -lt "$cap" ] && cap=$left CUT=1
     if [ "$cap" -lt 5 ]; then
         RC=125 SECS=0
         echo "not run: out of time" > "$outf"
@@ -264,7 +402,8 @@ run() {
 status_of() {  # RC -> word
     case $1 in
         0) echo ok ;;
-        124|137) echo TIMEOUT ;;
+        # cut short by the run's budget (not by its own cap): out of time, as a step not run for want of it is
+        124|137) if [ "$CUT" = 1 ]; then echo skip; else echo TIMEOUT; fi ;;
         125) echo "skip" ;;
         *) echo FAIL ;;
     esac
@@ -272,37 +411,74 @@ status_of() {  # RC -> word
 
 last_line() { grep -v '^\s*$' "$1" 2>/dev/null | tail -1; }
 
+# why RC FILE: what a failed step's row says: a timeout or a signal (a segfault is exit 139), then the real cause in
+# the output (gc.py cause: a traceback's exception line, else the first error line), never a guess
+why() {
+    local rc=$1 f=$2 pre c
+    case $rc in
+        124|137) if [ "$CUT" = 1 ]; then pre="cut at the run's deadline after ${SECS}s: "; else pre="timed out after ${SECS}s: "; fi ;;
+        125) echo "not run: out of time"; return ;;
+        *) if [ "$rc" -gt 128 ]; then pre="killed by SIG$(kill -l $((rc - 128)) 2>/dev/null): "; else pre="exit $rc: "; fi ;;
+    esac
+    c=$("$PY" "$GC" cause "$f" 2>/dev/null) || c=$(last_line "$f")
+    echo "$pre$c"
+}
+
 # --- 1. python --------------------------------------------------------------------------------------------------
+# Nothing but the interpreter is assumed: every runtime dependency comes from the wheelhouse (.gpu/wheels, made by
+# --prepare for one Python version), installed offline into a scratch folder that goes first on PYTHONPATH, so the
+# versions are the wheelhouse's whatever the interpreter has (the H200's numpy 2.5 and newer typer, say).
+WHEELS=$REPO/.gpu/wheels
 SITE=$WORK/site
 mkdir -p "$SITE"
 if [ -z "$PY" ] || ! "$PY" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
     record "python" FAIL 0 "no Python >= 3.11 (GPU_CHECK_PYTHON=${GPU_CHECK_PYTHON:-unset}, python3=$(command -v python3))"
 else
-    whl_note=""
-    if ls .gpu/wheels/*.whl > /dev/null 2>&1; then
-        # only what the interpreter lacks (or has at another version), into a scratch folder first on the path
-        need=$("$PY" - .gpu/wheels/*.whl <<'EOF'
-import importlib.metadata as md, sys
-from pathlib import Path
-for w in sys.argv[1:]:
-    name, version = Path(w).name.split("-")[:2]
-    try:
-        if md.version(name) == version:
-            continue
-    except md.PackageNotFoundError:
-        pass
-    print(w)
-EOF
-)
-        if [ -n "$need" ]; then
-            # shellcheck disable=SC2086
-            "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" $need >> "$LOG" 2>&1 \
-                && whl_note="; from .gpu/wheels: $(echo $need | xargs -n1 basename | tr '\n' ' ')"
+    pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    reqs=$WORK/requirements.txt
+    whl_note="no .gpu/wheels (run --prepare where a registry is reachable): the interpreter's own packages"
+    if [ -f "$WHEELS/requirements.txt" ]; then
+        cp "$WHEELS/requirements.txt" "$reqs"
+        read -r whl_ver whl_arch < "$WHEELS/PYTHON"
+        if [ "$whl_ver" != "$pyver" ] || [ "$whl_arch" != "$(uname -m)" ]; then
+            record wheels FAIL 0 "the wheelhouse is for Python $whl_ver $whl_arch, $PY is $pyver $(uname -m): \
+prepare it with GPU_CHECK_PYVER=$pyver bash tools/gpu_check.sh --prepare"
+        else
+            # pip: the interpreter's, else the wheelhouse's own wheel run as a zip (a bare Python may have none)
+            pip=("$PY" -m pip)
+            if ! "$PY" -m pip --version > /dev/null 2>&1; then
+                pip=("$PY" "$(ls "$WHEELS"/pip-*.whl | head -1)/pip")
+            fi
+            run wheels 120 "$DEADLINE" "$WORK/wheels.txt" "${PIP_CLEAN[@]}" PYTHONNOUSERSITE=1 "${pip[@]}" install \
+                --no-index --find-links "$WHEELS" --only-binary=:all: --no-compile --no-cache-dir \
+                --disable-pip-version-check --target "$SITE" -r "$reqs"
+            if [ "$RC" = 0 ]; then
+                whl_note="$(ls "$WHEELS"/*.whl | grep -vc '/pip-') wheels from .gpu/wheels installed"
+                record wheels ok "$SECS" "$whl_note into the scratch folder, first on PYTHONPATH"
+            else
+                record wheels "$(status_of $RC)" "$SECS" "$(why $RC "$WORK/wheels.txt")"
+            fi
         fi
+    else
+        requirements "$PY" > "$reqs" 2>> "$LOG"
+        record wheels skip 0 "$whl_note"
     fi
+    # the user site (~/.local) stays out: a package found only there would hide a gap in the wheelhouse
+    export PYTHONNOUSERSITE=1
     export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    run python 60 "$DEADLINE" "$WORK/python.txt" "$PY" "$GC" python
-    record python "$(status_of $RC)" "$SECS" "$(last_line "$WORK/python.txt")${whl_note}"
+    run python 60 "$DEADLINE" "$WORK/python.txt" "$PY" "$GC" python "$reqs" "$SITE" "$WHEELS"
+    if [ "$RC" = 0 ]; then
+        record python ok "$SECS" "$(last_line "$WORK/python.txt")"
+    else
+        record python "$(status_of $RC)" "$SECS" "$(why $RC "$WORK/python.txt")"
+    fi
+    # the CLI imports and renders its help: the H200's first run died right here (a typer internal)
+    run cli 60 "$DEADLINE" "$WORK/cli.txt" "$PY" -m pyspecter --help
+    if [ "$RC" = 0 ]; then
+        record "pyspecter --help" ok "$SECS" "the CLI imports and prints its help"
+    else
+        record "pyspecter --help" "$(status_of $RC)" "$SECS" "$(why $RC "$WORK/cli.txt")"
+    fi
 fi
 
 # --- 2. build -----------------------------------------------------------------------------------------------------
@@ -319,18 +495,32 @@ else
     build_what="CUDA build, arch $SPECTER_CUDA_ARCH"
 fi
 if [ -z "${SPECTER_SDIST:-}" ] && [ -f .gpu/llama-src.tar.gz ]; then export SPECTER_SDIST=$REPO/.gpu/llama-src.tar.gz; fi
+# build_llama.py links what it builds into its interpreter's site-packages (a .pth): on the GPU machine that would
+# write into the system Python (or fail there for want of permission), on a dry run into GPU_CHECK_PYTHON's venv.
+# It runs from a scratch venv instead, which takes the link with it (the system's packages stay visible: a pip cmake)
+BPY=$PY
+if "$PY" -m venv --without-pip --system-site-packages "$WORK/buildenv" >> "$LOG" 2>&1; then
+    BPY=$WORK/buildenv/bin/python
+fi
 if [ "$DRY" = 1 ] && [ "${GPU_CHECK_DRY_BUILD:-0}" != 1 ]; then
-    # the dry run checks the plumbing, not the build: it takes the CPU build this interpreter has linked (building
-    # here would take minutes and could race a `make build` of the same key); GPU_CHECK_DRY_BUILD=1 builds
-    run build 60 "$DEADLINE" "$WORK/build.txt" "$PY" -c \
-        'import pathlib, llama_cpp; print(pathlib.Path(llama_cpp.__file__).resolve().parent.parent)'
+    # the dry run checks the plumbing, not the build: it takes this checkout's CPU build if `make build` made it,
+    # else the one the interpreter has linked (building here would take minutes and could race a `make build` of
+    # the same key); GPU_CHECK_DRY_BUILD=1 builds
+    PKG_ROOT=$("$BPY" tools/build_llama.py --print-root 2> "$WORK/build.txt")
+    if [ -f "$PKG_ROOT/BUILD_INFO.json" ]; then
+        RC=0 SECS=0
+        build_what="this checkout's CPU build (dry run)"
+    else
+        run build 60 "$DEADLINE" "$WORK/build.txt" "$PY" -c \
+            'import pathlib, llama_cpp; print(pathlib.Path(llama_cpp.__file__).resolve().parent.parent)'
+        PKG_ROOT=$(tail -1 "$WORK/build.txt")
+        build_what="the CPU build $PY has linked (dry run)"
+    fi
     build_rc=$RC
-    PKG_ROOT=$(tail -1 "$WORK/build.txt")
-    build_what="the linked CPU build (dry run)"
 else
-    run build 420 "$DEADLINE" "$WORK/build.txt" "$PY" tools/build_llama.py
+    run build 420 "$DEADLINE" "$WORK/build.txt" "$BPY" tools/build_llama.py
     build_rc=$RC
-    PKG_ROOT=$("$PY" tools/build_llama.py --print-root 2>/dev/null)
+    PKG_ROOT=$("$BPY" tools/build_llama.py --print-root 2>/dev/null)
 fi
 BUILD_LOG=$(dirname "$PKG_ROOT")/build.log
 if [ -f "$BUILD_LOG" ]; then tail -n 150 "$BUILD_LOG" > "$OUT/build_log_tail.txt"; fi
@@ -338,35 +528,61 @@ if [ "$build_rc" = 0 ] && [ -f "$PKG_ROOT/BUILD_INFO.json" ]; then
     BUILT=1
     export PYTHONPATH="$PKG_ROOT:$PYTHONPATH"
     detail=$("$PY" "$GC" build-detail "$PKG_ROOT/BUILD_INFO.json" "$build_what" 2>&1)
+    # a build of this key found in the cache: say so, its time is the first build's
+    if grep -q '^llama.cpp build .* cached' "$WORK/build.txt" 2>/dev/null; then detail="$detail (cached)"; fi
     record build ok "$SECS" "$detail"
+elif [ "$build_rc" = 0 ]; then
+    record build FAIL "$SECS" "$build_what: no BUILD_INFO.json under '$PKG_ROOT'"
 else
-    record build "$(status_of $build_rc)" "$SECS" "$build_what: $(last_line "$WORK/build.txt")"
+    detail="$build_what: $(why "$build_rc" "$WORK/build.txt")"
+    # build_llama.py says "see build.log" of a CMake failure: the log's first error line is the cause
+    if [ -f "$BUILD_LOG" ]; then detail="$detail | build.log: $("$PY" "$GC" cause "$BUILD_LOG" 2>/dev/null)"; fi
+    record build "$(status_of $build_rc)" "$SECS" "$detail"
 fi
 
 # --- 3. device ----------------------------------------------------------------------------------------------------
 DEVICE=${GPU_CHECK_DEVICE:-}
 if [ "$DRY" = 1 ] && [ -z "$DEVICE" ]; then
     port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    DEVICE=rpc:127.0.0.1:$port
     if [ "$BUILT" = 1 ]; then
-        "$PY" -m pyspecter rpc-server --port "$port" -t 2 >> "$LOG" 2>&1 &
+        # the dry run's device; a row of its own, so that a server that never came up is not blamed on inspect
+        t0=$(date +%s)
+        "$PY" -m pyspecter rpc-server --port "$port" -t 2 > "$WORK/rpc.txt" 2>&1 &
         RPC_PID=$!
+        up=0
         for _ in $(seq 1 40); do
-            (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+            if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then up=1; break; fi
+            kill -0 "$RPC_PID" 2>/dev/null || break
             sleep 0.5
         done
+        SECS=$(($(date +%s) - t0))
+        if [ "$up" = 1 ]; then
+            record "rpc-server" ok "$SECS" "the dry run's device: pyspecter rpc-server on 127.0.0.1:$port"
+        else
+            kill -0 "$RPC_PID" 2>/dev/null && rc=124 || { wait "$RPC_PID"; rc=$?; }
+            record "rpc-server" "$(status_of $rc)" "$SECS" "$(why $rc "$WORK/rpc.txt")"
+        fi
     fi
-    DEVICE=rpc:127.0.0.1:$port
 fi
 DEVICE=${DEVICE:-cuda0}
 if [ "$DRY" != 1 ]; then
     run nvidia-smi 30 "$DEADLINE" "$WORK/smi.txt" nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap \
         --format=csv,noheader
-    record nvidia-smi "$(status_of $RC)" "$SECS" "$(last_line "$WORK/smi.txt")"
+    if [ "$RC" = 0 ]; then
+        record nvidia-smi ok "$SECS" "$(last_line "$WORK/smi.txt")"
+    else
+        record nvidia-smi "$(status_of $RC)" "$SECS" "$(why $RC "$WORK/smi.txt")"
+    fi
 fi
 if [ "$BUILT" = 1 ]; then
     run inspect 60 "$DEADLINE" "$WORK/inspect.txt" "$PY" -m pyspecter inspect tiny-qwen3moe --device "$DEVICE"
-    record "inspect --device $DEVICE" "$(status_of $RC)" "$SECS" "$(grep -i -m1 'device' "$WORK/inspect.txt" \
-        || last_line "$WORK/inspect.txt")"
+    if [ "$RC" = 0 ]; then
+        record "inspect --device $DEVICE" ok "$SECS" "$(grep -i -m1 'device' "$WORK/inspect.txt" \
+            || last_line "$WORK/inspect.txt")"
+    else
+        record "inspect --device $DEVICE" "$(status_of $RC)" "$SECS" "$(why $RC "$WORK/inspect.txt")"
+    fi
 else
     record "inspect --device $DEVICE" skip 0 "no build"
 fi
@@ -377,18 +593,23 @@ LONG_PROMPT="The quick brown fox jumps over the lazy dog while seven wizards qui
 meanwhile, a lazy river carries forty jugs of liquid past the old mill, and nobody counts the tokens."
 mkdir -p "$WORK/verify"
 if [ "$BUILT" = 1 ]; then
+    # breadth first: every arch's first case (E/2 slots, misses on the CPU), then every arch's second, ...; so a
+    # run that the budget cuts short has covered every arch. Each line's key (arch, case) orders the table's rows.
     cases=$("$PY" -c 'from pyspecter.models.tiny import TINY_MODELS
+per_arch = []
 for n, s in TINY_MODELS.items():
-    for slots in sorted({s.n_expert_used, s.n_expert // 2, s.n_expert}):
-        for miss in ("wait", "cpu"):
-            print(n, slots, miss, "short")
-    print(n, s.n_expert // 2, "cpu", "long")' 2>> "$LOG")
-    [ -n "$cases" ] || record verify FAIL 0 "could not list the fixture models (pyspecter.models.tiny)"
-    i=0
+    half = s.n_expert // 2
+    cs = [(half, "cpu", "short")] + [(k, miss, "short") for k in sorted({s.n_expert_used, half, s.n_expert})
+                                     for miss in ("wait", "cpu") if (k, miss) != (half, "cpu")] + [(half, "cpu", "long")]
+    per_arch.append([(n, *c) for c in cs])
+for j in range(max(map(len, per_arch))):
+    for a, cs in enumerate(per_arch):
+        if j < len(cs):
+            print(f"{a:02d}-{j:02d}", *cs[j])' 2> "$WORK/cases.txt")
+    [ -n "$cases" ] || record verify FAIL 0 "could not list the fixture models: $(why 1 "$WORK/cases.txt")"
     pids=()
-    while read -r m slots miss plen; do
+    while read -r key m slots miss plen; do
         [ -n "$m" ] || continue
-        i=$((i + 1))
         # PAR cases at a time (GPU_CHECK_PAR: 4 on a GPU, 1 on the dry run's one-client RPC server); each writes
         # its own row, gathered in order below
         while :; do
@@ -398,7 +619,7 @@ for n, s in TINY_MODELS.items():
             sleep 0.2
         done
         (
-            STEPS=$WORK/verify/$(printf '%03d' $i).row
+            STEPS=$WORK/verify/$key.row
             name="verify $m slots=$slots miss=$miss"
             [ "$plen" = long ] && name="$name (long prompt)"
             f="$WORK/verify/$m-$slots-$miss-$plen.json"
@@ -410,9 +631,13 @@ for n, s in TINY_MODELS.items():
                     --device "$DEVICE" --json
             fi
             rc=$RC
-            detail=$("$PY" "$GC" verify-detail "$f" 2>/dev/null || last_line "$f")
-            st=$(status_of $rc)
-            [ "$rc" = 1 ] && st=DIFF
+            # from the JSON verify printed (the contract where it reports one); without any, the cause of the crash
+            if row=$("$PY" "$GC" verify-row "$f" "$rc" 2>> "$LOG"); then
+                st=${row%%$'\t'*} detail=${row#*$'\t'}
+            else
+                st=$(status_of $rc) detail=$(why $rc "$f")
+                [ "$rc" = 0 ] && st=FAIL detail="exit 0 but no JSON result: $(last_line "$f")"
+            fi
             record "$name" "$st" "$SECS" "$detail"
         ) &
         pids+=($!)
@@ -427,24 +652,30 @@ fi
 # all-resident beside stock-device: bench then reports the routing round trip per MoE layer
 WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru specter"
 if [ "$BUILT" = 1 ]; then
-    COLUMNS=300 "$PY" -m pyspecter bench --help > "$WORK/bench_help.txt" 2>&1
+    run "bench --help" 60 "$DEADLINE" "$WORK/bench_help.txt" env COLUMNS=300 "$PY" -m pyspecter bench --help
+    help_rc=$RC
     have=$("$PY" -c 'from pyspecter.cli import BENCH_POLICIES; print(" ".join(BENCH_POLICIES))' 2>/dev/null)
     [ -n "$have" ] || have=$(tr -s ' ,│' '\n' < "$WORK/bench_help.txt" | grep -E '^[a-z]+(-[a-z]+)+$|^stock$|^specter$' \
         | tr '\n' ' ')
-    if ! grep -q -- '--device' "$WORK/bench_help.txt"; then
-        record bench skip 0 "this pyspecter's bench has no --device yet: nothing to bench on the GPU"
+    if [ "$help_rc" != 0 ]; then
+        # the CLI itself failed (an import error, say): that is the row, not a guess about bench's options
+        record "bench --help" "$(status_of $help_rc)" "$SECS" "$(why $help_rc "$WORK/bench_help.txt")"
+    elif ! grep -q -- '--device' "$WORK/bench_help.txt"; then
+        record bench skip 0 "this pyspecter's bench --help shows no --device: nothing to bench on the GPU"
     else
         pols=()
         for p in $WANT; do
             if [[ " $have " == *" $p "* ]]; then pols+=("$p"); else record "bench $p" skip 0 "not in this pyspecter's bench"; fi
         done
         run "model $MODEL" 150 "$DEADLINE" "$WORK/model.txt" "$PY" -m pyspecter models build "$MODEL"
-        record "model $MODEL" "$(status_of $RC)" "$SECS" "$(last_line "$WORK/model.txt")"
+        if [ "$RC" = 0 ]; then detail=$(last_line "$WORK/model.txt"); else detail=$(why $RC "$WORK/model.txt"); fi
+        record "model $MODEL" "$(status_of $RC)" "$SECS" "$detail"
         model_rc=$RC
         draft_args=()
         if [ "$model_rc" = 0 ] && [[ " ${pols[*]} " == *" specter "* ]]; then
             run "draft" 90 "$DEADLINE" "$WORK/draft.txt" "$PY" -m pyspecter draft "$MODEL" -o "$WORK/draft.gguf"
-            record "draft of $MODEL" "$(status_of $RC)" "$SECS" "$(last_line "$WORK/draft.txt")"
+            if [ "$RC" = 0 ]; then detail=$(last_line "$WORK/draft.txt"); else detail=$(why $RC "$WORK/draft.txt"); fi
+            record "draft of $MODEL" "$(status_of $RC)" "$SECS" "$detail"
             if [ "$RC" = 0 ]; then
                 draft_args=(--draft "$WORK/draft.gguf")
             else
@@ -463,8 +694,10 @@ if [ "$BUILT" = 1 ]; then
             bench_rc=$RC
             bench_secs=$SECS
             cp "$WORK/bench.txt" "$OUT/bench.json"
-            "$PY" "$GC" bench-rows "$WORK/bench.txt" "$STEPS" "$(status_of $bench_rc)" "$bench_secs" 2>> "$LOG" \
-                || record bench "$(status_of $bench_rc)" "$bench_secs" "$(last_line "$WORK/bench.txt")"
+            cause=
+            [ "$bench_rc" = 0 ] || cause=$(why $bench_rc "$WORK/bench.txt")
+            "$PY" "$GC" bench-rows "$WORK/bench.txt" "$STEPS" "$(status_of $bench_rc)" "$bench_secs" "$cause" \
+                2>> "$LOG" || record bench "$(status_of $bench_rc)" "$bench_secs" "${cause:-no JSON result}"
             "$PY" "$GC" device-table "$WORK/bench.txt" "$OUT" > "$WORK/device_table.txt" 2>> "$LOG" || true
         fi
     fi

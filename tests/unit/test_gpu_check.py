@@ -1,0 +1,157 @@
+"""tools/gpu_check.sh without a GPU, a build or a registry: the wheelhouse --prepare carries starts from pyproject's
+dependencies and covers what the package imports; the table's rows report the real cause of a failure and judge a
+verify case by the GPU contract where verify reports one."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "gpu_check.sh"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# imported only by optional parts, declared as extras: `pyspecter serve` (server) and the report plots (plot);
+# gpu_check runs neither
+OPTIONAL = {"fastapi": "server", "starlette": "server", "sse_starlette": "server", "uvicorn": "server",
+            "h11": "server", "matplotlib": "plot"}
+BUILT = {"llama_cpp"}  # the bindings tools/build_llama.py builds; the script puts them on PYTHONPATH
+
+
+def _name(req: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", req)[0]).lower()
+
+
+def test_prepare_starts_from_pyprojects_dependencies() -> None:
+    """--prepare downloads exactly pyproject's requirement strings (and their dependencies), read when it runs:
+    nothing pinned in the script to fall behind pyproject."""
+    r = subprocess.run(["bash", str(SCRIPT), "--list-requirements"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:-1] == PYPROJECT["project"]["dependencies"]
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in (ROOT / "pyspecter").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):  # function-level imports count too
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods = [node.module]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            for m in mods:
+                top = m.split(".")[0]
+                if top != "pyspecter" and top not in sys.stdlib_module_names:
+                    out.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_every_runtime_import_is_a_declared_dependency() -> None:
+    """What the package imports comes from a distribution pyproject names, so the wheelhouse (pyproject's
+    dependencies, transitively) has it; a module only an optional part imports is in that part's extra."""
+    deps = {_name(d) for d in PYPROJECT["project"]["dependencies"]}
+    extras = {k: {_name(d) for d in v} for k, v in PYPROJECT["project"]["optional-dependencies"].items()}
+    dists = md.packages_distributions()
+    bad = []
+    for mod, where in sorted(_third_party_imports().items()):
+        if mod in BUILT:
+            continue
+        provided = {_name(d) for d in dists.get(mod, [])}
+        if mod in OPTIONAL:
+            # the extra must declare the module's distribution, or one that brings it (h11 comes with uvicorn)
+            ok = not provided or provided & extras[OPTIONAL[mod]] or any(
+                _name(r) in provided for d in extras[OPTIONAL[mod]] for r in (md.requires(d) or []))
+        else:
+            ok = bool(provided & deps)
+        if not ok:
+            bad.append(f"{mod} ({', '.join(sorted(provided)) or 'no distribution here'}), imported by "
+                       f"{', '.join(sorted(where))}")
+    assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def gc(tmp_path_factory: pytest.TempPathFactory):
+    """The script's embedded Python (gc.py), as the script writes it."""
+    text = SCRIPT.read_text()
+    start = text.index("cat > \"$WORK/gc.py\" <<'EOF'\n")
+    body = text[text.index("\n", start) + 1:text.index("\nEOF\n", start)]
+    path = tmp_path_factory.mktemp("gc") / "gc.py"
+    path.write_text(body + "\n")
+    spec = importlib.util.spec_from_file_location("gc_py", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cause_is_the_exception_not_a_guess(gc, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The first GPU run's failure: an AttributeError at import. The row says that and where, not the last line."""
+    out = tmp_path / "out.txt"
+    out.write_text("""Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/repo/pyspecter/cli/app.py", line 40, in <module>
+    typer.core.TyperOption.display_type_rich = _x
+    ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+AttributeError: type object 'TyperOption' has no attribute 'display_type_rich'
+-- exit 1 after 1s
+""")
+    gc.cause(out)
+    assert capsys.readouterr().out.strip() == ("AttributeError: type object 'TyperOption' has no attribute "
+                                               "'display_type_rich' (at cli/app.py:40)")
+    # no traceback: the first error line (the root, not its consequences) and the one after it
+    out.write_text("loading model\nCUDA error: an illegal memory access was encountered\n  in mmq.cuh:1417\n"
+                   "ggml-cuda.cu:109: CUDA error\n")
+    gc.cause(out)
+    assert capsys.readouterr().out.strip() == "CUDA error: an illegal memory access was encountered | in mmq.cuh:1417"
+    out.write_text("\n\nsomething odd\n")
+    gc.cause(out)
+    assert capsys.readouterr().out.strip() == "something odd"
+
+
+def _verify_json(**kw) -> dict:
+    r = {"device": "CUDA0", "identical_tokens": True, "max_abs_logit_diff": 0.0, "n_tokens": 16,
+         "n_prompt_tokens": 20, "hit_rate": 0.5, "uploads": 12}
+    r.update(kw)
+    return r
+
+
+def _row(gc, tmp_path: Path, capsys, r: dict | None, rc: str = "0", noise: str = "") -> tuple[str, str]:
+    f = tmp_path / "v.json"
+    f.write_text(noise + (json.dumps(r, indent=1) if r is not None else "") + "\n")
+    gc.verify_row(f, rc)
+    st, detail = capsys.readouterr().out.rstrip("\n").split("\t")
+    return st, detail
+
+
+def test_verify_rows_use_the_contract_when_verify_reports_one(gc, tmp_path: Path, capsys) -> None:
+    # no contract in the JSON (a verify before it): the CPU criterion
+    assert _row(gc, tmp_path, capsys, _verify_json(), noise="a log line\n")[0] == "ok"
+    assert _row(gc, tmp_path, capsys, _verify_json(max_abs_logit_diff=2e-4), rc="1")[0] == "DIFF"
+    assert _row(gc, tmp_path, capsys, _verify_json(max_abs_logit_diff=float("nan")))[0] == "DIFF"
+    assert _row(gc, tmp_path, capsys, _verify_json(identical_tokens=False), rc="1")[0] == "DIFF"
+    # the contract decides: misses computed on the CPU may differ from stock-same-placement and still meet it
+    contract = {"finite": True, "reference": "stock-device", "max_abs_logit_diff_vs_device": 0.02, "bound": 0.05,
+                "bound_is": "stock --cpu-moe vs stock-device, same tokens", "ok": True}
+    st, detail = _row(gc, tmp_path, capsys, _verify_json(identical_tokens=False, max_abs_logit_diff=0.3,
+                                                         contract=contract, contract_ok=True), rc="1")
+    assert st == "ok"
+    assert "contract met" in detail and "stock-device 2.0e-02 <= bound 5.0e-02" in detail
+    assert "stock --cpu-moe vs stock-device" in detail
+    st, detail = _row(gc, tmp_path, capsys, _verify_json(contract={**contract, "finite": False, "ok": False},
+                                                         contract_ok=False))
+    assert st == "DIFF" and "NOT MET" in detail and "NaN/inf" in detail
+    # a result, then a crash (a signal): FAIL, whatever the numbers
+    assert _row(gc, tmp_path, capsys, _verify_json(), rc="139")[0] == "FAIL"
+    # no JSON at all: exit 3, and the script falls back to the cause of the failure
+    with pytest.raises(SystemExit) as e:
+        _row(gc, tmp_path, capsys, None, noise="Segmentation fault\n")
+    assert e.value.code == 3
