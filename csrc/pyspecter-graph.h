@@ -4,6 +4,7 @@
 
 struct ggml_context;
 struct ggml_tensor;
+struct ggml_backend_sched;
 struct llama_pyspecter_slots;
 
 // The routing op of MoE layer il, built in build_moe_ffn after the router and before the expert matmuls; null
@@ -40,5 +41,11 @@ ggml_tensor * llama_pyspecter_on_path(const llama_pyspecter_slots * slots, ggml_
                                       const ggml_tensor * route, int path);
 
 // Before each ubatch's graph runs (llama_context::graph_compute): the device tables take what landed since the
-// previous one, in one copy per device. Null slots: nothing.
-void llama_pyspecter_fence(llama_pyspecter_slots * slots);
+// previous one, in one copy per device; and the scheduler's backends become the ones uploads order themselves
+// after (an upload into a slot waits for the device work queued before it, which may still read the slot's old
+// expert). Null slots: nothing.
+void llama_pyspecter_fence(llama_pyspecter_slots * slots, ggml_backend_sched * sched);
+
+// A context is going away (llama_context's destructor, after it synchronised): uploads stop ordering themselves
+// after its backends.
+void llama_pyspecter_context_gone(llama_pyspecter_slots * slots, ggml_backend_sched * sched);

@@ -49,6 +49,7 @@ struct pyspecter_upload_stream {
     ggml_backend_dev_t   dev     = nullptr;
     ggml_backend_t       backend = nullptr;
     ggml_backend_event_t event   = nullptr;
+    ggml_backend_event_t after_compute = nullptr; // recorded on the compute stream, waited on by this one
     std::mutex           mu; // one batch at a time: the upload thread, native readers and callers' threads share it
 
     pyspecter_upload_stream() = default;
@@ -76,6 +77,7 @@ struct llama_pyspecter_layer {
     int32_t n_zero = 0;
     llama_pyspecter_slots * parent = nullptr;
     pyspecter_upload_stream * stream = nullptr; // its device's upload stream (null: synchronous copies)
+    ggml_backend_dev_t dev = nullptr;           // the device its slots are on
 
     // Native residency (residency.cpp), guarded by its mutex; empty until residency_init.
     std::vector<uint64_t> last_use, loaded;                // slot -> clock of its last hit / of its mapping
@@ -142,6 +144,7 @@ struct llama_pyspecter_counters {
     // device tables (llama_pyspecter_device_stats)
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
     std::atomic<int64_t> async_batches{0}; // upload batches sent on an upload stream and awaited by their event
+    std::atomic<int64_t> compute_orders{0}; // upload batches ordered after the device's queued compute
 };
 
 // An emulated link (uploads.cpp charges every copy to it): a virtual clock of when the link is next free.
@@ -202,6 +205,12 @@ struct llama_pyspecter_slots {
     std::unordered_map<const ggml_tensor *, ggml_tensor *> on_device;
     std::vector<llama_pyspecter_table> tables;
     std::vector<std::unique_ptr<pyspecter_upload_stream>> streams; // one per device with async copies and events
+    // The backends of the context computing on the slots (its scheduler's, from the fence), by device: an upload
+    // into a device slot is ordered after the work they have queued, which may still read the slot's old expert
+    // (a kernel launched before the eviction reached the table). Guarded by compute_mu; cleared when it goes.
+    std::mutex compute_mu;
+    const void * compute_sched = nullptr;
+    std::vector<std::pair<ggml_backend_dev_t, ggml_backend_t>> compute;
     std::mutex table_mu;              // remap changes, table images and fences
     mutable std::atomic<bool> split_built{false}; // a graph with split routes was built: evictions reach the tables
     // split route -> the slot ids its layer's slot matmuls read (graph building: set by build_route, then read by

@@ -96,6 +96,7 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     L->miss_slot = on_cpu ? -1 : s->n_slots;
     L->n_zero = n_zero;
     L->stream = on_cpu ? nullptr : pyspecter_upload_stream_for(s, dev);
+    L->dev = dev;
     L->remap.assign(s->n_expert, -1);
     L->late.assign(s->n_expert, -1);
     L->owner.assign(s->n_slots, -1);
@@ -410,9 +411,49 @@ int32_t llama_pyspecter_set_slot(llama_model * model, int32_t il, int32_t expert
     return pyspecter_remap_set(pyspecter_layer_of(model, il), expert, slot);
 }
 
-void llama_pyspecter_fence(llama_pyspecter_slots * s) {
+// The scheduler's backend per device of a device layer. The first time a backend is taken it is synchronised here
+// on the compute thread, so its stream exists before an upload thread records an event on it (CUDA makes a
+// backend's stream on first use).
+static void take_compute_backends(llama_pyspecter_slots * s, ggml_backend_sched * sched) {
+    std::lock_guard<std::mutex> lk(s->compute_mu);
+    if (s->compute_sched == sched) {
+        return;
+    }
+    s->compute.clear();
+    for (auto & L : s->layers) {
+        if (!L || L->miss_slot < 0 || std::any_of(s->compute.begin(), s->compute.end(),
+                                                  [&](const auto & c) { return c.first == L->dev; })) {
+            continue;
+        }
+        for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+            ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+            if (ggml_backend_get_device(b) == L->dev) {
+                ggml_backend_synchronize(b);
+                s->compute.emplace_back(L->dev, b);
+                break;
+            }
+        }
+    }
+    s->compute_sched = sched;
+}
+
+void llama_pyspecter_context_gone(llama_pyspecter_slots * s, ggml_backend_sched * sched) {
+    if (!s) {
+        return;
+    }
+    std::lock_guard<std::mutex> lk(s->compute_mu);
+    if (s->compute_sched == sched) {
+        s->compute.clear();
+        s->compute_sched = nullptr;
+    }
+}
+
+void llama_pyspecter_fence(llama_pyspecter_slots * s, ggml_backend_sched * sched) {
     if (!s || s->tables.empty()) {
         return;
+    }
+    if (sched) {
+        take_compute_backends(s, sched);
     }
     std::lock_guard<std::mutex> lk(s->table_mu);
     s->counters.fences++;

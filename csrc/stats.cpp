@@ -158,7 +158,8 @@ void llama_pyspecter_stats_reset(llama_model * model) {
                           &c.wait_cpu_ns }) {
             *v = 0;
         }
-        for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes, &c.async_batches }) {
+        for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes, &c.async_batches,
+                          &c.compute_orders }) {
             *v = 0;
         }
         for (auto & row : c.layer_cpu_hist) {
@@ -184,4 +185,5 @@ void llama_pyspecter_get_device_stats(const llama_model * model, llama_pyspecter
     out->eviction_writes = s->counters.eviction_writes;
     out->upload_streams  = (int64_t) s->streams.size();
     out->async_batches   = s->counters.async_batches;
+    out->compute_orders  = s->counters.compute_orders;
 }

@@ -151,6 +151,9 @@ pyspecter_upload_stream::~pyspecter_upload_stream() {
     if (event) {
         ggml_backend_event_free(event);
     }
+    if (after_compute) {
+        ggml_backend_event_free(after_compute);
+    }
     if (backend) {
         ggml_backend_free(backend);
     }
@@ -178,7 +181,8 @@ pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s,
     st->dev     = dev;
     st->backend = ggml_backend_dev_init(dev, nullptr);
     st->event   = st->backend ? ggml_backend_event_new(dev) : nullptr;
-    if (!st->backend || !st->event) {
+    st->after_compute = st->event ? ggml_backend_event_new(dev) : nullptr;
+    if (!st->backend || !st->event || !st->after_compute) {
         LLAMA_LOG_WARN("pyspecter: %s: no upload stream of its own, uploads stay synchronous\n",
                 ggml_backend_dev_name(dev));
         return nullptr; // st frees what it got
@@ -212,6 +216,10 @@ public:
     // n bytes into slot, at byte `at` of the slot's expert (a chunk of it)
     void copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n, size_t at = 0) {
         const size_t off = (size_t) slot * slot_t->nb[2] + at;
+        if (!after_compute) {
+            order_after_compute();
+            after_compute = true;
+        }
         if (const int64_t us = L->parent->upload_fault_us) {
             // fault injection (tests): the bytes of a copy in flight are undefined, so make them NaN for a while
             // before the real ones land; a kernel that reads the slot in that window (mapped before its upload
@@ -241,11 +249,36 @@ public:
     }
 
 private:
+    // A device slot may still be read for the expert it held by kernels queued before the eviction reached the
+    // table (the layer's split already launched): the copy waits for the device work queued so far. On the upload
+    // stream that is an event the stream waits on (the host goes on); a synchronous copy, on another stream of
+    // the device's, waits on the host. CPU slots are read by the compute thread itself: nothing to wait for.
+    void order_after_compute() {
+        if (L->miss_slot < 0) {
+            return;
+        }
+        auto * s = L->parent;
+        std::lock_guard<std::mutex> lk_compute(s->compute_mu);
+        for (const auto & [dev, backend] : s->compute) {
+            if (dev != L->dev) {
+                continue;
+            }
+            if (st && st->after_compute) {
+                ggml_backend_event_record(st->after_compute, backend);
+                ggml_backend_event_wait(st->backend, st->after_compute);
+            } else {
+                ggml_backend_synchronize(backend);
+            }
+            s->counters.compute_orders++;
+        }
+    }
+
     llama_pyspecter_layer *      L;
     pyspecter_upload_stream *    st;
     std::unique_lock<std::mutex> lk;
     int64_t                      t0;
     size_t                       bytes = 0;
+    bool                         after_compute = false;
 };
 
 static int32_t write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {

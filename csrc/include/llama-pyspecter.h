@@ -305,6 +305,7 @@ struct llama_pyspecter_device_stats {
     int64_t eviction_writes; // evictions written to a table at once (the layer could still run this ubatch)
     int64_t upload_streams;  // devices whose uploads run on their own backend stream, ordered by events (not reset)
     int64_t async_batches;   // upload batches (an expert's kinds) sent on such a stream and awaited by their event
+    int64_t compute_orders;  // upload batches ordered after the device work queued before them (device layers)
 };
 LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
                                                    struct llama_pyspecter_device_stats * out);

@@ -35,6 +35,7 @@ class DeviceStats(ctypes.Structure):
         ("eviction_writes", ctypes.c_int64),  # evictions written to a table at once
         ("upload_streams", ctypes.c_int64),  # devices whose uploads run on their own stream, ordered by events
         ("async_batches", ctypes.c_int64),  # upload batches sent on such a stream and awaited by their event
+        ("compute_orders", ctypes.c_int64),  # upload batches ordered after the device work queued before them
     ]
 
     fences: int
@@ -43,6 +44,7 @@ class DeviceStats(ctypes.Structure):
     eviction_writes: int
     upload_streams: int
     async_batches: int
+    compute_orders: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}
