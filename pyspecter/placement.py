@@ -205,48 +205,108 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
 
 @dataclass(frozen=True)
 class SlotCount:
-    """The slots a budget buys, said the same way by inspect, demo, generate and chat's /stats: ``slots`` in
-    every MoE layer, one more in ``extra_layers`` of ``n_layers`` (what whole rows leave of the budget), and
-    ``others``: what takes the rest of the budget, (what, bytes) (a learned predictor, a draft, surrogates)."""
+    """What a budget buys, said the same way by inspect, generate, chat's /stats, serve and bench: ``counts``, the
+    usable slots of each MoE layer (empty: no slots, every expert resident as in stock llama.cpp); ``others``: what
+    takes the rest of the budget, (what, bytes) (a learned predictor, a draft, surrogates, or memory left free);
+    ``zero``: on a device, the all-zero slots each slot layer also holds (one per expert a token uses: where its
+    misses point), on top of the slots."""
 
-    slots: int
+    counts: tuple[int, ...]
     n_expert: int
-    extra_layers: int
-    n_layers: int
     others: tuple[tuple[str, int], ...] = ()
     budget_bytes: int | None = None
+    zero: int = 0
+
+    @property
+    def min(self) -> int:
+        return min(self.counts, default=0)
+
+    @property
+    def max(self) -> int:
+        return max(self.counts, default=0)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.counts) / len(self.counts) if self.counts else 0.0
+
+    def as_stats(self) -> dict:
+        """The figures for JSON and metrics: min, mean and max usable slots per layer (0 with no slots)."""
+        return {"slots_min": self.min, "slots_mean": self.mean, "slots_max": self.max, "slots_text": str(self)}
 
     def __str__(self) -> str:
-        text = f"{self.slots}/{self.n_expert} slots per layer"
-        if self.extra_layers:
-            text += f" ({self.slots + 1} in {self.extra_layers} of {self.n_layers} layers)"
+        if not self.counts:
+            return "no slots (every expert resident)"
+        if self.min == self.max:  # why each layer differs is the allocator's (budget.allocate_slots)
+            text = f"{self.min}/{self.n_expert} slots per layer"
+        else:
+            text = f"{self.min}-{self.max} of {self.n_expert} slots per layer (mean {self.mean:.2f})"
+        if self.zero:
+            text += f" + {self.zero} zero slots each on the device"
         if self.others:
             text += "; the rest of the budget: " + ", ".join(f"{what} {fmt_bytes(n)}" for what, n in self.others)
         return text
 
 
+NO_SLOTS = SlotCount((), 0)  # stock llama.cpp, or a layer plan of full and host layers
+IN_PLACE = "left free (misses are computed in place from the RAM copy)"
+
+
+def predictor_part(pred) -> tuple[str, int]:
+    """A predictor as a part of the budget: (what, bytes)."""
+    kind = "the router-ahead maps" if pred.meta.get("kind") == "router-ahead" else "the learned predictor"
+    return kind, pred.nbytes
+
+
 def slot_count(layout: ModelLayout, plan, others: tuple[tuple[str, int], ...] = (),
-               budget_bytes: int | None = None) -> SlotCount:
-    """``plan``: a ``budget.MemoryPlan``; its usable slots (held and reserved ones are not usable)."""
-    return SlotCount(plan.usable, layout.n_expert, sum(1 for n in plan.extra.values() if n > 0), len(layout.layers),
-                     others, budget_bytes)
+               budget_bytes: int | None = None, zero: int = 0) -> SlotCount:
+    """``plan``: a ``budget.MemoryPlan``; the usable slots of each layer (held and reserved ones are not usable)."""
+    return SlotCount(tuple(plan.usable_in(L.index) for L in layout.layers), layout.n_expert, others,
+                     budget_bytes if budget_bytes is not None else plan.budget_bytes, zero)
 
 
-def budget_slot_count(layout: ModelLayout, budget: str, model_path: str | os.PathLike | None = None,
-                      plans_ahead: bool = False) -> SlotCount:
-    """What ``budget`` buys a session on this model with no draft: the learned predictor fitted for the file
-    (when there is one) takes its bytes first, as the session spends it: all of it where the planner prefetches
-    (``plans_ahead``: a device, an emulated link), else only its reuse maps (``Session._plans_ahead``)."""
+def budget_slot_count(layout: ModelLayout, budget: str, model_path: str | os.PathLike | None = None, *,
+                      tier: str = "disk", device: str | None = None) -> SlotCount:
+    """What ``budget`` buys a session on this model with no draft and no other flag, spent as ``Session`` spends
+    it (tests/integration/test_slot_counts.py holds the two together): on the RAM tier of the CPU misses are
+    computed in place, so nothing beyond top-k slots is filled and the rest stays free; otherwise the learned
+    predictor fitted for the file (or, on the disk tier without one, the router-ahead maps) takes its bytes first:
+    all of them where the planner prefetches (a device, an emulated link, router-ahead maps), else only its reuse
+    maps. On a device the counts are uniform, each slot layer with its zero slots on top."""
     from pyspecter.budget import MemoryPlan
     from pyspecter.learned import LearnedPredictor
+    from pyspecter.misses import default_miss
 
+    full = parse_budget(budget, layout.expert_total_bytes)
+    tr = make_tier(tier)
+    host = is_host(device)
+    if default_miss(tr, host_slots=host) == "host":
+        MemoryPlan.for_budget(layout, budget, spread=True)  # too small a budget is refused as a session does
+        top = MemoryPlan(layout.n_expert_used, budget_bytes=full)
+        used = layout.n_expert_used * sum(L.expert_bytes for L in layout.layers)
+        return slot_count(layout, top, ((IN_PLACE, full - used),) if full > used else (), full)
     pred = LearnedPredictor.for_model(model_path) if model_path is not None else None
+    if pred is None and model_path is not None and tr.name == "disk" and host:
+        from pyspecter.router_ahead import router_ahead
+
+        pred = router_ahead(model_path, layout)
+    plans_ahead = not host or tr.name.startswith("emulated") or (
+        pred is not None and pred.meta.get("kind") == "router-ahead")
     if pred is not None and not plans_ahead:
         pred = pred.reuse_only()
     plan = MemoryPlan.for_budget(layout, budget, predictor_bytes=pred.nbytes if pred else 0, spread=True,
-                                 curves=pred.miss_curves if pred else None)
-    return slot_count(layout, plan, (("the learned predictor", pred.nbytes),) if pred else (),
-                      parse_budget(budget, layout.expert_total_bytes))
+                                 device=not host, curves=pred.miss_curves if pred else None)
+    return slot_count(layout, plan, (predictor_part(pred),) if pred else (), full,
+                      zero=0 if host else layout.n_expert_used)
+
+
+def budget_slot_text(layout: ModelLayout, budget: str, model_path: str | os.PathLike | None = None, *,
+                     tier: str = "disk", device: str | None = None) -> str:
+    """``budget_slot_count`` as text, or why a session would refuse the budget (bench's header says it beside
+    its baselines' slots, which it runs either way)."""
+    try:
+        return str(budget_slot_count(layout, budget, model_path, tier=tier, device=device))
+    except SpecterError as e:
+        return f"refused: {e}"
 
 
 def uniform_slots(layout: ModelLayout, budget: str) -> int:

@@ -11,7 +11,6 @@ and the build of every part, in the order each needs the others, are one sequenc
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +26,22 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import LearnedPredictor
 from pyspecter.misses import default_miss
 from pyspecter.native.devices import Device, open_device
-from pyspecter.placement import Placement, SlotCount, device_layer_plan, is_host, place, slot_count
+from pyspecter.placement import (
+    IN_PLACE,
+    NO_SLOTS,
+    Placement,
+    SlotCount,
+    device_layer_plan,
+    is_host,
+    place,
+    predictor_part,
+    slot_count,
+)
 from pyspecter.predict import DraftRouting
 from pyspecter.prompts import render_prompt
 from pyspecter.router_ahead import is_router_ahead, router_ahead
 from pyspecter.sampling import Sampler, SamplingParams
+from pyspecter.speed import AnswerClock, Speed
 from pyspecter.tiers import make_tier
 
 
@@ -204,9 +214,7 @@ class Session:
         except BaseException:
             self.close()
             raise
-        self.tokens_out = 0
-        self.decode_s = 0.0
-        self.first_token_s: float | None = None  # of the latest generate
+        self.speed = Speed()  # decode apart from prefill (speed.py): what stats() reports
         self.sampler = Sampler(self.sampling, cfg.seed)
 
     def _plans_ahead(self) -> bool:
@@ -308,6 +316,10 @@ class Session:
         self._close_draft()
         self.cache.release_held()
         self.n_slots += self.held
+        # the plan says what the layers hand out now: the held slots are usable, each layer's share of them too
+        p = self.plan
+        self.plan = dataclasses.replace(p, held=0, held_extra={}, extra={
+            il: p.extra.get(il, 0) + p.held_extra.get(il, 0) for il in {*p.extra, *p.held_extra}})
         self.held, self.draft_bytes, self.held_extra = 0, 0, {}
 
     def _close_draft(self) -> None:
@@ -327,27 +339,22 @@ class Session:
     def stream(self, prompt: list[int], *, stop_at_eog: bool = True, reuse: bool = False) -> Iterator[int]:
         """Tokens after ``prompt`` as they are decided (speculatively with a draft): from a fresh context, or with
         ``reuse`` keeping what the KV cache already holds of ``prompt`` (a chat turn processes only what is new).
-        Each token counts in ``stats()`` (tokens, tok/s, first token) as it is yielded, with the time spent
-        deciding it: not the caller's between tokens, and a caller that stops early counts what it took."""
-        t0 = time.perf_counter()
-        n = 0
+        Each token counts in ``stats()`` as it is yielded, with the time spent deciding it (``speed.AnswerClock``):
+        not the caller's between tokens, and a caller that stops early counts what it took."""
+        clock = self._clock()
         gen = self._tokens(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
         try:
-            while True:
-                t = time.perf_counter()
-                try:
-                    tok = next(gen)
-                except StopIteration:
-                    return
-                finally:
-                    self.decode_s += time.perf_counter() - t
-                self.tokens_out += 1
-                n += 1
-                if n == 1:  # prefill and the first sample, as generate times it
-                    self.first_token_s = time.perf_counter() - t0
+            for tok in gen:
+                clock.token()
                 yield tok
+                clock.resume()
         finally:
             gen.close()
+
+    def _clock(self) -> AnswerClock:
+        """A clock for one answer into ``self.speed``, counting the prompt tokens the target's prefill runs."""
+        before = self.tctx.n_decoded
+        return AnswerClock(self.speed, prefilled=lambda: self.tctx.n_decoded - before)
 
     def _tokens(self, prompt: list[int], *, stop_at_eog: bool, reuse: bool) -> Iterator[int]:
         """``stream``'s tokens, counted by the caller."""
@@ -373,48 +380,55 @@ class Session:
         """Decode up to n tokens after prompt, from a fresh context (or reusing the cached prefix)."""
         if not prompt:
             raise SpecterError("empty prompt: nothing to continue from (this model adds no BOS token)")
-        t0 = time.perf_counter()
+        if n <= 0:  # llama.cpp's -n 0 decodes nothing, not even the prompt
+            return []
+        clock = self._clock()
         out: list[int] = []
 
         def emit(tok: int) -> None:
+            clock.token()
             out.append(tok)
-            if len(out) == 1:  # prefill and the first sample: what a user waits for before text appears
-                self.first_token_s = time.perf_counter() - t0
             if on_token:
                 on_token(tok)
+            clock.resume()  # the caller's time with the token is not decode time
 
-        try:
-            if self.decoder is not None:
-                # the decoder's own bounded loop: it never drafts past n
-                self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=emit, reuse=reuse)
-            else:
-                gen = self._tokens(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
-                try:
-                    for tok in gen:
-                        emit(tok)
-                        if len(out) >= n:
-                            break
-                finally:
-                    gen.close()
-            if self.cache is not None:
-                self.cache.check()
-        finally:  # an answer stopped early (Ctrl-C) still counts in /stats
-            self.decode_s += time.perf_counter() - t0
-            self.tokens_out += len(out)
+        if self.decoder is not None:
+            # the decoder's own bounded loop: it never drafts past n
+            self.decoder.generate(prompt, n, stop_at_eog=stop_at_eog, on_token=emit, reuse=reuse)
+        else:
+            gen = self._tokens(prompt, stop_at_eog=stop_at_eog, reuse=reuse)
+            try:
+                for tok in gen:
+                    emit(tok)
+                    if len(out) >= n:
+                        break
+            finally:
+                gen.close()
+        if self.cache is not None:
+            self.cache.check()
         return out
 
-    def slot_count(self) -> SlotCount | None:
-        """The slots as every command says them, with what else takes the budget (None: stock, no slots)."""
+    def slot_count(self) -> SlotCount:
+        """The slots as every command says them (``placement.SlotCount``), with what else takes the budget."""
         if self.cache is None:
-            return None
-        others = [("the learned predictor", self.predictor.nbytes)] if self.predictor else []
+            return NO_SLOTS
+        others = [predictor_part(self.predictor)] if self.predictor else []
         if self.held:
             others.append(("the draft (its slots held until it is dropped)", self.draft_bytes))
         elif self.draft_bytes and self.cfg.draft_counts_in_budget:
             others.append(("the draft", self.draft_bytes))
         if self.surrogates is not None:
             others.append(("the surrogates", self.surrogates.nbytes))
-        return slot_count(self.layout, self.plan, tuple(others))
+        if self.miss == "host" and not self.layer_plan and self.plan.budget_bytes is not None:
+            used = self.n_slots * sum(L.expert_bytes for L in self.layout.layers)
+            if self.plan.budget_bytes > used:
+                others.append((IN_PLACE, self.plan.budget_bytes - used))
+        if self.layer_plan is not None:  # slots in the plan's slot layers only
+            n = self.layer_plan.plan.n_slots
+            return SlotCount(tuple(n for _ in self.layer_plan.plan.layers("slots")), self.layout.n_expert,
+                             tuple(others), zero=self.layout.n_expert_used)
+        return slot_count(self.layout, self.plan, tuple(others), zero=0 if self.device is None
+                          else self.layout.n_expert_used)
 
     def stats(self) -> dict:
         if self.cache is None:  # stock: every expert resident, nothing moves
@@ -424,17 +438,16 @@ class Session:
             c = self.cache.counters()
         count = self.slot_count()
         out = {"stock": self.cache is None and self.layer_plan is None,
-               "slots_text": (f"layer plan {self.layer_plan.plan.describe(self.layout)}" if self.layer_plan
-                              else str(count) if count else "stock: no slots"),
-               "tokens": self.tokens_out, "tok_s": self.tokens_out / self.decode_s if self.decode_s else 0.0,
-               "first_token_s": self.first_token_s,
-               "slots_per_layer": self.n_slots, "has_slots": self.cache is not None,
-               "slots_mean": self.cache.usable_mean() if self.cache is not None else float(self.n_slots),
+               **self.speed.as_stats(), **count.as_stats(),
+               # slots every MoE layer has (0: none); slots_min, slots_mean and slots_max say how layers differ
+               "slots_per_layer": count.min, "has_slots": self.cache is not None,
                "n_expert": self.layout.n_expert, "tier": self.tier.name,
                "miss": self.miss, "hit_rate": c["hit_rate"], "coverage": c["slot_row_rate"],
                "uploads": c["uploads"], "upload_mib": c["upload_bytes"] / 2**20, "prefetches": c["prefetches"],
                "stall_ms": c["hook_ms"], "draft_mib": self.draft_bytes / 2**20,
                "surrogate_uses": c["surrogate_uses"], "failed_uploads": c["failed_uploads"]}
+        if self.layer_plan is not None:
+            out["slots_text"] = f"layer plan {self.layer_plan.plan.describe(self.layout)}"
         fitted = self.predictor is not None and not is_router_ahead(self.predictor)
         duel_c = self.cache.duel_state() if fitted else None
         if duel_c is not None:  # the duel runs in C: which eviction it chose now
@@ -458,7 +471,7 @@ class Session:
     def reset_stats(self) -> None:
         if self.cache is not None:
             self.cache.reset_counters()
-        self.tokens_out, self.decode_s = 0, 0.0
+        self.speed.reset()
 
     def close(self) -> None:
         """Free everything, uploads drained first: they write into the target's slots."""

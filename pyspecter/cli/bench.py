@@ -208,13 +208,21 @@ def _draft_desc(p: dict) -> str:
     return "; ".join(f"repeat {i + 1}: {d}" for i, d in enumerate(out)) if len(out) > 1 else out[0]
 
 
+def _slots_desc(r: dict) -> str:
+    """What the budget buys: the baselines' slots, and generate's (the engine's) where they differ."""
+    base = r.get("slots") or f"{r['slots_per_layer']}/{r['n_expert']} slots per layer"
+    engine = r.get("engine_slots")
+    return base if engine in (None, base) else f"the baselines {base}, generate (the engine) {engine}"
+
+
 def _print_bench(r: dict) -> None:
     on = f" on {r['device']}" if r.get("device", "CPU") != "CPU" else ""
     print(f"{Path(r['model']).name}: {r['arch']}{on}, tier {r['tier']}{' (emulated)' if r['emulated'] else ''}, "
-          f"budget {r['budget']} = {r['slots_per_layer']}/{r['n_expert']} slots per layer, link "
+          f"budget {r['budget']}: {_slots_desc(r)}; link "
           f"{r['link_gbps']:.2f} GB/s, {r['n_threads']} threads, {_prompt_desc(r)}, "
           f"{r['decode_tokens']} decode tokens x {r['repeat']} ({r.get('decode', 'free')}); "
           f"memory: {r['memory_cap']}")
+    # tok/s: decode tokens over decode time (speed.py), TPOT its median token; prefill/s and ttft apart
     print(f"{'policy':<22}{'TPOT ms':>9}{'mean ms':>9}{'tok/s':>9}{'prefill/s':>10}{'ttft s':>8}{'hit%':>7}"
           f"{'KiB/tok':>9}{'stall ms':>9}{'hook us':>8}{'vs lru':>8}{'vs all':>8}{'slots':>7}  decode")
     notes: dict[str, str] = {}

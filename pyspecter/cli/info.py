@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from pyspecter.cli.app import app
-from pyspecter.cli.options import DEFAULT_MODEL, DeviceOpt, ModelArg, fmt_bytes, native_errors_exit
+from pyspecter.cli.options import DEFAULT_MODEL, AutoTierOpt, DeviceOpt, ModelArg, fmt_bytes, native_errors_exit
 from pyspecter.errors import SpecterError
 from pyspecter.models.catalog import resolve_model
 
@@ -20,6 +20,7 @@ def inspect(
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     budget: Annotated[str | None, typer.Option(help="fast-tier budget for experts: 64MiB, 1.5GB or 40%")] = None,
     device: DeviceOpt = None,
+    tier: AutoTierOpt = None,
 ) -> None:
     """Show a MoE GGUF's expert layout: bytes per expert, expert vs non-expert bytes, slots a budget buys, and
     how the model fits this machine (or --device)."""
@@ -45,9 +46,12 @@ def inspect(
     except SpecterError as e:
         info["fit"] = {"tier": None, "budget_bytes": None, "stock": False, "why": str(e)}
     if budget is not None:
-        # as a session spends it (on a device the planner reads the whole predictor); too small is refused alike
-        count = budget_slot_count(lay, budget, lay.path, plans_ahead=not is_host(device))
-        info.update(budget_bytes=count.budget_bytes, slots_per_layer=count.slots, slots=str(count),
+        # as a session given this budget (and tier) spends it: the tier it would run on, chosen as generate
+        # chooses it; too small a budget is refused alike
+        where = place(lay, tier=tier, budget=budget, device=device, force=True)
+        count = budget_slot_count(lay, budget, lay.path, tier=where.tier, device=where.device)
+        info.update(budget_bytes=count.budget_bytes, tier=where.tier, slots_per_layer=count.min,
+                    slots_min=count.min, slots_mean=count.mean, slots_max=count.max, slots=str(count),
                     budget_takes=dict(count.others))
     if not is_host(device):
         assert device is not None
@@ -73,7 +77,7 @@ def inspect(
     print(f"experts: {fmt_bytes(lay.expert_total_bytes)} ({100 * lay.expert_total_bytes / tot:.1f}%), "
           f"non-expert: {fmt_bytes(lay.nonexpert_bytes)}")
     if budget is not None:
-        print(f"budget {budget}: {info['slots']}")
+        print(f"budget {budget}, tier {info['tier']}: {info['slots']}")
     print(f"on this machine, without --tier/--budget: {info['fit']['why']}")
     if "device" in info:
         d = info["device"]

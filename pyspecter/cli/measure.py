@@ -115,11 +115,11 @@ def demo(
     from pyspecter import native
     from pyspecter.cli.info import inspect
     from pyspecter.study.demo import demo as run_demo
-    from pyspecter.study.demo import tok_s
+    from pyspecter.study.demo import prefill_tok_s, tok_s
 
     path = resolve_model(model)
     print(f"patched llama.cpp with pyspecter C API v{native.patch_series_version()}")
-    inspect(str(path), json_out=False, budget=budget)
+    inspect(str(path), json_out=False, budget=budget, device=None, tier="disk")  # the tier the demo runs
     r = run_demo(path, budget=budget, n=n, question=question, n_threads=DEFAULT_THREADS)
     st, ours, mem = r["stock"], r["specter"], r["memory"]
     b, nonexp = r["budget_bytes"], r["nonexpert_bytes"]
@@ -134,9 +134,10 @@ def demo(
     rows = [("stock llama.cpp (mmap, same memory)", st, ""),
             (f"pyspecter ({ours['slots']}/{ours['n_expert']} expert slots, disk)", ours,
              f"hit {100 * s['hit_rate']:.0f}%, {per_token:.1f} MiB read/token (prefill included)")]
-    print(f"{'':<42}{'first token':>12}{'tok/s':>9}")
+    # decode tok/s after the first token; prefill apart: the prompt's tokens per second up to the first token
+    print(f"{'':<42}{'first token':>12}{'prefill/s':>10}{'tok/s':>9}")
     for name, run, extra in rows:
-        print(f"{name:<42}{run['ttft_s']:>10.2f} s{tok_s(run):>9.1f}   {extra}".rstrip())
+        print(f"{name:<42}{run['ttft_s']:>10.2f} s{prefill_tok_s(run):>10.1f}{tok_s(run):>9.1f}   {extra}".rstrip())
     print(f"pyspecter's slots: {s['slots_text']}")
     print(f"pyspecter decodes {tok_s(ours) / tok_s(st):.1f}x as fast as stock llama.cpp in the same memory")
     if r["identical"]:

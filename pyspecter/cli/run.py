@@ -34,7 +34,7 @@ from pyspecter.cli.options import (
 from pyspecter.errors import SpecterError
 from pyspecter.models.catalog import resolve_model
 
-NPredictHelp = "max tokens to generate; -1: until the context is full (llama.cpp's -1)"
+NPredictHelp = "max tokens to generate; 0: none (llama.cpp's 0); -1: until the context is full (llama.cpp's -1)"
 
 
 def check_n_predict(n: int) -> None:
@@ -170,15 +170,19 @@ def generate(
 
 
 def stats_line(st: dict) -> str:
+    """generate's last line and chat's /stats: decode speed, prefill apart (``speed.py``), then the slots
+    (``placement.SlotCount``) and what they did."""
+    from pyspecter.speed import speed_text
+
+    speed = speed_text(st)
     if st.get("stock"):
-        line = (f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | stock llama.cpp: all {st['n_expert']} experts "
-                f"resident, tier {st['tier']}, no slots")
+        line = f"[{speed} | stock llama.cpp: all {st['n_expert']} experts resident, tier {st['tier']}, no slots"
     elif not st.get("has_slots", True):  # a layer plan of full and host layers: stock's own placement
-        line = f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | {slots_phrase(st)}: no slots, nothing moves"
+        line = f"[{speed} | {st['slots_text']}: no slots, nothing moves"
     else:
-        line = (f"[{st['tokens']} tok, {st['tok_s']:.1f} tok/s | {slots_phrase(st)}, tier {st['tier']}, "
-                f"miss {st['miss']} | hit {100 * st['hit_rate']:.1f}%, from slots {100 * st['coverage']:.1f}%, "
-                f"uploads {st['uploads']} ({st['upload_mib']:.1f} MiB), stall {st['stall_ms']:.1f} ms")
+        line = (f"[{speed} | {st['slots_text']}, tier {st['tier']}, miss {st['miss']} | hit "
+                f"{100 * st['hit_rate']:.1f}%, from slots {100 * st['coverage']:.1f}%, uploads {st['uploads']} "
+                f"({st['upload_mib']:.1f} MiB), stall {st['stall_ms']:.1f} ms")
     if st.get("surrogate_uses"):
         line += f", {st['surrogate_uses']} misses served by surrogates (approximate)"
     if "acceptance" in st:
@@ -186,14 +190,7 @@ def stats_line(st: dict) -> str:
                  f"draft off {100 * st['draft_off']:.0f}% of steps")
         if st.get("draft_dropped_at") is not None:
             line += f"; draft dropped at step {st['draft_dropped_at']} (it did not pay), its memory is slots now"
-    if st.get("first_token_s") is not None:
-        line += f" | first token {st['first_token_s']:.2f} s"
     return line + "]"
-
-
-def slots_phrase(st: dict) -> str:
-    """The slot count as every command says it (see ``placement.SlotCount``)."""
-    return st.get("slots_text") or f"slots {st['slots_per_layer']}/{st['n_expert']}"
 
 
 @app.command()

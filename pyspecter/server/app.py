@@ -23,7 +23,7 @@ import pyspecter.server.http as http
 import pyspecter.server.wire as oa
 from pyspecter.errors import SpecterError
 from pyspecter.server.wire import ApiError
-from pyspecter.server.worker import Job, Worker, metrics, prometheus, slots
+from pyspecter.server.worker import Job, Worker, metrics, prometheus
 from pyspecter.session import Session
 
 MAX_BODY = 8 * 2**20
@@ -226,7 +226,8 @@ def create_app(w: Worker, model_id: str, aliases: set[str], api_key: str | None 
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": int(s.cfg.model.stat().st_mtime),
                 "owned_by": "pyspecter", "n_ctx": s.cfg.n_ctx, "tier": s.tier.name,
-                "slots_per_layer": slots(w.stats)[1], "slots": slots(w.stats)[0], "n_expert": s.layout.n_expert}
+                "n_expert": s.layout.n_expert, **{k: w.stats[k] for k in (
+                    "slots_per_layer", "slots_min", "slots_mean", "slots_max", "slots_text") if k in w.stats}}
 
     @app.get("/v1/models")
     async def models():
@@ -337,7 +338,7 @@ def serve(session: Session, sock: socket.socket, *, model_id: str, aliases: set[
         host, port = sock.getsockname()[:2]
         where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         print(f"pyspecter serve: {model_id} at {where}/v1 (OpenAI-compatible; /health, /metrics), "
-              f"{slots(w.stats)[0]}, tier {session.tier.name}, "
+              f"{session.stats()['slots_text']}, tier {session.tier.name}, "
               f"context {session.cfg.n_ctx}, queue {queue_size}, at most {max_connections} connections, idle "
               f"ones closed after {idle_timeout:g} s" + (", API key required" if api_key else ""),
               file=sys.stderr, flush=True)

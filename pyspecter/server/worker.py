@@ -244,16 +244,6 @@ class Worker:
         job.emit(("done", reason, len(job.prompt), n_out))
 
 
-def slots(st: dict) -> tuple[str, int | None]:
-    """The slots as the server reports them (banner, /v1/models, /metrics), from the session's stats: its own
-    words for them, and the count per layer, None when there are none (a model that fits runs stock, every
-    expert resident, and its session's nominal count means nothing)."""
-    has = st.get("has_slots", True) and not st.get("stock", False)
-    per_layer = st.get("slots_per_layer") if has else None
-    text = st.get("slots_text") or (f"{per_layer}/{st.get('n_expert', '?')} slots per layer" if has else "no slots")
-    return text, per_layer
-
-
 def _pct(xs, q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
@@ -281,13 +271,16 @@ def prometheus(m: dict) -> str:
         ("busy", "gauge", "1 while an answer is generated", int(m["busy"])),
         ("prompt_tokens_total", "counter", "prompt tokens processed", m["prompt_tokens"]),
         ("tokens_total", "counter", "tokens generated", st.get("tokens", 0)),
-        ("tokens_per_second", "gauge", "decode speed over all answers", st.get("tok_s", 0.0)),
+        ("tokens_per_second", "gauge", "decode tokens per second of decode time, prefill apart",
+         st.get("tok_s", 0.0)),
+        ("prompt_tokens_per_second", "gauge", "prompt tokens per second of prefill time", st.get("prefill_tok_s", 0.0)),
         ("ttft_p50_seconds", "gauge", "time to first token (queue wait included), median", m["ttft_p50_s"]),
         ("ttft_p95_seconds", "gauge", "time to first token (queue wait included), p95", m["ttft_p95_s"]),
         ("expert_hit_rate", "gauge", "experts resident when their layer needed them", st.get("hit_rate", 0.0)),
         ("expert_slot_row_rate", "gauge", "expert rows computed from slots", st.get("coverage", 0.0)),
-        ("expert_slots_per_layer", "gauge", "expert slots per MoE layer (0: no slots)",
-         slots(st)[1] or 0),
+        ("expert_slots_per_layer", "gauge", "expert slots per MoE layer, mean (0: no slots)", st.get("slots_mean", 0)),
+        ("expert_slots_per_layer_min", "gauge", "expert slots of the MoE layer with fewest", st.get("slots_min", 0)),
+        ("expert_slots_per_layer_max", "gauge", "expert slots of the MoE layer with most", st.get("slots_max", 0)),
         ("expert_uploads_total", "counter", "experts read from the slow tier", st.get("uploads", 0)),
         ("upload_bytes_total", "counter", "bytes read from the slow tier", st.get("upload_mib", 0.0) * 2**20),
         ("upload_bytes_per_token", "gauge", "bytes read from the slow tier per token", m["bytes_read_per_token"]),

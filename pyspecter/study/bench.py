@@ -28,7 +28,9 @@ from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model
 from pyspecter.native.devices import Device, open_device
 from pyspecter.native.hooks import Hooks
+from pyspecter.placement import SlotCount, budget_slot_text
 from pyspecter.prompts import PACKAGED, load_prompts, render_prompt
+from pyspecter.speed import decode_tok_s
 from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
@@ -297,9 +299,11 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                 "cgroup": "none"}
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)
     out: dict = {"model": str(path), "draft": str(draft) if draft else None, "arch": layout.arch, "tier": tier,
-                 "device": dev.name if dev else "CPU",
-                 "emulated": tier.startswith("emulated"),
+                 "device": dev.name if dev else "CPU", "emulated": tier.startswith("emulated"),
                  "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
+                 "slots": str(SlotCount(tuple(slots + extra.get(L.index, 0) for L in layout.layers), layout.n_expert)),
+                 "engine_slots": budget_slot_text(  # generate's slots beside the baselines', which take it whole
+                     layout, str(budget_bytes), path, tier=tier, device=device),
                  "n_expert_used": layout.n_expert_used, "prompts": str(prompts) if prompts is not None else
                  PACKAGED if split else None,
                  "split": split,
@@ -327,7 +331,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         out["policies"][p] = {
             "tpot_ms": 1e3 * tpot,
             "tpot_p10_ms": 1e3 * float(np.percentile(tp, 10)), "tpot_p90_ms": 1e3 * float(np.percentile(tp, 90)),
-            "decode_tok_s": 1 / tpot,
+            # speed.py's definition: decode tokens over decode time (generate's tok/s), not 1 / the median
+            "decode_tok_s": decode_tok_s(len(tp), sum(tp)),
             # what throughput sees: a disk stall now and then moves the mean, not the median
             "tpot_mean_ms": 1e3 * statistics.mean(tp),
             "prefill_tok_s": n_prompt_tokens / statistics.median(r.prefill_s for r in rs),

@@ -42,7 +42,7 @@ def _stock(path: Path, messages: list[dict], n: int, n_threads: int) -> dict:
                 break
             logits = ctx.decode([out[-1]])
         return {"tokens": out, "prompt_tokens": len(prompt), "load_s": t1 - t0, "ttft_s": stamps[0] - t1,
-                "decode_s": stamps[-1] - stamps[0]}
+                "decode_tokens": len(out) - 1, "decode_s": stamps[-1] - stamps[0]}
 
 
 def _specter(path: Path, messages: list[dict], n: int, n_threads: int, budget: str) -> dict:
@@ -54,13 +54,13 @@ def _specter(path: Path, messages: list[dict], n: int, n_threads: int, budget: s
     with Session(SessionConfig(model=path, budget=budget, tier="disk", force=True, n_ctx=N_CTX,
                                n_threads=n_threads)) as s:
         prompt = s.tokenize(render_prompt(s.target, messages), add_special=False)
-        stamps: list[float] = []
         t1 = time.perf_counter()
-        out = s.generate(prompt, n, on_token=lambda _t: stamps.append(time.perf_counter()))
-        return {"tokens": out, "prompt_tokens": len(prompt), "load_s": t1 - t0, "ttft_s": stamps[0] - t1,
-                "decode_s": stamps[-1] - stamps[0], "text": s.target.detokenize([t for t in out
-                                                                                 if not s.target.is_eog(t)]),
-                "slots": s.n_slots, "n_expert": s.layout.n_expert, "stats": s.stats()}
+        out = s.generate(prompt, n)
+        sp = s.speed  # the session's own counters: what generate and chat's /stats report
+        return {"tokens": out, "prompt_tokens": len(prompt), "load_s": t1 - t0, "ttft_s": sp.first_token_s,
+                "decode_tokens": sp.decode_tokens, "decode_s": sp.decode_s,
+                "text": s.target.detokenize([t for t in out if not s.target.is_eog(t)]),
+                "slots": s.slot_count().min, "n_expert": s.layout.n_expert, "stats": s.stats()}
 
 
 def _capped(job: dict, path: Path, cap_bytes: int) -> tuple[dict, dict]:
@@ -88,8 +88,15 @@ def demo(path: Path, *, budget: str = "50%", n: int = 24, question: str, n_threa
 
 
 def tok_s(run: dict) -> float:
-    """Decode speed after the first token (the first is the prompt's prefill)."""
-    return (len(run["tokens"]) - 1) / run["decode_s"] if run["decode_s"] > 0 else float("nan")
+    """Decode speed after the first token (the first is the prompt's prefill): ``speed.decode_tok_s``."""
+    from pyspecter.speed import decode_tok_s
+
+    return decode_tok_s(run["decode_tokens"], run["decode_s"])
+
+
+def prefill_tok_s(run: dict) -> float:
+    """Prompt tokens per second up to the first token."""
+    return run["prompt_tokens"] / run["ttft_s"] if run["ttft_s"] else 0.0
 
 
 def _run_job(job: dict) -> dict:

@@ -59,7 +59,7 @@ def test_python_and_chat_choose_the_same_placement() -> None:
                        input="/stats\n/quit\n", capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert f"| {count}, tier disk" in r.stdout, (count, r.stdout)
-    inspected = json.loads(run_cli("inspect", "smol-moe", "--budget", "50%", "--json").stdout)
+    inspected = json.loads(run_cli("inspect", "smol-moe", "--budget", "50%", "--tier", "disk", "--json").stdout)
     assert inspected["slots"] == count
 
 

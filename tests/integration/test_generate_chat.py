@@ -37,8 +37,9 @@ def test_generate_with_draft_equals_plain(mixtral_draft: Path) -> None:
     for key in ("tok_s", "hit_rate", "uploads", "acceptance", "mean_k", "stall_ms"):
         assert key in b["stats"]
     assert 2 < b["stats"]["mean_k"] <= 3  # fixed K, shortened only at the end of the answer
-    for st in (a["stats"], b["stats"]):  # prefill and the first sample, timed from the request
-        assert 0 < st["first_token_s"] < st["tokens"] / st["tok_s"]
+    for st in (a["stats"], b["stats"]):  # prefill and the first sample, timed from the request; decode apart
+        assert 0 < st["first_token_s"] and st["prompt_tokens"] > 0 and st["prefill_tok_s"] > 0
+        assert st["decode_tokens"] == st["tokens"] - 1 and st["tok_s"] == st["decode_tokens"] / st["decode_s"]
 
 
 def test_generate_budget_that_cannot_hold_the_draft(mixtral_draft: Path) -> None:

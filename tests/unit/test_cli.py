@@ -100,7 +100,9 @@ def _bench_result() -> dict:
            "hit_rate": 1.0, "bytes_per_token": 0.0, "stall_ms_per_token": 0.0, "hook_us_per_call": 0.0,
            "vs_on_demand_lru": 1.2, "slots_mean": None}
     return {"model": "m.gguf", "arch": "qwen3moe", "tier": "ram", "emulated": False, "budget": "50%",
-            "slots_per_layer": 8, "n_expert": 16, "link_gbps": 10.0, "n_threads": 2, "prompts": None,
+            "slots_per_layer": 8, "n_expert": 16, "slots": "8/16 slots per layer",
+            "engine_slots": "7-8 of 16 slots per layer (mean 7.97); the rest of the budget: the learned predictor "
+                            "1.06 MiB", "link_gbps": 10.0, "n_threads": 2, "prompts": None,
             "prompt_tokens": 64, "decode_tokens": 8, "repeat": 1, "memory_cap": "not capped",
             "policies": {"stock": row, "on-demand-lru": {**row, "slots_mean": 8.0, "vs_on_demand_lru": 1.0},
                          "oracle-bound": {"tpot_ms": 5.0, "tpot_mean_ms": 5.0, "decode_tok_s": 200.0,
@@ -113,6 +115,8 @@ def test_bench_tables_say_na_and_why(capsys) -> None:
     _print_bench(_bench_result())
     out = capsys.readouterr().out
     assert "nan" not in out.lower() and "n/a" in out
+    # both counts, each as placement.SlotCount says it: the baselines' whole budget, generate's beside a predictor
+    assert "budget 50%: the baselines 8/16 slots per layer, generate (the engine) 7-8 of 16 slots per layer" in out
     notes = [line.strip() for line in out.splitlines() if line.strip().startswith("n/a:")]
     assert "n/a: slots — stock llama.cpp runs without slots" in notes
     assert any("all-resident was not among the policies" in n for n in notes)
@@ -155,9 +159,13 @@ def test_a_token_after_ctrl_c_is_not_shown() -> None:
 
 
 def test_one_slot_count_says_what_takes_the_rest() -> None:
-    from pyspecter.placement import SlotCount
+    from pyspecter.placement import NO_SLOTS, SlotCount
 
-    s = SlotCount(7, 16, 12, 30, (("the learned predictor", 5 * 2**20),))
-    assert str(s) == "7/16 slots per layer (8 in 12 of 30 layers); the rest of the budget: the learned predictor " \
-                     "5.00 MiB"
-    assert str(SlotCount(8, 16, 0, 30)) == "8/16 slots per layer"
+    # smol-moe at 30% with a fitted predictor: layers from 2 to 8 slots, said as such (not "2/16 (3 in 23 of 30)")
+    counts = (2,) * 10 + (4,) * 5 + (8,) * 15
+    s = SlotCount(counts, 16, (("the learned predictor", 5 * 2**20),))
+    assert (s.min, s.max, round(s.mean, 2)) == (2, 8, 5.33)
+    assert str(s) == "2-8 of 16 slots per layer (mean 5.33); the rest of the budget: the learned predictor 5.00 MiB"
+    assert str(SlotCount((8,) * 30, 16)) == "8/16 slots per layer"
+    assert str(SlotCount((4,) * 3, 16, zero=2)) == "4/16 slots per layer + 2 zero slots each on the device"
+    assert str(NO_SLOTS) == "no slots (every expert resident)" and NO_SLOTS.as_stats()["slots_max"] == 0

@@ -17,7 +17,8 @@ from pyspecter.models.tiny import TINY_MODELS, build_tiny
 
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_inspect_json(name: str) -> None:
-    r = run_cli("inspect", name, "--json", "--budget", "50%")
+    # an emulated link and no fitted predictor: the whole budget is slots (placement.budget_slot_count)
+    r = run_cli("inspect", name, "--json", "--budget", "50%", "--tier", "emulated:10")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     for key in ("arch", "n_layer", "n_expert", "n_expert_used", "expert_bytes", "expert_total_bytes",
@@ -27,7 +28,17 @@ def test_inspect_json(name: str) -> None:
     assert info["n_expert"] == lay.n_expert == TINY_MODELS[name].n_expert
     assert info["expert_total_bytes"] == lay.layers[0].expert_bytes * lay.n_expert * len(lay.layers)
     assert info["expert_total_bytes"] + info["nonexpert_bytes"] <= lay.file_bytes
-    assert info["slots_per_layer"] == lay.n_expert // 2
+    assert info["slots_per_layer"] == info["slots_min"] == info["slots_max"] == lay.n_expert // 2
+    assert info["slots"] == f"{lay.n_expert // 2}/{lay.n_expert} slots per layer"
+
+
+def test_inspect_on_the_ram_tier_says_the_budget_is_left_free() -> None:
+    """A budget alone on a model that fits runs on the RAM tier, where misses are computed in place: a session
+    fills top-k slots and leaves the rest free, and inspect says so (placement.budget_slot_count)."""
+    info = json.loads(run_cli("inspect", "tiny-qwen3moe", "--json", "--budget", "50%").stdout)
+    k = info["n_expert_used"]
+    assert info["tier"] == "ram" and info["slots_min"] == info["slots_max"] == k
+    assert info["slots"].startswith(f"{k}/{info['n_expert']} slots per layer; the rest of the budget: left free")
 
 
 def test_inspect_reports_quant_types_and_shared_experts() -> None:

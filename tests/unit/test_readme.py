@@ -139,33 +139,40 @@ def _slot_problems(readme: str, sample: str) -> list[str]:
         out.append(f"the sample's experts ({sizes.group(1)} MiB) are not its layers x experts x one expert's bytes")
     budget_text = inspect.signature(demo.demo).parameters["budget"].default  # what `make demo` runs with
     budget = parse_budget(budget_text, lay.expert_total_bytes)
-    # a fresh checkout has no learned predictor fitted: the whole budget goes to slots
-    plan = MemoryPlan.for_budget(lay, budget_text, spread=True)
-    want = f"budget {budget_text}: {slot_count(lay, plan)}"
-    if not re.search(rf"^{re.escape(want)}$", sample, re.MULTILINE):
+    # the sample's session holds the learned predictor's reuse maps (its size as the sample gives it), which come
+    # out of the budget first; the rest is spread by layer (MemoryPlan, as Session plans it)
+    said = re.search(rf"^budget {re.escape(budget_text)}, tier disk: .*; the rest of the budget: the learned "
+                     r"predictor ([\d.]+) MiB$", sample, re.MULTILINE)
+    if not said:
+        return [*out, f"the sample's inspect line must read 'budget {budget_text}, tier disk: ...; the rest of the "
+                      "budget: the learned predictor N MiB' (placement.SlotCount)"]
+    pred = round(float(said.group(1)) * MiB)
+    plan = MemoryPlan.for_budget(lay, budget_text, spread=True, predictor_bytes=pred)
+    count = slot_count(lay, plan, (("the learned predictor", pred),))
+    want = f"budget {budget_text}, tier disk: {count}"
+    if said.group(0) != want:
         out.append(f"the sample's inspect line must read {want!r} (placement.slot_count)")
+    if not re.search(rf"^pyspecter's slots: {re.escape(str(count))}$", sample, re.MULTILINE):
+        out.append(f"the sample's slots line must read \"pyspecter's slots: {count}\"")
     ours = re.search(r"^pyspecter \((\d+)/(\d+) expert slots, disk\)", sample, re.MULTILINE)
-    if not ours or (int(ours.group(1)), int(ours.group(2))) != (plan.usable, lay.n_expert):
-        out.append(f"the sample's pyspecter row must say {plan.usable}/{lay.n_expert} expert slots (MemoryPlan for "
-                   f"{budget_text}, no predictor)")
+    if not ours or (int(ours.group(1)), int(ours.group(2))) != (count.min, lay.n_expert):
+        out.append(f"the sample's pyspecter row must say {count.min}/{lay.n_expert} expert slots (the fewest of "
+                   "any layer)")
     mem = re.search(r"^memory: ([\d.]+) MiB each.*\n\s+= budget ([\d.]+) MiB \+", sample, re.MULTILINE)
     want_cap = (budget + lay.nonexpert_bytes + RUNTIME_HEADROOM) / MiB
     if not mem or not _close(_mib(mem.group(1)), want_cap, tol=0.015):  # from the sample's rounded sizes
         out.append(f"the sample's memory cap must be budget + non-expert + runtime = {want_cap:.2f} MiB")
     if not mem or not _close(_mib(mem.group(2)), budget / MiB):
         out.append(f"the sample's budget must be {budget_text} of its experts ({budget / MiB:.2f} MiB)")
-    # with a fitted predictor its bytes come out of the budget first; the README says what that leaves
+    # the prose under the sample says what the rest of the budget buys
     flat = re.sub(r"\s+", " ", readme)
-    note = re.search(r"its ([\d.]+) MiB come out of the same budget: inspect then says (.*?) and names the "
-                     r"predictor as the rest of the budget, and the demo's row says (\d+)/(\d+)\.", flat)
-    if not note:
-        return [*out, "README.md lacks the note on what a fitted predictor does to the demo's slots"]
-    with_pred = MemoryPlan.for_budget(lay, budget_text, spread=True, predictor_bytes=round(float(note.group(1)) * MiB))
-    if note.group(2) != str(slot_count(lay, with_pred)):
-        out.append(f"the predictor note says {note.group(2)!r}; placement.slot_count gives "
-                   f"{str(slot_count(lay, with_pred))!r}")
-    if (int(note.group(3)), int(note.group(4))) != (with_pred.usable, lay.n_expert):
-        out.append(f"the predictor note's demo row must say {with_pred.usable}/{lay.n_expert}")
+    rest = re.search(r"the rest buys (\d+) slots in every layer and an? (\d+)(?:st|nd|rd|th) in (\d+) of (\d+)\.",
+                     flat)
+    n_more = sum(1 for c in count.counts if c > count.min)
+    if not rest or (int(rest.group(1)), int(rest.group(2)), int(rest.group(3)), int(rest.group(4))) != (
+            count.min, count.min + 1, n_more, len(count.counts)):
+        out.append(f"the README must say: the rest buys {count.min} slots in every layer and an {count.min + 1}th "
+                   f"in {n_more} of {len(count.counts)}")
     return out
 
 
@@ -188,9 +195,14 @@ def _stale(old: str, new: str, count: int = 1) -> str:
 @pytest.mark.parametrize("old, new, says", [
     (f"C API v{c_api_version()}", f"C API v{c_api_version() - 2}", "C API"),
     ("six small patches", "3 small patches", "patches"),
-    ("(8/16 expert slots, disk)", "(7/16 expert slots, disk)", "pyspecter row"),
-    ("budget 50%: 8/16 slots per layer", "budget 50%: 7/16 slots per layer", "inspect line"),
-    ("(8 in 29 of 30 layers)", "(8 in 30 of 30 layers)", "predictor note"),
+    ("(7/16 expert slots, disk)", "(8/16 expert slots, disk)", "pyspecter row"),
+    ("budget 50%, tier disk: 7-8 of 16 slots per layer", "budget 50%, tier disk: 8/16 slots per layer",
+     "inspect line"),
+    ("budget 50%, tier disk: 7-8 of 16 slots per layer (mean 7.97); the rest of the budget: the learned predictor",
+     "budget 50%: 8/16 slots per layer (8 in 29 of 30 layers); the rest of the budget: the learned predictor",
+     "inspect line"),
+    ("slots: 7-8 of 16 slots per layer (mean 7.97)", "slots: 7/16 slots per layer", "slots line"),
+    ("an 8th in 29 of 30", "an 8th in 30 of 30", "rest buys"),
     ("= budget 379.69 MiB", "= budget 389.69 MiB", "budget must be"),
     ("memory: 681.38 MiB", "memory: 937.38 MiB", "memory cap"),
     ("llama-cpp-python 0.3.36", "llama-cpp-python 0.3.35", "llama-cpp-python"),

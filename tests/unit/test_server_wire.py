@@ -344,15 +344,14 @@ def test_an_abandoned_job_frees_its_place_and_stops_within_a_token() -> None:
 
 
 def test_a_fitting_model_reports_no_slots() -> None:
-    """A model that fits runs stock: the server says "no slots" (banner, /v1/models, /metrics), not the session's
-    nominal count; a slotted one reports its count per layer."""
-    from pyspecter.server.worker import prometheus, slots
+    """A model that fits runs stock: /metrics says 0 slots (the session's slot count, the one definition
+    placement.SlotCount gives), not a nominal count; a slotted one reports its mean, min and max per layer."""
+    from pyspecter.server.worker import prometheus
 
-    stock = {"stock": True, "has_slots": False, "slots_text": "stock: no slots", "slots_per_layer": 4,
-             "n_expert": 32}
+    stock = {"stock": True, "has_slots": False, "slots_text": "no slots (every expert resident)",
+             "slots_per_layer": 0, "slots_min": 0, "slots_mean": 0, "slots_max": 0, "n_expert": 32}
     slotted = {"stock": False, "has_slots": True, "slots_text": "4/32 slots per layer", "slots_per_layer": 4,
-               "n_expert": 32}
-    assert slots(stock) == ("stock: no slots", None) and slots(slotted) == ("4/32 slots per layer", 4)
+               "slots_min": 4, "slots_mean": 4, "slots_max": 4, "n_expert": 32}
     m = {"requests": {}, "queue_depth": 0, "busy": False, "prompt_tokens": 0, "ttft_p50_s": 0, "ttft_p95_s": 0,
          "bytes_read_per_token": 0, "draft": "none"}
     assert "pyspecter_expert_slots_per_layer 0\n" in prometheus(m | {"session": stock})
