@@ -29,8 +29,8 @@
 #      (identical greedy tokens, max |dlogit| <= 1e-4); plus one prompt of >= 32 tokens per arch (the ubatch where
 #      op offload would kick in); run breadth first (every arch's first case, then every arch's second, ...). A step
 #      the run's budget cuts short, or leaves no time for, is a skip row saying so, not a failure
-#   5. bench: one VRAM budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in
-#      time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
+#   5. bench: `verify --forced` of the bench model (the contract on teacher-forced real text), then one VRAM
+#      budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
 #      and slot layers the cost model chooses at the budget), on-demand-lru and specter (with a draft made by
 #      `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device and them; what is missing is a
@@ -671,6 +671,21 @@ if [ "$BUILT" = 1 ]; then
         if [ "$RC" = 0 ]; then detail=$(last_line "$WORK/model.txt"); else detail=$(why $RC "$WORK/model.txt"); fi
         record "model $MODEL" "$(status_of $RC)" "$SECS" "$detail"
         model_rc=$RC
+        if [ "$model_rc" = 0 ]; then
+            # the contract on the bench model too: teacher-forced real text (its greedy text cycles), half the
+            # expert bytes as slots, misses on the CPU, against stock-device and stock --cpu-moe
+            f="$WORK/verify/model-forced.json"
+            name="verify $MODEL --budget 50% miss=cpu (teacher-forced)"
+            run "$name" 120 "$DEADLINE" "$f" "$PY" -m pyspecter verify "$MODEL" --budget 50% --miss cpu \
+                --device "$DEVICE" --forced -n 16 --json
+            rc=$RC
+            if row=$("$PY" "$GC" verify-row "$f" "$rc" 2>> "$LOG"); then
+                st=${row%%$'\t'*} detail=${row#*$'\t'}
+            else
+                st=$(status_of $rc) detail=$(why $rc "$f")
+            fi
+            record "$name" "$st" "$SECS" "$detail"
+        fi
         draft_args=()
         if [ "$model_rc" = 0 ] && [[ " ${pols[*]} " == *" specter "* ]]; then
             run "draft" 90 "$DEADLINE" "$WORK/draft.txt" "$PY" -m pyspecter draft "$MODEL" -o "$WORK/draft.gguf"

@@ -57,6 +57,10 @@ def verify(
     policy: Annotated[str, typer.Option(help="eviction policy: lru, lfu or prev-token")] = "lru",
     n: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 16,
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
+    forced: Annotated[bool, typer.Option("--forced", help="feed every run the same held-out text after the prompt "
+                                         "(teacher forcing) instead of its greedy picks, and compare the logits "
+                                         "at every step: for random-weight models, whose greedy text cycles")]
+    = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Run one prompt through stock llama.cpp and through expert slots; compare greedy tokens and logits.
@@ -80,7 +84,7 @@ def verify(
     miss = miss or ("wait" if tier == "disk" else "cpu")  # as generate and chat choose it
     native_errors_exit()
     r = run_verify(path, slots=slots, miss=miss, tier=tier, policy=policy, n_tokens=n,
-                   prompt=prompt or DEFAULT_PROMPT, device=device)
+                   prompt=prompt or DEFAULT_PROMPT, device=device, forced=forced)
     c = r.get("contract")
     ok = c["ok"] if c else r["identical_tokens"] and r["max_abs_logit_diff"] <= 1e-4
     if json_out:

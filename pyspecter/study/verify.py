@@ -7,25 +7,42 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter.cache import ExpertCache
-from pyspecter.engine import greedy
+from pyspecter.engine import generate_step, greedy
 from pyspecter.layerplan import LayerPlan
 from pyspecter.layout import read_layout
 from pyspecter.native import Context, Model, device_stats, graph_splits
 from pyspecter.native.devices import open_device
+from pyspecter.study.forced import ForcedSampler, forced_tokens
 from pyspecter.tiers import make_tier
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the sky is blue, step by step."
 
 
-def _greedy_ref(path: str | Path, dev, host_layers, toks: list[int] | None, prompt: str, n_tokens: int,
-                n_threads: int, n_batch: int) -> tuple[list[int], list[int], np.ndarray, tuple]:
-    """Stock llama.cpp's greedy run with a placement: (prompt tokens, tokens, logits, graph splits)."""
+def _decode(ctx: Context, toks: list[int], n_tokens: int, fed: list[int] | None) -> tuple[list[int], np.ndarray]:
+    """Greedy, or teacher-forced with the tokens ``fed``: (tokens, the logits each came after)."""
+    if fed is None:
+        return greedy(ctx, toks, n_tokens)
+    out, rows = [], []
+    for tok, logits in generate_step(ctx, toks, ForcedSampler(fed)):
+        out.append(tok)
+        rows.append(logits)
+        if len(out) >= n_tokens:
+            break
+    return out, np.stack(rows)
+
+
+def _stock_ref(path: str | Path, dev, host_layers, toks: list[int] | None, prompt: str, n_tokens: int,
+               n_threads: int, n_batch: int, forced: bool,
+               fed: list[int] | None = None) -> tuple[list[int], list[int] | None, list[int], np.ndarray, tuple]:
+    """Stock llama.cpp's run with a placement: (prompt tokens, tokens fed or None, tokens, logits, splits)."""
     with (Model(path, device=dev, host_layers=host_layers) as model,
           Context(model, n_threads=n_threads, n_batch=n_batch, op_offload=False) as ctx):
         splits = graph_splits()
         toks = toks if toks is not None else model.tokenize(prompt)
-        tokens, logits = greedy(ctx, toks, n_tokens)
-    return toks, tokens, logits, splits
+        if forced and fed is None:
+            fed = forced_tokens(model, 1, n_tokens)[0]
+        tokens, logits = _decode(ctx, toks, n_tokens, fed)
+    return toks, fed, tokens, logits, splits
 
 
 def logit_gap(a_tokens: list[int], a_logits: np.ndarray, b_tokens: list[int], b_logits: np.ndarray) -> float:
@@ -53,7 +70,7 @@ def device_contract(ours: np.ndarray, d_ours_device: float, stock_gap: float, al
 def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram", policy: str = "lru",
            prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512,
            ordered: bool = False, device: str | None = None, plan: LayerPlan | None = None,
-           native: bool | None = None) -> dict:
+           native: bool | None = None, forced: bool = False) -> dict:
     """Greedy tokens and logits of stock vs slot path. Attention and batching settings are identical in both
     (docs/DESIGN.md, exactness: routing near-ties make any difference there look like a slot bug). With a device,
     stock gets the same placement (layers on the device, experts in host memory, no op offload); with a layer
@@ -61,17 +78,22 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
     ``ExpertCache``'s (None: C decides wherever it can).
 
     On a device (no layer plan) the result also holds ``contract`` (device_contract): stock with every expert on
-    the device is run too, and with slots for every expert they are all uploaded before the prompt."""
+    the device is run too, and with slots for every expert they are all uploaded before the prompt.
+
+    ``forced``: every run is fed the same held-out text after the prompt (study/forced.py) instead of its own
+    greedy picks, so the logits are compared at every step even where a near-tie would make greedy runs part
+    (random-weight models: their greedy text cycles, real text makes the routing move)."""
     layout = read_layout(path).require_moe()
     the_tier = make_tier(tier)  # validate before the expensive part
     dev = open_device(device)
     host_layers = plan.host_layers if plan is not None and dev is not None else None
-    toks, ref_tokens, ref_logits, stock_splits = _greedy_ref(path, dev, host_layers, None, prompt, n_tokens,
-                                                             n_threads, n_batch)
+    toks, fed, ref_tokens, ref_logits, stock_splits = _stock_ref(path, dev, host_layers, None, prompt, n_tokens,
+                                                                 n_threads, n_batch, forced)
     contract_run = dev is not None and plan is None
     all_resident = contract_run and slots >= layout.n_expert
     if contract_run:
-        _, dev_tokens, dev_logits, _ = _greedy_ref(path, dev, [], toks, prompt, n_tokens, n_threads, n_batch)
+        _, _, dev_tokens, dev_logits, _ = _stock_ref(path, dev, [], toks, prompt, n_tokens, n_threads, n_batch,
+                                                     forced, fed)
 
     with Model(path, device=dev, host_layers=host_layers) as model:
         cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered,
@@ -81,7 +103,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
                 cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
             with Context(model, n_threads=n_threads, n_batch=n_batch) as ctx:
                 splits = graph_splits()
-                got_tokens, got_logits = greedy(ctx, toks, n_tokens)
+                got_tokens, got_logits = _decode(ctx, toks, n_tokens, fed)
                 cache.check()
             counters = cache.counters()
             dev_stats = device_stats(model.ptr).as_dict()
@@ -92,7 +114,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         "model": str(path), "arch": layout.arch, "device": dev.name if dev else "CPU", "tier": the_tier.name,
         "emulated": the_tier.emulated,
         "slots": cache.n_slots, "n_expert": layout.n_expert, "n_expert_used": layout.n_expert_used,
-        "miss": miss, "policy": policy, "native": cache.native,
+        "miss": miss, "policy": policy, "native": cache.native, "decode": "teacher-forced" if forced else "greedy",
         "identical_tokens": ref_tokens == got_tokens,
         "max_abs_logit_diff": logit_gap(ref_tokens, ref_logits, got_tokens, got_logits), "n_tokens": len(got_tokens),
         "n_prompt_tokens": len(toks), "hit_rate": counters["hit_rate"],

@@ -494,3 +494,14 @@ def test_uploads_that_land_late_are_never_read_early(miss: str, ordered: bool, r
     assert r["uploads"] > 0
     assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0, (r["stock_tokens"], r["slot_tokens"])
     assert r["contract_ok"], r["contract"]
+
+
+def test_teacher_forced_verify_on_rpc_device_meets_the_contract(rpc: str) -> None:
+    """verify --forced: stock, stock-device and the slots are fed the same held-out text, so the logits are
+    compared at every step (what gpu_check runs on bench-qwen3moe, whose greedy text cycles)."""
+    path = build_tiny("tiny-mixtral")
+    lay = read_layout(path)
+    r = verify(path, slots=lay.n_expert // 2, miss="cpu", prompt=LONG_PROMPT, n_tokens=12, device=rpc, forced=True)
+    assert r["decode"] == "teacher-forced" and r["n_tokens"] == 12
+    assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0
+    assert r["contract_ok"], r["contract"]
