@@ -31,6 +31,8 @@ from setuptools import build_meta as _setuptools
 from setuptools.build_meta import build_sdist, get_requires_for_build_sdist  # noqa: F401  # the sdist: setuptools'
 
 NATIVE_JSON = "pyspecter/_native.json"
+NOT_INSTALLABLE = ("this build cannot be installed here: a CUDA build needs a CUDA driver to load (SPECTER_CUDA=0 "
+                   "builds for the CPU), and an ASan build (SPECTER_ASAN=1) is for `make asan-test`")
 
 
 def _skip_native() -> bool:
@@ -81,6 +83,9 @@ def prepare_metadata_for_build_editable(metadata_directory, config_settings=None
 def build_native() -> Path:
     """Run build_llama.py's build (or find it cached) and return the folder holding its ``llama_cpp`` package."""
     b = _build_llama()
+    # what build_llama.py would build but not link, refused before a build of minutes (CUDA: about an hour)
+    if b.want_asan() or not b.may_link(b.want_cuda()):
+        b.fail(NOT_INSTALLABLE)
     linked: list[Path] = []
     # The build ends by linking the bindings into the running Python's site-packages; here that Python is pip's
     # throwaway build environment, so the folder is taken for the wheel instead.
@@ -91,8 +96,7 @@ def build_native() -> Path:
     finally:
         sys.argv = argv
     if not linked:  # build_llama.py declined to link it (and said why): an install must not end up without one
-        b.fail("this build cannot be installed here (a CUDA build needs a CUDA driver to load; an ASan build is "
-               "for `make asan-test`); unset SPECTER_CUDA / SPECTER_ASAN, or set SPECTER_CUDA=0")
+        b.fail(NOT_INSTALLABLE)
     return linked[-1]
 
 

@@ -124,6 +124,14 @@ def test_an_installed_copy_is_told_to_reinstall_from_where_it_came(tmp_path: Pat
     assert "-m pip install --force-reinstall --no-deps --no-cache-dir /src/pyspecter" in cmd
     monkeypatch.setattr(install, "install_source", lambda: None)
     assert install.fix_command().endswith(" pyspecter")
+    from pyspecter import versions
+
+    gone = tmp_path / "_native.json"  # the install's record names a build folder the cache no longer has
+    gone.write_text(json.dumps({"root": str(tmp_path / "cleared")}))
+    monkeypatch.setattr(versions, "NATIVE_JSON", gone)
+    no_module = ModuleNotFoundError("No module named 'llama_cpp'", name="llama_cpp")
+    assert f"gone: this install used the build in {tmp_path / 'cleared'}" in install.missing_native(no_module)
+    monkeypatch.setattr(versions, "NATIVE_JSON", tmp_path / "absent.json")
     err = FileNotFoundError("Shared library with base name 'llama' not found")
     assert "not loadable" in install.missing_native(err)
     assert install.missing_native(FileNotFoundError("model.gguf")) is None
