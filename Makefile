@@ -6,10 +6,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-unit asan-test build lint clean
 
+# SPECTER_NATIVE=0: the editable install skips the llama.cpp build (tools/pip_backend.py): `make build` does it next,
+# and test-unit needs none
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,server,plot]'
+	SPECTER_NATIVE=0 $(PY) -m pip install -q -e '.[dev,server,plot]'
 	@touch $(STAMP)
 
 # Fetch the pinned sdist, patch, build (cached by a key of its inputs; a second run is instant).

@@ -1,20 +1,35 @@
-"""What this pyspecter is built from: the package, the patch series (its C API and patch count) and llama.cpp."""
+"""What this pyspecter is built from: the package, the patch series (its C API and patch count) and llama.cpp.
+
+In a checkout these come from the checkout (the pin, patches/); a `pip install` has no checkout, so its build
+backend (tools/pip_backend.py) records them in ``pyspecter/_native.json``, which is read first when present."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pyspecter.native.lib import PATCH_SERIES_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
+NATIVE_JSON = Path(__file__).resolve().parent / "_native.json"
+
+
+def installed_build() -> dict:
+    """What `pip install` built and linked (tools/pip_backend.py's record); empty in a checkout."""
+    try:
+        return json.loads(NATIVE_JSON.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def llama_cpp_versions() -> tuple[str, str]:
-    """(llama-cpp-python's version, the llama.cpp commit bundled in it): from the pin the build fetched, else the
-    installed bindings (no library is loaded)."""
+    """(llama-cpp-python's version, the llama.cpp commit bundled in it): from the install's record or the pin the
+    build fetched, else the installed bindings (no library is loaded)."""
     pin: dict[str, str] = {}
     path = ROOT / "vendor" / "llama-cpp-python.pin"
-    if path.is_file():
+    if (rec := installed_build()).get("llama_cpp_python"):
+        pin = {"version": rec["llama_cpp_python"], "llama_cpp_commit": rec["llama_cpp_commit"]}
+    elif path.is_file():
         for line in path.read_text().splitlines():
             if "=" in line and not line.lstrip().startswith("#"):
                 k, v = line.split("=", 1)
@@ -32,6 +47,8 @@ def llama_cpp_versions() -> tuple[str, str]:
 
 
 def patch_count() -> int | None:
+    if "patches" in (rec := installed_build()):
+        return len(rec["patches"])
     d = ROOT / "patches"
     return len(list(d.glob("*.patch"))) if d.is_dir() else None
 

@@ -86,8 +86,15 @@ def main() -> None:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
-    except OSError as e:  # a full disk, a read-only or missing cache folder: one line, not a traceback
-        print(f"pyspecter: error: {os_error_line(e)}", file=sys.stderr)
+    except (ImportError, RuntimeError, OSError) as e:
+        # the native library missing or not loading: one line with the command that fixes it, not a traceback
+        from pyspecter.native.install import missing_native
+
+        line = missing_native(e)
+        if line is None and not isinstance(e, OSError):
+            raise
+        # else a full disk, a read-only or missing cache folder: one line, not a traceback
+        print(f"pyspecter: error: {line or os_error_line(e)}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -30,21 +30,23 @@ ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands i
 def llama_lib() -> ctypes.CDLL:
     """The loaded libllama; refuses a stock or stale build with a clear message."""
     os.environ.setdefault("GGML_LOG_LEVEL", "error")
+    from pyspecter.native.install import fix_command, missing_native
+
     try:
         import llama_cpp
-    except ImportError as e:
-        raise SpecterError(f"llama_cpp bindings are not installed ({e}); run `make build`") from None
+    except (ImportError, RuntimeError, FileNotFoundError) as e:
+        raise SpecterError(missing_native(e) or str(e)) from None
     lib = llama_cpp.llama_cpp._lib
     try:
         fn = lib.llama_pyspecter_version
     except AttributeError:
-        raise SpecterError("the loaded libllama lacks pyspecter's native code; run `make build`") from None
+        raise SpecterError(f"the loaded libllama lacks pyspecter's native code; run `{fix_command()}`") from None
     fn.restype = ctypes.c_int32
     fn.argtypes = []
     got = fn()
     if got != PATCH_SERIES_VERSION:
         raise SpecterError(f"libllama has pyspecter C API v{got}, these bindings need v{PATCH_SERIES_VERSION}; "
-                           "run `make build`")
+                           f"run `{fix_command()}`")
     return lib
 
 
