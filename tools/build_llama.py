@@ -13,11 +13,13 @@ import ctypes
 import hashlib
 import io
 import json
+import mmap
 import os
 import platform
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -612,6 +614,134 @@ def run_cmake_build(cmake: str, llama_dir: Path, bdir: Path, opts: list[str], lo
             fail(f"llama.cpp build failed, see {log}")
 
 
+# --- what the built libraries export -------------------------------------------------------------------------------
+
+# Each library's API, as name prefixes: what the version scripts in CMakeLists.txt keep global. Any other exported
+# symbol interposes process-wide on every other library's use of that name: on the first GPU machine libggml-cuda
+# exported a copy of libstdc++, libllama's std::ostream calls bound to it, and every model load segfaulted.
+EXPORT_API = {
+    "libggml-base": re.compile(r"ggml_|gguf_|quantize_|dequantize_row_|iq2xs_|iq3xs_"),  # + ggml-quants.h's
+    "libggml": re.compile(r"ggml_|gguf_"),  # every other libggml*: libggml, -cpu, -rpc, -cuda, ...
+    "libllama": re.compile(r"llama_"),  # llama.h, and pyspecter's llama_pyspecter_*
+}
+# Names the linker itself may define in a shared object (older GNU ld exports _edata, _end, __bss_start): no code.
+LINKER_DEFINED = frozenset({"_init", "_fini", "_edata", "_end", "__bss_start", "_DYNAMIC", "_GLOBAL_OFFSET_TABLE_"})
+
+# The C++ runtime's own symbols (libstdc++, libsupc++, libgcc_eh), told by the mangled name, to say what a failure
+# is. Mangled: an entity whose outermost scope is std (St, or the abbreviations Sa Sb Ss Si So Sd: allocator,
+# basic_string, string, istream, ostream, iostream), a __gnu_* namespace or __cxxabiv1, bare or under a special-name
+# prefix (vtable TV, typeinfo TI/TS, VTT TT, TLS init/wrapper TH/TW, guard variable GV, reference temporary GR,
+# transaction clone GTt, local static Z, thunk Th/Tv/Tc); operator new/delete; builtin types' typeinfo; libstdc++'s
+# transactional helpers. C-named: __cxa_*, __gxx_personality_v0, __dynamic_cast, _Unwind_*. An S that starts a
+# mangled name can only be one of those abbreviations (there is nothing before it to substitute), so this matches
+# std's own entities and not ours instantiated with std types.
+_STD_SCOPE = r"(?:St|S[absiod]|\d+__gnu_[a-z]+|10__cxxabiv1)"
+_STD_NAME = rf"(?:{_STD_SCOPE}|N[rVK]*[RO]?{_STD_SCOPE})"
+CXX_RUNTIME = re.compile(rf"_Z(?:T[VISTHW]|G[VR]|GTt)?Z?{_STD_NAME}|_ZT[hvc]\S*?_{_STD_NAME}|_Z(?:nw|na|dl|da)"
+                         r"|_ZT[IS]P?K?D?[a-z]$|_Z\d+_txnal_|__cxa_|__gxx_|__dynamic_cast|_Unwind_|__gcclibcxx")
+
+_SHT_DYNSYM = 11
+_STB_EXPORTED = (1, 2, 10)  # GLOBAL, WEAK, GNU_UNIQUE
+_STV_NOT_EXPORTED = (1, 2)  # INTERNAL, HIDDEN
+
+
+def exported_symbols(lib: Path) -> list[str]:
+    """The symbols a shared library exports, as ``nm -D --defined-only`` lists them (without version suffixes): its
+    .dynsym entries that are defined, global, weak or GNU-unique, and not hidden. Read from the ELF file here, so
+    the check needs no binutils and runs the same wherever the build does."""
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"\x7fELF" or m[4] not in (1, 2) or m[5] not in (1, 2):
+            raise ValueError(f"{lib} is not an ELF file")
+        e = "<" if m[5] == 1 else ">"
+        if m[4] == 2:  # ELF64
+            (shoff,), (shentsize, shnum) = struct.unpack_from(e + "Q", m, 0x28), struct.unpack_from(e + "HH", m, 0x3A)
+            sh_fmt, sym_fmt = e + "IIQQQQIIQQ", e + "IBBHQQ"
+        else:  # ELF32
+            (shoff,), (shentsize, shnum) = struct.unpack_from(e + "I", m, 0x20), struct.unpack_from(e + "HH", m, 0x2E)
+            sh_fmt, sym_fmt = e + "IIIIIIIIII", e + "IIIBBH"
+        sections = [struct.unpack_from(sh_fmt, m, shoff + i * shentsize) for i in range(shnum)]
+        names = []
+        for _, sh_type, _, _, offset, size, link, _, _, entsize in sections:
+            if sh_type != _SHT_DYNSYM or not entsize:
+                continue
+            strings = sections[link][4]
+            for at in range(offset + entsize, offset + size, entsize):  # entry 0 is the null symbol
+                sym = struct.unpack_from(sym_fmt, m, at)
+                name, info, other, shndx = (sym[0], sym[1], sym[2], sym[3]) if m[4] == 2 else (sym[0], *sym[3:])
+                if shndx == 0 or info >> 4 not in _STB_EXPORTED or other & 3 in _STV_NOT_EXPORTED:
+                    continue
+                start = strings + name
+                names.append(m[start:m.find(b"\0", start)].decode("utf-8", "replace"))
+    return names
+
+
+def export_api(lib_name: str) -> re.Pattern | None:
+    """The API of the library file ``lib_name`` (e.g. libggml-cuda.so.0), or None for one this build does not own."""
+    stem = lib_name.split(".so")[0]
+    if stem in EXPORT_API:
+        return EXPORT_API[stem]
+    return EXPORT_API["libggml"] if stem.startswith("libggml") else None
+
+
+def export_problems(lib: Path) -> list[str]:
+    """The symbols ``lib`` exports outside its API, the C++ runtime's first and shortest first (the readable ones
+    lead the error line); [] for a library not in EXPORT_API."""
+    api = export_api(lib.name)
+    if api is None:
+        return []
+    bad = [s for s in exported_symbols(lib) if not api.match(s) and s not in LINKER_DEFINED]
+    return sorted(bad, key=lambda s: (not CXX_RUNTIME.match(s), len(s), s))
+
+
+def demangle(names: list[str]) -> list[str]:
+    """C++ names readable through c++filt (binutils) when it is here, else as they are."""
+    cxxfilt = shutil.which("c++filt")
+    if not cxxfilt or not names:
+        return names
+    try:
+        r = subprocess.run([cxxfilt], input="\n".join(names) + "\n", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return names
+    out = r.stdout.splitlines()
+    return out if r.returncode == 0 and len(out) == len(names) else names
+
+
+def _short(text: str, most: int = 200) -> str:
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
+def describe_export_problems(lib: Path, bad: list[str], shown: int = 3) -> str:
+    """One line: how many symbols ``lib`` exports outside its API, how many are the C++ runtime's, the first few."""
+    runtime = sum(1 for s in bad if CXX_RUNTIME.match(s))
+    first = "; ".join(_short(f"{d} ({s})" if d != s else s) for s, d in zip(bad[:shown], demangle(bad[:shown]),
+                                                                            strict=True))
+    return (f"{lib.name} exports {len(bad)} symbol(s) outside its API ({export_api(lib.name).pattern}), "
+            f"{runtime} of them std:: or C++ runtime symbols: {first}{' ...' if len(bad) > shown else ''}")
+
+
+def check_exports(libdir: Path, report: Path | None = None) -> None:
+    """Fail (exit 2, one line) if a ggml library or libllama in ``libdir`` exports anything outside its API; the
+    full list goes to ``report``. Each library is checked once (libfoo.so, .so.0 and .so.0.1.2 are copies)."""
+    seen: set[str] = set()
+    for lib in sorted(libdir.glob("lib*.so*"), key=lambda p: len(p.name)):
+        stem = lib.name.split(".so")[0]
+        if stem in seen or not lib.is_file():
+            continue
+        seen.add(stem)
+        try:
+            bad = export_problems(lib)
+        except (ValueError, struct.error, OSError) as e:  # not ELF, truncated, unreadable
+            fail(f"cannot read the symbols {lib} exports: {e}")
+        if not bad:
+            continue
+        where = ""
+        if report is not None:
+            report.write_text("".join(f"{s}\t{d}\n" for s, d in zip(bad, demangle(bad), strict=True)))
+            where = f"; all of them in {report}"
+        fail(f"{describe_export_problems(lib, bad)}{where}. Every such symbol interposes on other libraries in "
+             f"the process; the version scripts in CMakeLists.txt should keep it local")
+
+
 NOT_LINKED = ("not linked into the venv: no CUDA driver on this machine to load it (the CPU build, if any, stays "
               "linked); use it with PYTHONPATH={root}")
 
@@ -726,6 +856,8 @@ def main() -> None:
             (libdir / so.name).symlink_to(os.readlink(so))
         elif so.is_file():
             shutil.copy2(so, libdir / so.name)
+    # what the libraries export is checked before the build counts as done: one that fails is rebuilt next time
+    check_exports(libdir, out / "exports.txt")
     build_s = time.time() - t0
     (staging / "BUILD_INFO.json").write_text(json.dumps({
         "key": key, "sdist_sha256": pin["sha256"], "patches": [p.name for p in patches],
