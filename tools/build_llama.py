@@ -26,6 +26,7 @@ import sysconfig
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -772,7 +773,9 @@ def hold_key_lock(out: Path):
     return f
 
 
-def main() -> None:
+def main(link: Callable[[Path], None] = link_into_venv) -> None:
+    """Build (or find cached) this configuration's library and hand its bindings' folder to ``link``: by default
+    linked into the running Python's venv; pip's build backend (tools/pip_backend.py) records it in the wheel."""
     pin = read_pin()
     if "--trim-sdist" in sys.argv[1:]:  # tools/gpu_check.sh --prepare: the source for a machine without a registry
         args = sys.argv[1:]
@@ -798,7 +801,7 @@ def main() -> None:
         info = json.loads(info_path.read_text())
         linked = not asan and may_link(cuda)
         if linked:
-            link_into_venv(pkg_root)
+            link(pkg_root)
         print(f"llama.cpp build {key} cached ({'CUDA' if info['cuda'] else 'CPU'}, built in {info['build_s']:.0f}s)")
         if not linked and cuda:
             print(NOT_LINKED.format(root=pkg_root))
@@ -870,7 +873,7 @@ def main() -> None:
     staging.rename(pkg_root)
     linked = not asan and may_link(cuda)
     if linked:
-        link_into_venv(pkg_root)
+        link(pkg_root)
     print(f"llama.cpp built in {build_s:.0f}s (key {key})")
     if not linked and cuda:
         print(NOT_LINKED.format(root=pkg_root))

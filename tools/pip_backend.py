@@ -89,10 +89,9 @@ def build_native() -> Path:
     linked: list[Path] = []
     # The build ends by linking the bindings into the running Python's site-packages; here that Python is pip's
     # throwaway build environment, so the folder is taken for the wheel instead.
-    b.link_into_venv = linked.append
     argv, sys.argv = sys.argv, [b.__file__]  # main() reads its own flags from sys.argv; it gets none
     try:
-        b.main()
+        b.main(link=linked.append)
     finally:
         sys.argv = argv
     if not linked:  # build_llama.py declined to link it (and said why): an install must not end up without one
