@@ -6,8 +6,9 @@ error and exit code 2.
 
 from __future__ import annotations
 
+import re
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -27,6 +28,44 @@ class _ByUse(typer.core.TyperGroup):
     def list_commands(self, ctx: typer.Context) -> list[str]:
         names = super().list_commands(ctx)
         return sorted(names, key=lambda n: self.ORDER.index(n) if n in self.ORDER else len(self.ORDER))
+
+    # A usage error (a bad option value, a missing argument, an unknown option or command) ends in one line and exit
+    # code 2, like every other bad input, instead of typer's boxed usage text. make_context parses this group's own
+    # options; invoke resolves the command and parses its (and a sub-group's) options. Both are click's public
+    # Command API at both ends of the typer range; everything else (--help, Ctrl-C, typer.Exit codes) is left to typer.
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except _usage_error() as e:
+            _one_line_usage_error(e)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _usage_error() as e:
+            _one_line_usage_error(e, ctx)
+
+
+def _usage_error() -> type[Exception]:
+    """click's UsageError, from the click that typer runs on: click itself up to typer 0.27, typer's own copy
+    (typer._click) from 0.28, when a separately installed click (uvicorn's) has a UsageError of its own that typer
+    never raises. typer exports BadParameter at every release, and it is a UsageError."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def _one_line_usage_error(e: Exception, ctx: typer.Context | None = None) -> None:
+    """Print ``pyspecter: error: <what>`` with where to look, and end with exit code 2 (click's for usage errors)."""
+    # Group help shown for a bare `pyspecter models` is a UsageError on click 8.2+; typer shows it as help and so do
+    # we (typer tells it apart by this name, cf. its rich_utils, to import nothing private)
+    if type(e).__name__ == "NoArgsIsHelpError":
+        raise e
+    msg = re.sub(r"\s*\n\s*", " ", e.format_message()).strip().rstrip(".")  # type: ignore[attr-defined]
+    if msg[:2].istitle():  # "Invalid value ...", "No such option ...": lower case, as our own errors read
+        msg = msg[0].lower() + msg[1:]
+    where = getattr(e, "ctx", None) or ctx
+    hint = f" (see {where.command_path} --help)" if where is not None else ""
+    print(f"pyspecter: error: {msg}{hint}", file=sys.stderr)
+    raise typer.Exit(2)
 
 
 app = typer.Typer(cls=_ByUse, add_completion=False, no_args_is_help=True, help=__doc__,
