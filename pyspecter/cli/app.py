@@ -6,6 +6,7 @@ error and exit code 2.
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from typing import Annotated, Any
@@ -19,7 +20,34 @@ from pyspecter.errors import SpecterError
 # between releases; an assignment to one, TyperOption.display_type_rich, once broke every command at import on all
 # typers but one). A group class passed as Typer(cls=...) overriding click's Group.list_commands is documented
 # typer/click API and works at both ends of the pinned range (tests/integration/test_typer_range.py).
-class _ByUse(typer.core.TyperGroup):
+def reflow(text: str | None) -> str | None:
+    """Each paragraph of a help text (docstring) on one line, so that the terminal's width alone decides where lines
+    break. Docstrings break at the source's width, and typer keeps those breaks in rich markup mode (in the
+    command list always; from 0.28 also past a command's first paragraph), so at 120 columns a word or two was left
+    alone on a line. Paragraphs (blank-line separated) and click's \\b no-rewrap blocks stay as written."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(line.strip() for line in p.splitlines())
+                       for p in paragraphs)
+
+
+class _Reflowed(typer.core.TyperGroup):
+    """A group whose own help and whose commands' help are reflowed (:func:`reflow`). Both through click's public
+    Command API (the help attribute, get_command), the same at both ends of the typer range."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.help = reflow(self.help)
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
+        cmd = super().get_command(ctx, cmd_name)
+        if cmd is not None:
+            cmd.help = reflow(cmd.help)
+        return cmd
+
+
+class _ByUse(_Reflowed):
     """--help lists commands in the order people reach for them, not the order they were written."""
 
     ORDER = ("chat", "generate", "serve", "rpc-server", "inspect", "bench", "scale", "verify", "models", "draft",
@@ -70,7 +98,8 @@ def _one_line_usage_error(e: Exception, ctx: typer.Context | None = None) -> Non
 
 app = typer.Typer(cls=_ByUse, add_completion=False, no_args_is_help=True, help=__doc__,
                   pretty_exceptions_enable=False)
-models_app = typer.Typer(no_args_is_help=True, help="Build the project's own models (fixtures, smol-moe, drafts).")
+models_app = typer.Typer(cls=_Reflowed, no_args_is_help=True,
+                         help="Build the project's own models (fixtures, smol-moe, drafts).")
 app.add_typer(models_app, name="models")
 
 

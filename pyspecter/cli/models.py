@@ -56,8 +56,9 @@ def draft(
                                                   "most important ones measured on calibration text (1 = keep all)")]
     = 1.0,
 ) -> None:
-    """Make a hybrid-precision draft: experts at low bits (and optionally narrowed), attention/router/norms/
-    embeddings/shared experts kept, through llama.cpp's own quantizer with per-tensor type overrides."""
+    """Make a hybrid-precision draft: experts at low bits (and optionally narrowed),
+    attention/router/norms/embeddings/shared experts kept, through llama.cpp's own quantizer with per-tensor type
+    overrides."""
     from pyspecter.layout import read_layout
     from pyspecter.models.draft import make_draft
 
