@@ -211,3 +211,20 @@ def test_reflow_joins_lines_within_paragraphs() -> None:
     assert reflow("One two\n    three.\n\n    Four\n    five.") == "One two three.\n\nFour five."
     assert reflow("\b\nkept\nas is") == "\b\nkept\nas is"  # click's no-rewrap block
     assert reflow(None) is None and reflow("") == ""
+
+
+def test_trace_ends_with_a_summary_not_json() -> None:
+    from pyspecter.cli.study import trace_summary
+
+    s = {"out": "/tmp/t.npz", "rows": 384, "prompts": 24, "moe_layers": 30, "n_expert": 16, "n_expert_used": 2,
+         "k": 4, "draft": "/cache/smol-moe-draft-Q2_K-abc.gguf", "seconds": 12.345, "bytes": 2_500_000,
+         "gate_lookahead": {"layers": 4, "note": None, "router_reproduction": 1.0},
+         "acceptance_at": {"1": 0.8, "2": 0.64, "3": None, "4": 0.4}}
+    text = trace_summary(s)
+    assert "{" not in text and len(text.splitlines()) == 4, text
+    assert "384 rows from 24 prompts" in text and "/tmp/t.npz (2.5 MB)" in text and "12.3 s" in text
+    assert "smol-moe-draft-Q2_K-abc.gguf, k=4" in text and "80%, 64%, n/a, 40%" in text
+    assert text.splitlines()[-1] == "next: pyspecter analyze /tmp/t.npz"
+    plain = trace_summary({**s, "draft": None, "k": 0, "acceptance_at": None,
+                           "gate_lookahead": {"layers": 0, "note": "gate_lookahead=0"}})
+    assert "draft" not in plain and "router look-ahead: none (gate_lookahead=0)" in plain
