@@ -6,8 +6,10 @@ error and exit code 2.
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -18,7 +20,34 @@ from pyspecter.errors import SpecterError
 # between releases; an assignment to one, TyperOption.display_type_rich, once broke every command at import on all
 # typers but one). A group class passed as Typer(cls=...) overriding click's Group.list_commands is documented
 # typer/click API and works at both ends of the pinned range (tests/integration/test_typer_range.py).
-class _ByUse(typer.core.TyperGroup):
+def reflow(text: str | None) -> str | None:
+    """Each paragraph of a help text (docstring) on one line, so that the terminal's width alone decides where lines
+    break. Docstrings break at the source's width, and typer keeps those breaks in rich markup mode (in the
+    command list always; from 0.28 also past a command's first paragraph), so at 120 columns a word or two was left
+    alone on a line. Paragraphs (blank-line separated) and click's \\b no-rewrap blocks stay as written."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(line.strip() for line in p.splitlines())
+                       for p in paragraphs)
+
+
+class _Reflowed(typer.core.TyperGroup):
+    """A group whose own help and whose commands' help are reflowed (:func:`reflow`). Both through click's public
+    Command API (the help attribute, get_command), the same at both ends of the typer range."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.help = reflow(self.help)
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
+        cmd = super().get_command(ctx, cmd_name)
+        if cmd is not None:
+            cmd.help = reflow(cmd.help)
+        return cmd
+
+
+class _ByUse(_Reflowed):
     """--help lists commands in the order people reach for them, not the order they were written."""
 
     ORDER = ("chat", "generate", "serve", "rpc-server", "inspect", "bench", "scale", "verify", "models", "draft",
@@ -28,10 +57,49 @@ class _ByUse(typer.core.TyperGroup):
         names = super().list_commands(ctx)
         return sorted(names, key=lambda n: self.ORDER.index(n) if n in self.ORDER else len(self.ORDER))
 
+    # A usage error (a bad option value, a missing argument, an unknown option or command) ends in one line and exit
+    # code 2, like every other bad input, instead of typer's boxed usage text. make_context parses this group's own
+    # options; invoke resolves the command and parses its (and a sub-group's) options. Both are click's public
+    # Command API at both ends of the typer range; everything else (--help, Ctrl-C, typer.Exit codes) is left to typer.
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except _usage_error() as e:
+            _one_line_usage_error(e)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _usage_error() as e:
+            _one_line_usage_error(e, ctx)
+
+
+def _usage_error() -> type[Exception]:
+    """click's UsageError, from the click that typer runs on: click itself up to typer 0.27, typer's own copy
+    (typer._click) from 0.28, when a separately installed click (uvicorn's) has a UsageError of its own that typer
+    never raises. typer exports BadParameter at every release, and it is a UsageError."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def _one_line_usage_error(e: Exception, ctx: typer.Context | None = None) -> None:
+    """Print ``pyspecter: error: <what>`` with where to look, and end with exit code 2 (click's for usage errors)."""
+    # Group help shown for a bare `pyspecter models` is a UsageError on click 8.2+; typer shows it as help and so do
+    # we (typer tells it apart by this name, cf. its rich_utils, to import nothing private)
+    if type(e).__name__ == "NoArgsIsHelpError":
+        raise e
+    msg = re.sub(r"\s*\n\s*", " ", e.format_message()).strip().rstrip(".")  # type: ignore[attr-defined]
+    if msg[:2].istitle():  # "Invalid value ...", "No such option ...": lower case, as our own errors read
+        msg = msg[0].lower() + msg[1:]
+    where = getattr(e, "ctx", None) or ctx
+    hint = f" (see {where.command_path} --help)" if where is not None else ""
+    print(f"pyspecter: error: {msg}{hint}", file=sys.stderr)
+    raise typer.Exit(2)
+
 
 app = typer.Typer(cls=_ByUse, add_completion=False, no_args_is_help=True, help=__doc__,
                   pretty_exceptions_enable=False)
-models_app = typer.Typer(no_args_is_help=True, help="Build the project's own models (fixtures, smol-moe, drafts).")
+models_app = typer.Typer(cls=_Reflowed, no_args_is_help=True,
+                         help="Build the project's own models (fixtures, smol-moe, drafts).")
 app.add_typer(models_app, name="models")
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pyspecter.cli.app import app, models_app
-from pyspecter.cli.options import DEFAULT_MODEL, ModelArg
+from pyspecter.cli.options import DEFAULT_MODEL, JsonOpt, ModelArg
 from pyspecter.errors import SpecterError
 from pyspecter.models.catalog import builtin_names, is_builtin, resolve_model
 
@@ -40,10 +41,27 @@ def models_build(
 
 
 @models_app.command("list")
-def models_list() -> None:
-    """List the models the project can build."""
-    for name in builtin_names():
-        print(name)
+def models_list(as_json: JsonOpt = False) -> None:
+    """List the models the project can build, with each one's size on disk and whether it is built.
+
+    A model is built (written to the cache) on first use, or by `pyspecter models build NAME`. The size of one not
+    yet built is what building it writes, from its spec (~: to within its header; <=: at most)."""
+    from pyspecter.models.catalog import builtins
+    from pyspecter.units import fmt_size
+
+    models = builtins()
+    if as_json:
+        print(json.dumps([{"name": m.name, "bytes": m.nbytes, "size": m.size, "built": m.built,
+                           "path": None if m.path is None else str(m.path), "note": m.note} for m in models],
+                         indent=2))
+        return
+    mark = {"file": "", "planned": "~", "at most": "<="}
+    rows = [(m.name, mark[m.size] + fmt_size(m.nbytes), m.note if m.built is None else "yes" if m.built else "no")
+            for m in models]
+    w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
+    print(f"{'name':<{w0}}  {'on disk':>{w1}}  built")
+    for name, size, built in rows:
+        print(f"{name:<{w0}}  {size:>{w1}}  {built}")
 
 
 @app.command()
@@ -56,8 +74,9 @@ def draft(
                                                   "most important ones measured on calibration text (1 = keep all)")]
     = 1.0,
 ) -> None:
-    """Make a hybrid-precision draft: experts at low bits (and optionally narrowed), attention/router/norms/
-    embeddings/shared experts kept, through llama.cpp's own quantizer with per-tensor type overrides."""
+    """Make a hybrid-precision draft: experts at low bits (and optionally narrowed),
+    attention/router/norms/embeddings/shared experts kept, through llama.cpp's own quantizer with per-tensor type
+    overrides."""
     from pyspecter.layout import read_layout
     from pyspecter.models.draft import make_draft
 

@@ -9,9 +9,10 @@ from typing import Annotated
 import typer
 
 from pyspecter.cli.app import app
-from pyspecter.cli.options import DEFAULT_MODEL, DEFAULT_THREADS, ModelArg, ThreadsOpt
+from pyspecter.cli.options import DEFAULT_MODEL, DEFAULT_THREADS, JsonOpt, ModelArg, ThreadsOpt
 from pyspecter.errors import SpecterError
 from pyspecter.models.catalog import resolve_model
+from pyspecter.units import fmt_size
 
 
 @app.command()
@@ -26,13 +27,33 @@ def trace(
     n: Annotated[int, typer.Option("-n", help="tokens generated per prompt")] = 32,
     k: Annotated[int, typer.Option("-k", help="draft lookahead (tokens drafted ahead)")] = 4,
     threads: ThreadsOpt = DEFAULT_THREADS,
+    json_out: JsonOpt = False,
 ) -> None:
     """Record per-token, per-layer routing of the target (and of the draft, on the same and on its own tokens)."""
     from pyspecter.study.trace import record_trace
 
     summary = record_trace(resolve_model(model), out, draft_path=resolve_model(draft) if draft else None,
                            prompts=prompts, n=n, k=k, n_threads=threads)
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1) if json_out else trace_summary(summary))
+
+
+def trace_summary(s: dict) -> str:
+    """What `trace` recorded, in a few lines (the whole summary, with the router check's details, is --json's)."""
+    out = Path(s["out"])
+    lines = [f"trace: {s['rows']} rows from {s['prompts']} prompts, {s['moe_layers']} MoE layers, top-"
+             f"{s['n_expert_used']} of {s['n_expert']} experts, in {s['seconds']:.1f} s: {out} "
+             f"({fmt_size(s['bytes'])})"]
+    if s.get("draft"):
+        acc = s.get("acceptance_at") or {}
+        at = ", ".join("n/a" if v is None else f"{v:.0%}" for v in acc.values())
+        lines.append(f"draft: {Path(s['draft']).name}, k={s['k']}; acceptance at 1..{len(acc)} tokens ahead: {at}")
+    gate = s.get("gate_lookahead") or {}
+    if gate.get("layers"):
+        lines.append(f"router look-ahead: {gate['layers']} MoE layers")
+    elif gate.get("note"):
+        lines.append(f"router look-ahead: none ({gate['note']})")
+    lines.append(f"next: pyspecter analyze {out}")
+    return "\n".join(lines)
 
 
 @app.command()

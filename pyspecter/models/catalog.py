@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyspecter.errors import SpecterError
+from pyspecter.paths import cache_dir, models_dir
 
 DRAFT_NAME = re.compile(r"smol-moe-draft(?:-(Q\w+))?(?:-w([0-9.]+))?")  # smol-moe-draft[-TYPE][-wWIDTH]
 
@@ -54,3 +56,74 @@ def resolve_model(spec: str, *, predictor: bool = True) -> Path:
             raise SpecterError(f"{spec}: the width after -w must be in (0, 1]")
         return build_smol_moe_draft(m.group(1) or "Q2_K", ffn_keep=keep)
     raise SpecterError(f"{spec}: no such file, and not a built-in model ({', '.join(builtin_names())})")
+
+
+# smol-moe's size before it is built, when its source isn't fetched either: what smol._moe_bytes gives for the
+# pinned SmolLM2 GGUF (sha256 in smol.py) and 16 experts; tests/unit/test_catalog.py checks it against that
+SMOL_MOE_BYTES = 847_267_072
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in model as `models list` shows it."""
+
+    name: str
+    nbytes: int  # on disk: the built file's size, else what building it writes (see ``size``)
+    size: str  # "file": the built file's; "planned": from its spec, to within its header; "at most": a bound
+    built: bool | None  # None: not a model (a name pattern), or can't tell (see ``note``)
+    path: Path | None  # where it is (built) or will be
+    note: str = ""  # why ``built`` is None
+
+
+def builtins() -> list[Builtin]:
+    """Every built-in name with its size on disk, built or not, so that a user sees what a first use writes
+    (big-qwen3moe: 33 GB). Builds nothing: the cache paths come from the builders' content keys."""
+    from pyspecter.models import big, tiny
+
+    out = [_smol_moe()]
+    draft = _draft(out[0].nbytes)
+    out += [draft, Builtin("smol-moe-draft-TYPE-wKEEP", out[0].nbytes, "at most", None, None, "a name pattern")]
+    for name, spec in (tiny.TINY_MODELS | tiny.BENCH_MODELS | big.BIG_MODELS).items():
+        # tiny's planner sizes every expert type (big's refuses those it cannot make from random bytes), and
+        # the big models are its tensor list grown up, so one planner for all
+        key = big._cache_key(spec) if name in big.BIG_MODELS else tiny._cache_key(spec)
+        # the file name that build_tiny and build_big give it (tests/unit/test_catalog.py checks tiny's)
+        path = models_dir() / f"{name}-{key}.gguf"
+        out.append(_found(Builtin(name, tiny.planned_bytes(spec), "planned", None, path)))
+    return out
+
+
+_NO_KEY = "unknown: llama.cpp's version, in its cache key, needs the native library"
+
+
+def _found(b: Builtin) -> Builtin:
+    """``b`` built (with its file's real size) or not, where its path is known; as it is where not."""
+    if b.path is not None and b.path.exists():
+        return Builtin(b.name, b.path.stat().st_size, "file", True, b.path)
+    if b.path is not None:  # its key is known, and no file has it
+        return Builtin(b.name, b.nbytes, b.size, False, b.path)
+    return b
+
+
+def _smol_moe() -> Builtin:
+    from pyspecter.models import smol
+
+    try:
+        path = smol.smol_moe_path()
+    except ImportError:  # llama.cpp's version is in the key: without it, size only
+        path = None
+    src = cache_dir() / "smollm2" / smol.GGUF_FILE
+    nbytes = smol._moe_bytes(src, 16) if src.exists() else SMOL_MOE_BYTES
+    return _found(Builtin("smol-moe", nbytes, "planned", None, path, _NO_KEY))
+
+
+def _draft(target_bytes: int) -> Builtin:
+    """The default draft: its size depends on which expert tensors llama.cpp's quantizer can make Q2_K, so until
+    it is built only a bound is known (the draft code never writes more than the target's size)."""
+    from pyspecter.models import draft
+
+    try:
+        path = draft.smol_moe_draft_path()
+    except ImportError:
+        path = None
+    return _found(Builtin("smol-moe-draft", target_bytes, "at most", None, path, _NO_KEY))

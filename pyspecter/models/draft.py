@@ -28,7 +28,8 @@ from pyspecter.models.progress import done as progress_done
 from pyspecter.models.progress import step as progress_step
 from pyspecter.paths import build_lock, check_free, content_key, models_dir
 
-__all__ = ["EXPERT_PATTERN", "build_smol_moe_draft", "make_draft", "routing_agreement", "routing_trace"]
+__all__ = ["EXPERT_PATTERN", "build_smol_moe_draft", "make_draft", "routing_agreement", "routing_trace",
+           "smol_moe_draft_path"]
 
 N_THREADS = 2
 # Every routed-expert matmul weight in llama.cpp's naming; shared experts (``*_shexp``) are not matched.
@@ -268,19 +269,27 @@ def prune_experts(model: Path, out: Path, keep: float, n_calib: int = 512, progr
     return out
 
 
+def smol_moe_draft_path(experts_type: str = "Q2_K", ffn_keep: float = 1.0) -> Path:
+    """Where build_smol_moe_draft(experts_type, ffn_keep) puts (or has put) its file. Needs the native library's
+    Python package (its version is in the key), as the build does; builds nothing."""
+    import llama_cpp
+
+    from pyspecter.models.smol import smol_moe_path
+
+    t = experts_type.upper()
+    key = content_key(smol_moe_path().name, t, f"{ffn_keep:g}", Path(__file__).read_bytes(), llama_cpp.__version__)
+    width = "" if ffn_keep >= 1 else f"-w{ffn_keep:g}"
+    return models_dir() / f"smol-moe-draft-{t}{width}-{key}.gguf"
+
+
 def build_smol_moe_draft(experts_type: str = "Q2_K", ffn_keep: float = 1.0, progress: bool = True) -> Path:
     """A draft of smol-moe (built first if needed): experts at ``experts_type``, narrowed to ``ffn_keep`` of
     their neurons, the rest unchanged. Cached by content key (the target file's key, the options, this file's
     source, the llama.cpp version)."""
-    import llama_cpp
-
     from pyspecter.models.smol import build_smol_moe
 
     target = build_smol_moe(progress=progress)
-    t = experts_type.upper()
-    key = content_key(target.name, t, f"{ffn_keep:g}", Path(__file__).read_bytes(), llama_cpp.__version__)
-    width = "" if ffn_keep >= 1 else f"-w{ffn_keep:g}"
-    out = models_dir() / f"smol-moe-draft-{t}{width}-{key}.gguf"
+    out = smol_moe_draft_path(experts_type, ffn_keep)
     if out.exists():
         return out
     with build_lock(out):  # a build of this key killed before us left its temporary files: removed here

@@ -153,18 +153,23 @@ def plot(result: dict, plot_dir: str | os.PathLike) -> dict:
     plt.close(fig)
     out["hit_rate"] = str(d / "hit_rate.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     for name, p in result["predictors"].items():
         if not p["available"]:
             continue
         hs = [h for h, v in p["recall_at"].items() if v is not None]
-        ax.plot([int(h) for h in hs], [p["recall_at"][h] for h in hs], marker="o",
-                label=name + (" (layers)" if p["lookahead_unit"] == "layers" else ""))
+        # the oracle (recall 1 by construction) is a reference: a dashed line under the others, so a predictor
+        # that also reaches 1 (a self-draft) stays visible on it
+        style = dict(linestyle="--", color="0.5", zorder=1) if name == "oracle" else dict(marker="o", zorder=2)
+        ax.plot([int(h) for h in hs], [p["recall_at"][h] for h in hs],
+                label=name + (" (layers)" if p["lookahead_unit"] == "layers" else ""), **style)
     ax.set_xticks(sorted({int(h) for p in result["predictors"].values() for h in p["recall_at"]}))
     ax.set_xlabel("lookahead (tokens; layers for next-layer-gate)")
     ax.set_ylabel("recall")
     ax.set_ylim(0, 1.02)
-    ax.legend(fontsize=8)
+    # outside the axes, right of them: inside, wherever matplotlib put it, it covered a line (the oracle's at 1,
+    # the top edge, in issue 45), since the curves can be anywhere from 0 to 1
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(d / "recall.png", dpi=100)
     plt.close(fig)

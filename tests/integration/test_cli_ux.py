@@ -140,12 +140,21 @@ def test_chat_commands_are_not_sent_to_the_model() -> None:
     (["bench", "tiny-qwen3moe", "--policies", "nonsense"], "unknown policy 'nonsense'"),
     (["bench", "tiny-qwen3moe", "--repeat", "0"], "--repeat must be at least 1"),
     (["generate", "tiny-qwen3moe", "-p", "x", "--budget", "1KiB"], "= top-4 slots per layer (384.0 KiB)"),
+    # usage errors that click finds (issue 45): the same one line, not typer's boxed usage text
+    (["generate", "tiny-qwen3moe", "-p", "x", "-n", "abc"], "invalid value for '-n' / '--n-predict'"),
+    (["bench", "tiny-qwen3moe", "--repeat", "x"], "invalid value for '--repeat'"),
+    (["generate", "tiny-qwen3moe", "-p", "x", "--bogus"], "no such option: --bogus"),
+    (["generate", "tiny-qwen3moe"], "missing option '--prompt' / '-p'"),
+    (["models", "build"], "missing argument"),
+    (["nosuch"], "no such command 'nosuch'"),
 ])
 def test_an_error_is_the_only_line(args: list[str], needle: str) -> None:
     r = run_cli(*args)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and needle in r.stderr, r.stderr
     assert r.stdout == ""
+    if needle.startswith(("invalid", "no such", "missing")):  # click's usage errors also say where to look
+        assert "--help)" in r.stderr, r.stderr
 
 
 def test_n_minus_one_runs_until_the_context_is_full() -> None:

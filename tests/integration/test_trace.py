@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from pyspecter import native
 from pyspecter.errors import SpecterError
@@ -176,6 +177,20 @@ def test_trace_without_draft(tmp_path: Path) -> None:
         assert all(v is None for v in r["predictors"][name]["recall_at"].values())
     assert r["trace"]["scored_rows"] == "all rows"
     assert r["predictors"]["frequency"]["profile"].startswith("online")
+
+
+def test_trace_command_prints_a_summary_or_json(tmp_path: Path) -> None:
+    out = tmp_path / "cli.npz"
+    args = ("trace", "tiny-qwen3moe", "-o", str(out), "-n", "2", "-t", "1", "--prompts")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\n")
+    r = run_cli(*args, str(prompts))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("trace: 2 rows from 1 prompts") and "{" not in r.stdout, r.stdout  # not raw JSON
+    assert f"pyspecter analyze {out}" in r.stdout and out.is_file()
+    r = run_cli(*args, str(prompts), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["rows"] == 2
 
 
 def test_self_draft_predicts_perfectly(tmp_path: Path) -> None:

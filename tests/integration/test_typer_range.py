@@ -106,3 +106,14 @@ def test_cli_runs_at_both_ends_of_the_typer_range(end: str) -> None:
     assert r.returncode == 0, f"typer {version}: `pyspecter generate --help` failed\n{r.stdout}\n{r.stderr}"
     assert all(flag in r.stdout for flag in ("--prompt", "--n-predict", "--temp", "--raw")), r.stdout
     assert r.stderr == "", r.stderr
+
+    # click's usage errors are one line and exit 2 (caught through click's public Command API, which typer 0.28+
+    # runs on its own copy of click): a bad value, and an unknown option of a sub-group's command
+    for args, needle in ((["generate", "-n", "abc"], "'--n-predict'"), (["models", "list", "--x"], "--x")):
+        r = run_cli(python, *args)
+        assert r.returncode == 2 and r.stdout == "", f"typer {version}: {args}\n{r.stdout}\n{r.stderr}"
+        assert r.stderr.startswith("pyspecter: error: ") and r.stderr.count("\n") == 1 and needle in r.stderr, \
+            f"typer {version}: {args}\n{r.stderr}"
+    # a group with no command still shows its help, with whichever exit code that typer gives it (0, or 2 on 0.28+)
+    r = run_cli(python, "models")
+    assert "Usage:" in r.stdout and "build" in r.stdout and "error" not in r.stderr, r

@@ -169,3 +169,62 @@ def test_one_slot_count_says_what_takes_the_rest() -> None:
     assert str(SlotCount((8,) * 30, 16)) == "8/16 slots per layer"
     assert str(SlotCount((4,) * 3, 16, zero=2)) == "4/16 slots per layer + 2 zero slots each on the device"
     assert str(NO_SLOTS) == "no slots (every expert resident)" and NO_SLOTS.as_stats()["slots_max"] == 0
+
+
+def _premature_breaks(text: str, width: int) -> list[str]:
+    """Pairs of lines of rendered help where the second continues the first's text although its first word would
+    have fitted on the first: a break the docstring made, not the terminal (issue 45: "/v1/completions," and "and"
+    left alone at 120 columns). Works on typer's rich output: boxed tables (the text column of a row) and the
+    unboxed description paragraphs."""
+    lines = text.splitlines()
+    bad = []
+    for above, below in zip(lines, lines[1:], strict=False):
+        col = re.match(r"[│ ]*", below).end()  # where the second line's text starts
+        if col >= len(below) or below[col] in "[│" or below[:col].count("│") > 1:
+            continue  # blank, a box edge, or typer's "[default: ...]" on a line of its own
+        boxed = above.rstrip().endswith("│")
+        starts = re.match(r"[│ ]*", above).end()
+        if col >= len(above) or above[col] == " " or above[col - 1] != " ":
+            continue  # the first line has no text starting at that column
+        if (boxed and col <= starts) or (not boxed and col != starts):
+            continue  # a new row of a table, or a paragraph at another indent
+        right = len(above.rstrip()) - 1 if boxed else width  # the box's edge, or the terminal's
+        if "  " in above[col:right].strip():
+            continue  # col is not the first line's last column: the second line starts a new row
+        if len(above[:right].rstrip()) + 1 + len(below[col:].split()[0]) <= right - 1:
+            bad.append(f"{above}\n{below}")
+    return bad
+
+
+def test_help_breaks_lines_only_where_the_terminal_ends() -> None:
+    for args in (["--help"], ["serve", "--help"], ["bench", "--help"], ["verify", "--help"], ["demo", "--help"],
+                 ["models", "build", "--help"]):
+        for width in (80, 120):
+            r = runner.invoke(cli.app, args, env={"COLUMNS": str(width), "NO_COLOR": "1"})
+            assert r.exit_code == 0, r.output
+            assert _premature_breaks(r.output, width) == [], (args, width, r.output)
+
+
+def test_reflow_joins_lines_within_paragraphs() -> None:
+    from pyspecter.cli.app import reflow
+
+    assert reflow("One two\n    three.\n\n    Four\n    five.") == "One two three.\n\nFour five."
+    assert reflow("\b\nkept\nas is") == "\b\nkept\nas is"  # click's no-rewrap block
+    assert reflow(None) is None and reflow("") == ""
+
+
+def test_trace_ends_with_a_summary_not_json() -> None:
+    from pyspecter.cli.study import trace_summary
+
+    s = {"out": "/tmp/t.npz", "rows": 384, "prompts": 24, "moe_layers": 30, "n_expert": 16, "n_expert_used": 2,
+         "k": 4, "draft": "/cache/smol-moe-draft-Q2_K-abc.gguf", "seconds": 12.345, "bytes": 2_500_000,
+         "gate_lookahead": {"layers": 4, "note": None, "router_reproduction": 1.0},
+         "acceptance_at": {"1": 0.8, "2": 0.64, "3": None, "4": 0.4}}
+    text = trace_summary(s)
+    assert "{" not in text and len(text.splitlines()) == 4, text
+    assert "384 rows from 24 prompts" in text and "/tmp/t.npz (2.5 MB)" in text and "12.3 s" in text
+    assert "smol-moe-draft-Q2_K-abc.gguf, k=4" in text and "80%, 64%, n/a, 40%" in text
+    assert text.splitlines()[-1] == "next: pyspecter analyze /tmp/t.npz"
+    plain = trace_summary({**s, "draft": None, "k": 0, "acceptance_at": None,
+                           "gate_lookahead": {"layers": 0, "note": "gate_lookahead=0"}})
+    assert "draft" not in plain and "router look-ahead: none (gate_lookahead=0)" in plain
