@@ -161,8 +161,10 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
 // where the device's ids are made: a kernel must never see one outside it.
 static bool fill_row(llama_pyspecter_layer * L, int32_t * row) {
     const int32_t E = L->parent->n_expert, n_alloc = L->parent->n_slots + L->n_zero;
+    // the planes differ only in which zero slot a non-resident expert reads, so plane 0 says whether anything
+    // changed: at a fence with nothing landed (most decode steps) this costs n_expert compares per layer, not more
     bool changed = false;
-    for (int32_t j = 0; j < L->n_zero; ++j) {
+    for (int32_t j = 0; j < L->n_zero && (j == 0 || changed); ++j) {
         for (int32_t e = 0; e < E; ++e) {
             const int32_t v = L->remap[e] >= 0 ? L->remap[e] : pyspecter_zero_slot(L, j);
             GGML_ASSERT(v >= 0 && v < n_alloc);
