@@ -57,6 +57,12 @@ class _ByUse(_Reflowed):
         names = super().list_commands(ctx)
         return sorted(names, key=lambda n: self.ORDER.index(n) if n in self.ORDER else len(self.ORDER))
 
+    def resolve_command(self, ctx: typer.Context, args: list[str]) -> tuple[str | None, Any, list[str]]:
+        """The command and its arguments, ``-m MODEL`` among them (``model_first``): click's public Group API,
+        so the same in-process (``app([...])``, typer's test runner) as from the entry point, on every typer."""
+        name, cmd, rest = super().resolve_command(ctx, args)
+        return name, cmd, model_first(cmd, rest)
+
     # A usage error (a bad option value, a missing argument, an unknown option or command) ends in one line and exit
     # code 2, like every other bad input, instead of typer's boxed usage text. make_context parses this group's own
     # options; invoke resolves the command and parses its (and a sub-group's) options. Both are click's public
@@ -118,34 +124,30 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """pyspecter: run Mixture-of-Experts LLMs bigger than fast memory on a patched llama.cpp."""
 
 
-# commands whose first argument is a MODEL
-MODEL_COMMANDS = ("chat", "generate", "serve", "inspect", "bench", "verify", "draft", "trace", "surrogate", "demo",
-                  "scale", "fit-predictor")
-
-
-def model_flag_to_positional(argv: list[str]) -> list[str]:
-    """llama.cpp users type ``-m MODEL``; our commands take MODEL positionally (the first argument after the
-    command), so ``-m X`` / ``--model X`` / ``--model=X`` become exactly that."""
-    if not argv or argv[0] not in MODEL_COMMANDS:
-        return argv
-    rest, model, i = [], None, 1
-    while i < len(argv):
-        a = argv[i]
-        if a in ("-m", "--model") and i + 1 < len(argv):
-            model, i = argv[i + 1], i + 2
+def model_first(cmd: Any, args: list[str]) -> list[str]:
+    """llama.cpp users type ``-m MODEL``; a command whose first argument is its MODEL (a positional parameter named
+    ``model``) takes ``-m X`` / ``--model X`` / ``--model=X`` as exactly that. Other commands' arguments are
+    untouched (``models build -m`` stays an error)."""
+    if cmd is None or not any(p.name == "model" and p.param_type_name == "argument" for p in cmd.params):
+        return args
+    rest, model, i = [], None, 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-m", "--model") and i + 1 < len(args):
+            model, i = args[i + 1], i + 2
             continue
         if a.startswith("--model="):
             model = a.split("=", 1)[1]
         else:
             rest.append(a)
         i += 1
-    return [argv[0], *([model] if model is not None else []), *rest]
+    return [model, *rest] if model is not None else rest
 
 
 def main() -> None:
     # Standalone mode lets click turn usage errors into exit code 2; our own bad-input errors come out here.
     try:
-        app(args=model_flag_to_positional(sys.argv[1:]))
+        app()
     except SpecterError as e:
         print(f"pyspecter: error: {e}", file=sys.stderr)
         sys.exit(2)

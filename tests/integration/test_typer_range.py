@@ -114,6 +114,9 @@ def test_cli_runs_at_both_ends_of_the_typer_range(end: str) -> None:
         assert r.returncode == 2 and r.stdout == "", f"typer {version}: {args}\n{r.stdout}\n{r.stderr}"
         assert r.stderr.startswith("pyspecter: error: ") and r.stderr.count("\n") == 1 and needle in r.stderr, \
             f"typer {version}: {args}\n{r.stderr}"
+    # llama.cpp's -m MODEL, handed to the command by the group (click's public resolve_command)
+    r = run_cli(python, "inspect", "-m", "nonexistent-model.gguf")
+    assert r.returncode == 2 and "nonexistent-model.gguf: no such file" in r.stderr, f"typer {version}: {r.stderr}"
     # a group with no command still shows its help, with whichever exit code that typer gives it (0, or 2 on 0.28+)
     r = run_cli(python, "models")
     assert "Usage:" in r.stdout and "build" in r.stdout and "error" not in r.stderr, r

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import psutil
+import pytest
 from typer.testing import CliRunner
 
 from pyspecter import cli
@@ -47,12 +48,23 @@ def test_help_lists_are_whole_at_80_columns() -> None:
     assert all(p in h for p in cli.BENCH_POLICIES)
 
 
-def test_every_model_command_defaults_to_the_embedded_model() -> None:
+# the commands whose first argument is a MODEL
+MODEL_COMMANDS = {"chat", "generate", "serve", "inspect", "bench", "verify", "draft", "trace", "surrogate", "demo",
+                  "scale", "fit-predictor"}
+
+
+def _model_commands() -> dict:
     import typer
 
     group = typer.main.get_command(cli.app)
-    for name in cli.MODEL_COMMANDS:
-        model = next(p for p in group.commands[name].params if p.name == "model")
+    return {name: next(p for p in c.params if p.name == "model") for name, c in group.commands.items()
+            if any(p.name == "model" and p.param_type_name == "argument" for p in c.params)}
+
+
+def test_every_model_command_defaults_to_the_embedded_model() -> None:
+    models = _model_commands()
+    assert set(models) == MODEL_COMMANDS
+    for name, model in models.items():
         assert model.default == "smol-moe" and not model.required, name
 
 
@@ -80,12 +92,20 @@ def test_commands_listed_by_use() -> None:
     assert set(names) == set(group.commands)  # every command listed, once
 
 
-def test_dash_m_names_the_model() -> None:
-    f = cli.model_flag_to_positional
-    assert f(["generate", "-m", "x.gguf", "-p", "hi"]) == ["generate", "x.gguf", "-p", "hi"]
-    assert f(["chat", "--model=x.gguf", "-n", "3"]) == ["chat", "x.gguf", "-n", "3"]
-    assert f(["inspect", "x.gguf", "--json"]) == ["inspect", "x.gguf", "--json"]
-    assert f(["models", "build", "-m"]) == ["models", "build", "-m"]  # not a model command: untouched
+@pytest.mark.parametrize("argv", [["inspect", "-m", "x.gguf", "--json"], ["inspect", "--json", "--model", "x.gguf"],
+                                  ["inspect", "--model=x.gguf"], ["inspect", "x.gguf"]])
+def test_dash_m_names_the_model(argv: list[str]) -> None:
+    """In-process too (the group hands the command its MODEL, no rewrite of sys.argv): every spelling reaches
+    the command as its model."""
+    from pyspecter.errors import SpecterError
+
+    r = runner.invoke(cli.app, argv)
+    assert isinstance(r.exception, SpecterError) and "x.gguf: no such file" in str(r.exception), r.output
+
+
+def test_dash_m_is_only_a_model_commands() -> None:
+    r = runner.invoke(cli.app, ["models", "list", "-m", "x.gguf"])  # not a model command: -m is unknown there
+    assert r.exit_code == 2 and "-m" in r.output, r.output
 
 
 def test_dash_m_through_the_real_entry_point() -> None:

@@ -190,6 +190,15 @@ def test_the_cli_is_thin() -> None:
         assert "psutil" not in names or p.name == "options.py", f"{p.name}: memory is the placement's to read"
 
 
+def test_the_cli_opens_sessions_through_load() -> None:
+    """generate, chat and serve open their session with ``pyspecter.load`` (one validation, one placement): no
+    command builds a session of its own."""
+    built = sorted(p.name for p in (PKG / "cli").glob("*.py")
+                   if re.search(r"\b(Session|SessionConfig|ExpertCache)\(", p.read_text()))
+    assert not built, built
+    assert "api.load" in (PKG / "cli" / "run.py").read_text() or "import load" in (PKG / "cli" / "run.py").read_text()
+
+
 def test_cli_lists_the_bench_policies_it_runs() -> None:
     from pyspecter import cli
     from pyspecter.study import bench
