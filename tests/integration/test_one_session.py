@@ -7,6 +7,7 @@ differently from the library would differ here."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import socket
 from pathlib import Path
 
@@ -32,10 +33,17 @@ def _facts(s: Session) -> dict:
     groups = s.cfg.surrogate_groups
     return {"cfg": dataclasses.asdict(dataclasses.replace(s.cfg, surrogate_groups=None)),
             "groups": None if groups is None else {il: np.asarray(g).tolist() for il, g in sorted(groups.items())},
-            "placement": s.placement, "miss": s.miss, "sampling": s.sampling, "n_slots": s.n_slots, "held": s.held,
+            "placement": dataclasses.replace(s.placement, why=_no_memory(s.placement.why)), "miss": s.miss,
+            "sampling": s.sampling, "n_slots": s.n_slots, "held": s.held,
             "slots": s.slot_count(), "predictor": None if s.predictor is None else s.predictor.nbytes,
             "draft": s.draft is not None, "k": None if s.decoder is None else (s.decoder.k, s.decoder.adaptive),
-            "notes": [n for n in s.notes if HINT not in n], "quality": s.quality}
+            "notes": [_no_memory(n) for n in s.notes if HINT not in n], "quality": s.quality}
+
+
+def _no_memory(line: str | None) -> str | None:
+    """A placement line without its figures of memory: what is available moves between two opens on a machine
+    that others use too."""
+    return line and re.sub(r"\d+(\.\d+)? ?[KMGT]i?B", "#", line)
 
 
 @pytest.fixture
