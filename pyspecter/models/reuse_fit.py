@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyspecter.learned import Recency
-from pyspecter.models.predictor_fit import Ridge
+from pyspecter.models.ridge import Ridge
 from pyspecter.policies import Scores
 
 # Tokens ahead whose use keeps an expert, and how much a later use counts: the target of expert e is
