@@ -180,7 +180,7 @@ llama_pyspecter_replay * llama_pyspecter_replay_init(const llama_pyspecter_repla
         auto rp = std::make_unique<llama_pyspecter_replay>();
         auto & s = rp->s;
         s.n_expert = p->n_expert;
-        s.res.reset(new pyspecter_residency());
+        s.res = { new pyspecter_residency(), [](pyspecter_residency * r) noexcept { delete r; } };
         auto * R = rp->R = s.res.get();
         R->s = &s;
         R->p.policy = p->policy;

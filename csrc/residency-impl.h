@@ -91,7 +91,9 @@ struct pyspecter_residency {
     std::vector<std::pair<int32_t, int32_t>> loads; // (expert, slot)
     std::vector<pyspecter_read *> landing, reads, freeing;
 
-    // the planner (planner.cpp): on/off, its least probability, and the layer-time its deadlines are counted in
+    // the planner (planner.cpp): its plan (registered with its first map), on/off, its least probability, and the
+    // layer-time its deadlines are counted in
+    pyspecter_plan_fn plan = nullptr;
     bool planner = false;
     float min_prob = 0.5f;
     float max_stall = 0.5f;
