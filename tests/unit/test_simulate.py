@@ -40,12 +40,25 @@ def test_belady_is_optimal_by_exhaustive_search() -> None:
             assert accesses - simulate_cache(steps, slots, p) >= best
 
 
+def _set_lru_hits_by_definition(steps: np.ndarray, slots: int) -> int:
+    """Set-LRU read straight from its definition: before each step the cache holds the ``slots`` experts used most
+    recently (a step's first choice the most recent of its step), found by scanning the history backwards."""
+    hits = 0
+    for t, row in enumerate(steps):
+        recent: list[int] = []
+        for prev in steps[:t][::-1]:
+            recent += [int(e) for e in prev if e >= 0 and int(e) not in recent]
+        hits += sum(int(e) in recent[:slots] for e in row if e >= 0)
+    return hits
+
+
 def test_set_lru_is_the_stack_cache_at_every_size() -> None:
     rng = np.random.default_rng(2)
     steps = np.stack([rng.choice(9, 3, replace=False) for _ in range(150)])
     pos = lru_stack_positions(steps)
     for s in range(3, 10):
         assert int(((pos >= 0) & (pos < s)).sum()) == simulate_cache(steps, s, "lru")
+        assert simulate_cache(steps, s, "lru") == _set_lru_hits_by_definition(steps, s)
     with pytest.raises(ValueError):
         simulate_cache(steps, 3, "fifo")
 
