@@ -9,8 +9,10 @@
 // not wait long for it, in case the aborting thread or a dead one holds it.
 
 #include "llama-pyspecter.h"
+#include "pyspecter-log.h"
 
 #include "ggml.h"
+#include "llama-impl.h"
 
 #include <atomic>
 #include <chrono>
@@ -140,6 +142,14 @@ void on_abort(const char * message) {
 }
 
 } // namespace
+
+void pyspecter_log_exception(const char * where, const char * what) noexcept {
+    try {
+        LLAMA_LOG_ERROR("pyspecter: %s: %s\n", where, what);
+    } catch (...) {
+        // logging is best effort; the status code carries the failure
+    }
+}
 
 void llama_pyspecter_logs_quiet(void) {
     memory(); // made before any callback can run

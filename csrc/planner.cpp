@@ -80,7 +80,9 @@ void pyspecter_ahead_probs(const pyspecter_ahead_map & m, const float * x, float
     }
 }
 
-void pyspecter_plan_ahead(llama_pyspecter_layer * L, const float * x, int32_t n_embd) {
+// From the routing op of L (R->mu held), one-token ubatches: L's maps' predictions queued as prefetches, through
+// pyspecter_native_prefetch. Registered with residency by set_ahead_map.
+static void plan_ahead(llama_pyspecter_layer * L, const float * x, int32_t n_embd) {
     auto * s = L->parent;
     const float min_prob = pyspecter_native_min_prob(s);
     if (min_prob < 0.0f || L->ahead.empty() || !x) {
@@ -191,6 +193,7 @@ int32_t llama_pyspecter_set_ahead_map(llama_model * model, int32_t il_src, int32
         } else {
             L->ahead.push_back(std::move(m));
         }
+        pyspecter_set_native_plan(s, plan_ahead);
         return LLAMA_PYSPECTER_OK;
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;

@@ -170,14 +170,14 @@ int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t>
     return misses;
 }
 
-void duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & needed,
-                  bool count) {
+std::pair<int32_t, int32_t> duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L,
+                                         const std::vector<int32_t> & needed, bool count) {
     R->duel_clock++;
     const int64_t clock = (int64_t) R->duel_clock;
     const int32_t a = ghost_step(L->ghost_lru, needed, L->mark, L->n_usable, clock, nullptr);
     const int32_t b = ghost_step(L->ghost_score, needed, L->mark, L->n_usable, clock, L);
     if (!count) {
-        return;
+        return { a, b };
     }
     R->recent[0] = R->recent[0] * R->decay + a;
     R->recent[1] = R->recent[1] * R->decay + b;
@@ -192,6 +192,7 @@ void duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L, const std:
         R->use_scores = use;
         R->switches++;
     }
+    return { a, b };
 }
 
 // A slot to reuse: a free one, else by policy among slots neither being filled, nor taken, nor holding an expert

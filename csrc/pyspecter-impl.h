@@ -4,6 +4,7 @@
 
 #include "llama-pyspecter.h"
 #include "pyspecter-graph.h"
+#include "pyspecter-log.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -234,10 +235,11 @@ struct llama_pyspecter_slots {
 
     llama_pyspecter_counters counters;
     llama_pyspecter_link link;
-    struct residency_deleter {
-        void operator()(pyspecter_residency * r) const noexcept; // residency.cpp: the type is private to it
-    };
-    std::unique_ptr<pyspecter_residency, residency_deleter> res; // native residency, once enabled (its readers write into bufs)
+    // Native residency, once enabled (its readers write into bufs). Its type is private to residency-impl.h, so
+    // whoever makes one hands over how to free it (stopping its readers) with it: these slots, below residency,
+    // free it without calling into residency.
+    using residency_free = void (*)(pyspecter_residency *) noexcept;
+    std::unique_ptr<pyspecter_residency, residency_free> res{ nullptr, nullptr };
     // Last member: its thread copies into bufs and reads the model's host copy, so it must be stopped first
     // (the destructor does that explicitly before freeing anything).
     llama_pyspecter_uploads uploads;
@@ -273,7 +275,6 @@ inline bool pyspecter_is_zero_slot(const llama_pyspecter_layer * L, int32_t slot
 llama_pyspecter_slots * pyspecter_slots_of(const llama_model * model);
 llama_pyspecter_layer * pyspecter_layer_of(const llama_model * model, int32_t il);
 
-void pyspecter_log_exception(const char * where, const char * what) noexcept;
 
 // Runs f (returning a status) so that no exception leaves a C entry point: out of memory and anything else thrown
 // become statuses, what an exception says is logged under `where`.
@@ -301,7 +302,8 @@ int32_t pyspecter_run_copy(llama_pyspecter_counters & counters, F && copy) noexc
     return rc;
 }
 
-// The upload stream of device dev, made on first use (null: the device copies synchronously). Slot allocation calls it.
+// The upload stream of device dev, made on first use (null: the device copies synchronously): slots.cpp's, which
+// owns the streams; slot allocation calls it.
 pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s, ggml_backend_dev_t dev);
 
 // Copies one expert (all kinds) from the model's host copy into a slot; one kind of one expert from a file (fd at
@@ -360,10 +362,12 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
 bool pyspecter_native_wants_input(const llama_pyspecter_slots * s); // some layer has a reuse or ahead map
 
 // The native planner (planner.cpp). ahead_probs: map m's probabilities for router input x into probs[E], with
-// y[E] as scratch. plan_ahead: from the routing op of L (R->mu held), one-token ubatches: L's maps' predictions
-// queued as prefetches, through pyspecter_native_prefetch.
+// y[E] as scratch. The planner sits above residency: its plan (from the routing op of L, R->mu held, one-token
+// ubatches: L's maps' predictions queued as prefetches, through pyspecter_native_prefetch) is registered with its
+// first map, and residency calls it through that pointer, never by name.
 void pyspecter_ahead_probs(const pyspecter_ahead_map & m, const float * x, float * y, float * probs);
-void pyspecter_plan_ahead(llama_pyspecter_layer * L, const float * x, int32_t n_embd);
+using pyspecter_plan_fn = void (*)(llama_pyspecter_layer * L, const float * x, int32_t n_embd);
+void pyspecter_set_native_plan(llama_pyspecter_slots * s, pyspecter_plan_fn plan); // R->mu held
 // residency.cpp's side of the planner (R->mu held). room: some slot of D could take a prefetch and some expert of
 // D is neither resident nor on its way. in_time: the readers can land one more expert of D within h layer-times.
 // prefetch: read e into D if a slot holds nothing at least as likely to be needed (probs: D's predicted
@@ -372,7 +376,6 @@ bool pyspecter_native_room(const llama_pyspecter_layer * D);
 bool pyspecter_native_in_time(llama_pyspecter_layer * D, int32_t h);
 bool pyspecter_native_prefetch(llama_pyspecter_layer * D, int32_t e, float p, int32_t h, const float * probs);
 float pyspecter_native_min_prob(const llama_pyspecter_slots * s); // < 0: the planner is off
-void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept;
 bool pyspecter_native_late(const llama_pyspecter_slots * s); // ordered misses: graphs get the late path
 bool pyspecter_native_io_uring(const llama_pyspecter_slots * s); // file reads go through io_uring
 void pyspecter_native_wait(llama_pyspecter_layer * L);       // the wait op: L's late reads have landed on return

@@ -1,5 +1,6 @@
-// Native residency's private state (residency.cpp, io.cpp, policy.cpp; nothing else includes this): the reads
-// and their queue, and pyspecter_residency, the state a model's native residency owns.
+// Native residency's private state (residency.cpp, io.cpp, policy.cpp, and replay.cpp's private slot table;
+// nothing else includes this): the reads and their queue, and pyspecter_residency, the state a model's native
+// residency owns.
 //
 // Threads: the routing op (llama.cpp's compute thread) and the API calls hold `mu` while they touch the slot
 // tables; reader threads never touch the tables, only the queue (`qmu`) and their read's atomics. Lock order:
@@ -90,7 +91,9 @@ struct pyspecter_residency {
     std::vector<std::pair<int32_t, int32_t>> loads; // (expert, slot)
     std::vector<pyspecter_read *> landing, reads, freeing;
 
-    // the planner (planner.cpp): on/off, its least probability, and the layer-time its deadlines are counted in
+    // the planner (planner.cpp): its plan (registered with its first map), on/off, its least probability, and the
+    // layer-time its deadlines are counted in
+    pyspecter_plan_fn plan = nullptr;
     bool planner = false;
     float min_prob = 0.5f;
     float max_stall = 0.5f;
@@ -144,5 +147,6 @@ int32_t victim(pyspecter_residency * R, llama_pyspecter_layer * L, const std::ve
                const std::vector<uint8_t> * taken, bool need);
 void recency_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed);
 int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed);
-void duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & needed,
-                  bool count);
+// (the misses of the duel's two simulated caches on this call: LRU, scores)
+std::pair<int32_t, int32_t> duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L,
+                                         const std::vector<int32_t> & needed, bool count);

@@ -430,8 +430,8 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     // takes it from the misses the compute thread waits for (on smol-moe's disk tier at 50% prefetching raised
     // the stall; tokens there are 70-78% stalled on reads).
     const bool link_bound = R->t_layer_ns > 0.0 && R->stall_ns > R->max_stall * R->t_layer_ns;
-    if (n_tokens == 1 && R->planner && moves && !L->ahead.empty() && !link_bound) {
-        pyspecter_plan_ahead(L, x, n_embd);
+    if (n_tokens == 1 && R->planner && R->plan && moves && !L->ahead.empty() && !link_bound) {
+        R->plan(L, x, n_embd);
     }
 }
 
@@ -490,6 +490,12 @@ bool pyspecter_native_prefetch(llama_pyspecter_layer * D, int32_t e, float p, in
     return true;
 }
 
+void pyspecter_set_native_plan(llama_pyspecter_slots * s, pyspecter_plan_fn plan) {
+    if (s && s->res) {
+        s->res->plan = plan;
+    }
+}
+
 float pyspecter_native_min_prob(const llama_pyspecter_slots * s) {
     return s && s->res && s->res->planner ? s->res->min_prob : -1.0f;
 }
@@ -506,8 +512,8 @@ bool pyspecter_native_wants_input(const llama_pyspecter_slots * s) {
     return false;
 }
 
-void llama_pyspecter_slots::residency_deleter::operator()(pyspecter_residency * r) const noexcept {
-    delete r;
+static void free_residency(pyspecter_residency * r) noexcept {
+    delete r; // stops the readers first (~pyspecter_residency)
 }
 
 bool pyspecter_native_late(const llama_pyspecter_slots * s) {
@@ -572,12 +578,6 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
     L->late_settled.store(settled, std::memory_order_release);
 }
 
-void pyspecter_native_stop(llama_pyspecter_slots * s) noexcept {
-    if (s && s->res) {
-        s->res->stop();
-    }
-}
-
 //
 // API
 //
@@ -596,7 +596,8 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         return LLAMA_PYSPECTER_ERR_ARG;
     }
     return pyspecter_guarded(__func__, [&]() -> int32_t {
-        std::unique_ptr<pyspecter_residency, llama_pyspecter_slots::residency_deleter> R(new pyspecter_residency());
+        std::unique_ptr<pyspecter_residency, llama_pyspecter_slots::residency_free> R(new pyspecter_residency(),
+                                                                                free_residency);
         R->s = s;
         R->p = *params;
         size_t biggest = 0;

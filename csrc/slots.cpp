@@ -14,7 +14,7 @@
 #include <string>
 
 llama_pyspecter_slots::~llama_pyspecter_slots() {
-    pyspecter_native_stop(this); // before any buffer goes: queued or running copies write into them
+    res.reset(); // before any buffer goes: its readers' queued or running copies write into them
     uploads.stop();
     streams.clear(); // every batch has been awaited: nothing is in flight on them
     for (auto * b : bufs) {
@@ -48,6 +48,54 @@ bool pyspecter_is_repacked(const ggml_tensor * t) {
     }
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
     return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+}
+
+//
+// upload streams: one per device, made with its first slots (uploads.cpp issues the copies on them)
+//
+
+pyspecter_upload_stream::~pyspecter_upload_stream() {
+    if (event) {
+        ggml_backend_event_free(event);
+    }
+    if (after_compute) {
+        ggml_backend_event_free(after_compute);
+    }
+    if (backend) {
+        ggml_backend_free(backend);
+    }
+}
+
+pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s, ggml_backend_dev_t dev) {
+    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+        return nullptr;
+    }
+    for (auto & st : s->streams) {
+        if (st->dev == dev) {
+            return st.get();
+        }
+    }
+    const char * sync = std::getenv("SPECTER_SYNC_UPLOADS");
+    if (sync && *sync && std::string(sync) != "0") {
+        return nullptr;
+    }
+    ggml_backend_dev_props props;
+    ggml_backend_dev_get_props(dev, &props);
+    if (!props.caps.async || !props.caps.events) {
+        return nullptr; // checked at run time: a device without them keeps synchronous copies
+    }
+    auto st = std::make_unique<pyspecter_upload_stream>();
+    st->dev     = dev;
+    st->backend = ggml_backend_dev_init(dev, nullptr);
+    st->event   = st->backend ? ggml_backend_event_new(dev) : nullptr;
+    st->after_compute = st->event ? ggml_backend_event_new(dev) : nullptr;
+    if (!st->backend || !st->event || !st->after_compute) {
+        LLAMA_LOG_WARN("pyspecter: %s: no upload stream of its own, uploads stay synchronous\n",
+                ggml_backend_dev_name(dev));
+        return nullptr; // st frees what it got
+    }
+    s->streams.push_back(std::move(st));
+    return s->streams.back().get();
 }
 
 // The per-expert tensors of layer il the expert FFN reads beside the matmul weights (biases, scales).

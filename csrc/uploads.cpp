@@ -135,64 +135,8 @@ int32_t llama_pyspecter_uploads::wait(int64_t ticket) {
 // copies
 //
 
-void pyspecter_log_exception(const char * where, const char * what) noexcept {
-    try {
-        LLAMA_LOG_ERROR("pyspecter: %s: %s\n", where, what);
-    } catch (...) {
-        // logging is best effort; the status code carries the failure
-    }
-}
-
-//
-// upload streams
-//
-
-pyspecter_upload_stream::~pyspecter_upload_stream() {
-    if (event) {
-        ggml_backend_event_free(event);
-    }
-    if (after_compute) {
-        ggml_backend_event_free(after_compute);
-    }
-    if (backend) {
-        ggml_backend_free(backend);
-    }
-}
-
-pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s, ggml_backend_dev_t dev) {
-    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
-        return nullptr;
-    }
-    for (auto & st : s->streams) {
-        if (st->dev == dev) {
-            return st.get();
-        }
-    }
-    const char * sync = std::getenv("SPECTER_SYNC_UPLOADS");
-    if (sync && *sync && std::string(sync) != "0") {
-        return nullptr;
-    }
-    ggml_backend_dev_props props;
-    ggml_backend_dev_get_props(dev, &props);
-    if (!props.caps.async || !props.caps.events) {
-        return nullptr; // checked at run time: a device without them keeps synchronous copies
-    }
-    auto st = std::make_unique<pyspecter_upload_stream>();
-    st->dev     = dev;
-    st->backend = ggml_backend_dev_init(dev, nullptr);
-    st->event   = st->backend ? ggml_backend_event_new(dev) : nullptr;
-    st->after_compute = st->event ? ggml_backend_event_new(dev) : nullptr;
-    if (!st->backend || !st->event || !st->after_compute) {
-        LLAMA_LOG_WARN("pyspecter: %s: no upload stream of its own, uploads stay synchronous\n",
-                ggml_backend_dev_name(dev));
-        return nullptr; // st frees what it got
-    }
-    s->streams.push_back(std::move(st));
-    return s->streams.back().get();
-}
-
 // The copies of one upload into a layer's slots. On the layer's upload stream they are issued asynchronously and
-// finish() records one event after them and waits for it: only then has the upload landed (the caller maps the slot
+// land() records one event after them and waits for it: only then has the upload landed (the caller maps the slot
 // after that, and its source may be reused). Without a stream each copy is synchronous. The emulated link is
 // charged for the batch's bytes either way.
 class upload_batch {
@@ -235,7 +179,7 @@ public:
         bytes += n;
     }
 
-    void finish() {
+    void land() {
         if (st && bytes) {
             ggml_backend_event_record(st->event, st->backend);
             ggml_backend_event_synchronize(st->event);
@@ -284,7 +228,7 @@ private:
 static int32_t write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {
     upload_batch b(L);
     b.copy(L->slot[kind], slot, src, nbytes);
-    b.finish();
+    b.land();
     return LLAMA_PYSPECTER_OK;
 }
 
@@ -300,7 +244,7 @@ int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t sl
         if (h->buffer && ggml_backend_buffer_is_host(h->buffer)) {
             b.copy(L->slot[k], slot, (const char *) h->data + (size_t) expert * n, n);
         } else if (pyspecter_is_repacked(h)) {
-            b.finish(); // what was issued lands before the error is reported
+            b.land(); // what was issued lands before the error is reported
             return LLAMA_PYSPECTER_ERR_REPACKED; // can't be read back (get_tensor is null); refused at init already
         } else {
             readback.emplace_back(n); // device-resident host copy: read it back
@@ -308,7 +252,7 @@ int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t sl
             b.copy(L->slot[k], slot, readback.back().data(), n);
         }
     }
-    b.finish();
+    b.land();
     return LLAMA_PYSPECTER_OK;
 }
 
@@ -382,7 +326,7 @@ int32_t pyspecter_land_range(llama_pyspecter_layer * L, int32_t kind, int32_t sl
     }
     upload_batch b(L);
     b.copy(L->slot[kind], slot, (const char *) buf + (offset + lo - start), (size_t) (hi - lo), (size_t) lo);
-    b.finish();
+    b.land();
     return LLAMA_PYSPECTER_OK;
 }
 

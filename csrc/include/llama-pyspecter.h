@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 23
+#define LLAMA_PYSPECTER_VERSION 24
 
 #ifdef __cplusplus
 extern "C" {
@@ -289,6 +289,49 @@ LLAMA_API int32_t llama_pyspecter_set_planner(struct llama_model * model, bool e
 // computes (tests compare it with the Python predictor). 0, or a negative status (no such map).
 LLAMA_API int32_t llama_pyspecter_ahead_probs(struct llama_model * model, int32_t il_src, int32_t il_dst,
                                               const float * x, int32_t n_embd, float * out, int32_t n_expert);
+// A replay: a routing trace run through native residency's own eviction code (victim, the policies' ranks, the
+// duel, the held slots' ghost) on a private slot table of its own, with no model: what study/ judges policies
+// by. Reads land at once: a miss is read into its slot within its call, a prompt's read-ahead (lookahead) by its
+// layer's next call, so the replay reads what the routing op reads wherever that does not depend on timing
+// (misses waited for, RAM tier). Layers are replayed in the order of their index.
+struct llama_pyspecter_replay;
+struct llama_pyspecter_replay_params {
+    int32_t n_layer;                // layers [0, n_layer)
+    int32_t n_expert;
+    const int32_t * slots;          // [n_layer]: usable slots of each layer; 0: not replayed (a dense layer)
+    const int64_t * expert_bytes;   // [n_layer]: bytes of one expert of each layer (stats.bytes), or null
+    int32_t policy;                 // llama_pyspecter_policy
+    bool    lookahead;              // a multi-token call reads the next layer's most used experts ahead
+    int32_t held;                   // > 0: set_held's slots and ghost LRU over slots + held in every layer
+    bool    duel, start_learned;    // set_duel's; a call's scores (replay_call) are its layer's reuse scores
+    float   decay, margin;
+};
+struct llama_pyspecter_replay_stats {
+    int64_t calls;                  // counted routing calls (replay_call's `counted`); the rest count only below
+    int64_t needed;                 // distinct experts they needed
+    int64_t hits;                   // ... resident when needed
+    int64_t misses;                 // ... not resident
+    int64_t reads;                  // ... read into a slot (a miss that finds none is computed on the host)
+    int64_t evictions;              // ... of which evicted another expert
+    int64_t bytes;                  // reads times the layer's expert_bytes
+    int64_t lookahead;              // experts read ahead by multi-token calls (every call)
+    int64_t held_ghost_misses;      // the held slots' ghost LRU's misses (every call, as stats.ghost_misses)
+    int64_t ghost_lru_misses;       // the duel's simulated caches' misses, counted calls: LRU ...
+    int64_t ghost_score_misses;     // ... and the scores
+    int32_t use_scores;             // 1 while the duel evicts by the scores
+    int64_t switches;               // the duel's switches
+};
+// null on a bad argument or out of memory; free with replay_free
+LLAMA_API struct llama_pyspecter_replay * llama_pyspecter_replay_init(const struct llama_pyspecter_replay_params * p);
+LLAMA_API void    llama_pyspecter_replay_free(struct llama_pyspecter_replay * r);
+// One routing call of layer il: ids [n_tokens][n_used] (negative: none); scores: [n_expert], the call's eviction
+// scores (the SCORE policy and the duel read them; null: none this call, as with no router input); counted: a
+// decode call (a prompt's batch moves the table and the simulated caches but counts only its lookahead)
+LLAMA_API int32_t llama_pyspecter_replay_call(struct llama_pyspecter_replay * r, int32_t il, const int32_t * ids,
+                                              int32_t n_tokens, int32_t n_used, const float * scores, bool counted);
+// layer il's counts, or (il = -1) every layer's summed
+LLAMA_API int32_t llama_pyspecter_replay_get_stats(const struct llama_pyspecter_replay * r, int32_t il,
+                                                   struct llama_pyspecter_replay_stats * out);
 // wait for every read in flight and map what landed (between decodes)
 LLAMA_API int32_t llama_pyspecter_drain(struct llama_model * model);
 // The routing trace (record): flat int32 [il, n, e_1 .. e_n] per routing call, the distinct experts ascending.

@@ -15,7 +15,7 @@ import numpy as np
 
 from pyspecter.learned import Recency
 from pyspecter.models.ridge import Ridge
-from pyspecter.policies import Scores
+from pyspecter.native import Replay
 
 # Tokens ahead whose use keeps an expert, and how much a later use counts: the target of expert e is
 # decay^(h-1) for its soonest use h within the horizon (0 if none), so the score orders experts by how soon they
@@ -99,43 +99,19 @@ def _fit_blend(scores: np.ndarray, recency: np.ndarray, Y: np.ndarray) -> np.nda
     return np.linalg.solve(A.T @ A + 1e-3 * np.eye(6), A.T @ Y.reshape(-1))
 
 
-# --- the engine's eviction step and the LRU stack, simulated in bookkeeping ------------------------------------
-
-def ghost_step(resident: dict[int, int], needed, capacity: int, clock: int, scores: Scores | None) -> int:
-    """One routing call of a cache simulated in bookkeeping (expert -> last use): its misses. Victims: the least
-    recently used, or (``scores``) the lowest score, LRU among equals; what does not fit stays out (the host
-    path), as in the real cache."""
-    misses = 0
-    for e in needed:
-        if e in resident:
-            continue
-        misses += 1
-        if len(resident) >= capacity:
-            cands = [v for v in resident if v not in needed]
-            if not cands:
-                continue
-            if scores is None:
-                victim = min(cands, key=resident.__getitem__)
-            else:
-                victim = min(cands, key=lambda v: (scores[v], resident[v]))
-            del resident[victim]
-        resident[e] = clock
-    for e in needed:
-        if e in resident:
-            resident[e] = clock
-    return misses
-
+# --- the engine's eviction step (C's own, replayed) and the LRU stack ------------------------------------
 
 def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = None) -> int:
     """Misses of one layer's cache of ``slots`` over routing ids [n, k]: LRU, or (scores [n, E], each row's
-    prediction made at that row) evicting the resident expert with the lowest predicted reuse, LRU among equals
-    (the engine's own bookkeeping step, ``ghost_step``)."""
-    resident: dict[int, int] = {}  # expert -> last use
-    misses = 0
-    for t, row in enumerate(ids):
-        need = {int(e) for e in row if e >= 0}
-        misses += ghost_step(resident, need, slots, t, None if scores is None else scores[t])
-    return misses
+    prediction made at that row) evicting the resident expert with the lowest predicted reuse, LRU among equals;
+    what does not fit stays out. The engine's own bookkeeping step (C's duel), run by C (csrc/replay.cpp)."""
+    ids = np.asarray(ids)
+    n_expert = int(max(ids.max(initial=-1) + 1, 0 if scores is None else np.shape(scores)[1], 1))
+    with Replay({0: slots}, n_expert, lookahead=False, duel=True) as r:
+        for t, row in enumerate(ids):
+            r.call(0, row, None if scores is None else scores[t])
+        st = r.stats()
+    return st["ghost_lru_misses" if scores is None else "ghost_score_misses"]
 
 
 def lru_stack_positions(steps: np.ndarray) -> np.ndarray:

@@ -35,6 +35,7 @@ from pyspecter.native.lib import (
 )
 from pyspecter.native.logs import graph_splits, quiet_logs, recent_log_errors
 from pyspecter.native.model import Context, Model
+from pyspecter.native.replay_api import Replay
 from pyspecter.native.stats_api import HIST_NS, layer_cpu_hist
 
 __all__ = [
@@ -45,5 +46,5 @@ __all__ = [
     "batch_invariant", "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "recent_log_errors",
     "slots", "status_name",
-    "HIST_NS", "layer_cpu_hist",
+    "HIST_NS", "layer_cpu_hist", "Replay",
 ]

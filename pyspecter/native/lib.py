@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 23
+PATCH_SERIES_VERSION = 24
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -485,7 +485,7 @@ def llama_pyspecter_set_reuse_map(model: ModelPtr, il: int, R: int, rb: int, n_e
                  _i32)
 def llama_pyspecter_set_duel(model: ModelPtr, enabled: bool, start_learned: bool, decay: float, margin: float,
                              /) -> int:
-    """Set dueling between LRU and the reuse scores (the rule of study.simulate.EvictionDuel, its reference)."""
+    """Set dueling between LRU and the reuse scores (study.simulate.EvictionDuel replays the same rule offline)."""
 
 
 @ctypes_function("llama_pyspecter_duel_state", [_model, ctypes.POINTER(_i64)], _i32)

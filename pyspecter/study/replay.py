@@ -1,10 +1,10 @@
-"""Replays of native residency's slot decisions (csrc/residency.cpp) on every routing call of a bench run, prompt
-batches included, so that an eviction or admission rule can be judged offline in the bench's own figure: bytes
-read per decoded token.
+"""Replays of native residency's slot decisions on every routing call of a bench run, prompt batches included, so
+that an eviction rule can be judged offline in the bench's own figure: bytes read per decoded token.
 
 ``simulate.py`` simulates one layer's decode stream; the bench's caches also live through each prompt's batch,
 which needs most experts of every layer, fills the slots in expert order (what does not fit is computed on the
-host) and reads the next layer's most used experts ahead. ``replay`` follows those rules: per layer, each call's
+host) and reads the next layer's most used experts ahead. ``replay`` runs those calls through C's own decision
+code on a private slot table (``native.Replay``, csrc/replay.cpp over csrc/policy.cpp): per layer, each call's
 needed experts in ascending order take a free slot, else the lowest-ranked resident one not needed by the call; a
 batch's call first reads ahead the next layer's experts by how often they were needed so far. Reads land at once:
 which slot an expert takes does not depend on when its read lands, except where a read still in flight at a
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter.layout import read_layout
-from pyspecter.native import Context, Model
+from pyspecter.native import Context, Model, Replay
 from pyspecter.native.hooks import Hooks
 
 
@@ -76,99 +76,16 @@ def record_calls(path: str | Path, prompts: Sequence[Sequence[int]], n: int, *, 
     return calls, tokens
 
 
-# (layer state, slot, expert, clock) -> eviction key, lower evicted first
-Rank = Callable[["ReplayLayer", int, int, int], tuple]
-RANKS: dict[str, Rank] = {
-    "lru": lambda L, s, e, clock: (L.last_use[s],),
-    "lfu": lambda L, s, e, clock: (L.freq[e], L.last_use[s]),
-    "prev-token": lambda L, s, e, clock: (L.last_use[s] >= L.prev_call, L.loaded[s]),
-}
-
-
-class ReplayLayer:
-    """One layer's slot table as C keeps it."""
-
-    def __init__(self, il: int, n_slots: int, n_expert: int) -> None:
-        self.il = il
-        self.owner = [-1] * n_slots  # slot -> expert
-        self.where = [-1] * n_expert  # expert -> slot
-        self.last_use = [0] * n_slots
-        self.loaded = [0] * n_slots
-        self.freq = [0] * n_expert
-        self.prev_call = self.last_call = 0
-        self.scores: np.ndarray | None = None  # this call's, for a score rank
-
-    def victim(self, rank: Rank, keep: set[int], skip: set[int], clock: int) -> int:
-        """A free slot, else the lowest-ranked resident not in ``keep``, slots in ``skip`` aside; -1: none."""
-        best, best_key = -1, None
-        for s, e in enumerate(self.owner):
-            if s in skip:
-                continue
-            if e < 0:
-                return s
-            if e in keep:
-                continue
-            key = rank(self, s, e, clock)
-            if best < 0 or key < best_key:
-                best, best_key = s, key
-        return best
-
-    def put(self, e: int, s: int, clock: int) -> None:
-        if self.owner[s] >= 0:
-            self.where[self.owner[s]] = -1
-        self.owner[s], self.where[e] = e, s
-        self.last_use[s] = self.loaded[s] = clock
-
-
-def replay(calls: Sequence[Call], slots: dict[int, int], n_expert: int, policy: str | Rank = "lru", *,
-           lookahead: bool = True, scores: Callable[[ReplayLayer, Call], np.ndarray] | None = None) -> int:
+def replay(calls: Sequence[Call], slots: dict[int, int], n_expert: int, policy: str = "lru", *,
+           lookahead: bool = True, scores: Callable[[Call], np.ndarray] | None = None) -> int:
     """Experts read into slots by decode calls over ``calls``, with ``slots`` (layer -> count) and an eviction
-    rank (a name of ``RANKS`` or a function); ``scores(layer, call)``: the call's per-expert scores, set before
-    its decisions (``ReplayLayer.scores``, for a rank that reads them); ``lookahead``: a batch reads ahead."""
-    rank = RANKS[policy] if isinstance(policy, str) else policy
-    layers = {il: ReplayLayer(il, n, n_expert) for il, n in slots.items()}
-    order = sorted(layers)
-    following = dict(zip(order, order[1:], strict=False))
-    landing: dict[int, list[int]] = {}  # layer -> slots its read-ahead filled, mapped at its next call
-    clock = reads = 0
-    for c in calls:
-        L = layers[c.il]
-        clock += 1
-        L.prev_call, L.last_call = L.last_call, clock
-        needed = sorted({int(e) for e in c.ids.ravel() if 0 <= e < n_expert})
-        for e in needed:
-            L.freq[e] += 1
-        if scores is not None:
-            L.scores = scores(L, c)
-        for s in landing.pop(c.il, []):
-            L.last_use[s] = L.loaded[s] = clock
-        missing = []
-        for e in needed:
-            if L.where[e] >= 0:
-                L.last_use[L.where[e]] = clock
-            else:
-                missing.append(e)
-        if len(c.ids) > 1 and lookahead and c.il in following:
-            N = layers[following[c.il]]
-            want = sorted(range(n_expert), key=lambda e: -N.freq[e])[:len(needed)]  # stable: ties by id
-            filling = landing.setdefault(N.il, [])
-            for e in want:
-                if N.where[e] >= 0:
-                    continue
-                s = N.victim(rank, set(want), set(filling), clock)
-                if s < 0:
-                    break
-                N.put(e, s, clock)
-                filling.append(s)
-        taken: set[int] = set()
-        for e in missing:
-            s = L.victim(rank, set(needed), taken, clock)
-            if s < 0:
-                continue  # more experts than slots: the host computes the rest
-            L.put(e, s, clock)
-            taken.add(s)
-            reads += c.step >= 0
-    return reads
+    policy of C's (``native.NATIVE_POLICIES``: 'lru', 'lfu', 'prev-token', 'score'); ``scores(call)``: the
+    call's per-expert scores (policy 'score' evicts the lowest, recency breaking ties); ``lookahead``: a batch
+    reads ahead."""
+    with Replay(slots, n_expert, policy, lookahead=lookahead) as r:
+        for c in calls:
+            r.call(c.il, c.ids, None if scores is None else scores(c), counted=c.step >= 0)
+        return r.stats()["reads"]
 
 
 def bench_slots(path: str | Path, budget_bytes: int) -> dict[int, int]:

@@ -1,6 +1,6 @@
 """The reference cache simulator: what an expert cache of some size would miss on a routing stream, under LRU,
 LFU, Belady's MIN, eviction by predicted-reuse scores, or knowing the next k tokens exactly. Every study
-(``analyze``, ``predictor_fit``, ``bench``) and every test that needs such a figure computes it here.
+(``analyze``, ``reuse_fit``, ``bench``) and every test that needs such a figure computes it here.
 
 A stream is one MoE layer's routing calls in order, ``steps`` [T, U]: each step the experts needed at once (-1:
 none). A step's experts must all be resident together, so a miss never evicts an expert the same step needs.
@@ -8,29 +8,29 @@ A multi-layer routing trace ``[(layer, experts)]`` (what ``ExpertCache(record=Tr
 stream per layer by ``per_layer``; each layer's cache is simulated on its own, with optional extra slots per
 layer (a budget spread by layer).
 
-Two families of LRU, because they answer different questions:
-- set-LRU (``lru_stack_positions``, ``simulate_cache(..., "lru")``): every step's experts are made resident,
-  the router's first choice counting as the most recent; one stack pass gives every slot count at once;
-- the engine's bookkeeping step (``eviction_misses``, ``ghost_step``): what does not fit stays out (the host
-  computes it), and the victim is the least recently used or the lowest-scored. This is the step the duel between
-  LRU and the learned scores runs (in C, csrc/residency.cpp; ``EvictionDuel`` is its reference here), so the fit
-  judges its maps by the rule that uses them.
+Two families of caches, because they answer different questions:
+- set caches (``lru_stack_positions``, ``simulate_cache``): every step's experts are made resident, the router's
+  first choice counting as the most recent; for LRU one stack pass gives every slot count at once, and Belady's
+  MIN, which no runtime can run, is the bound;
+- the engine's own rules, where a figure must agree with the runtime: what does not fit stays out (the host
+  computes it), and the victim is the least recently used or the lowest-scored. These are not written again here:
+  ``eviction_misses`` and ``EvictionDuel`` replay C's code (csrc/policy.cpp, through ``native.Replay``), so the fit
+  judges its maps by the rule that uses them. (study/replay.py replays the whole slot table the same way.)
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-# the set-LRU stack and the engine's eviction step: the predictor fit (a model builder's work, which imports no
-# study code) judges its maps by them, so they live beside it; here they are the same functions, re-exported
+# the LRU stack and the engine's eviction step: the predictor fit (a model builder's work, which imports no study
+# code) judges its maps by them, so they live beside it; here they are the same functions, re-exported
 from pyspecter.models.reuse_fit import eviction_misses as eviction_misses
-from pyspecter.models.reuse_fit import ghost_step
 from pyspecter.models.reuse_fit import lru_miss_curve as lru_miss_curve
 from pyspecter.models.reuse_fit import lru_stack_positions as lru_stack_positions
+from pyspecter.native import Replay
 from pyspecter.policies import Scores
 
 Trace = Sequence[tuple[int, Sequence[int]]]  # [(layer, experts needed at one routing call)]
@@ -49,10 +49,13 @@ POLICIES = ("lru", "lfu", "belady")
 
 def simulate_cache(steps, slots: int, policy: str) -> int:
     """Hits of a cache of ``slots`` on a stream of expert sets [T, U] (one layer), starting empty, every step's
-    experts made resident: 'lru' (set-LRU, the same cache as ``lru_stack_positions``), 'lfu' (counts kept across
-    evictions, ties by recency) or 'belady' (MIN: evict the resident expert used farthest in the future)."""
+    experts made resident: 'lru' (set-LRU: ``lru_stack_positions``), 'lfu' (counts kept across evictions, ties by
+    recency) or 'belady' (MIN: evict the resident expert used farthest in the future)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+    if policy == "lru":
+        pos = lru_stack_positions(np.asarray(steps).reshape(len(steps), -1))
+        return int(((pos >= 0) & (pos < slots)).sum())
     T = len(steps)
     resident: set[int] = set()
     hits = 0
@@ -67,12 +70,6 @@ def simulate_cache(steps, slots: int, policy: str) -> int:
         def key(e: int) -> float:
             o, p = occ[e], ptr[e]
             return o[p] if p < len(o) else math.inf
-    elif policy == "lru":
-        recent: dict[int, tuple[int, int]] = {}
-
-        def key(e: int) -> tuple[int, int]:  # victim: the oldest step, and in it the router's last choice
-            s, u = recent[e]
-            return -s, u
     else:
         freq: dict[int, int] = {}
         last: dict[int, int] = {}
@@ -92,11 +89,7 @@ def simulate_cache(steps, slots: int, policy: str) -> int:
                 victims = resident - need
                 resident.remove(max(victims, key=key) if victims else next(iter(resident)))
             resident.add(e)
-        if policy == "lru":
-            for u, e in enumerate(row):
-                if e >= 0:
-                    recent[int(e)] = (s, u)
-        elif policy == "lfu":
+        if policy == "lfu":
             for e in need:
                 freq[e] = freq.get(e, 0) + 1
                 last[e] = s
@@ -104,55 +97,45 @@ def simulate_cache(steps, slots: int, policy: str) -> int:
 
 
 class EvictionDuel:
-    """The reference of the duel C runs (csrc/residency.cpp, ``duel_observe``): set dueling, as CPU caches choose
-    between replacement policies. Every MoE layer's cache is simulated in bookkeeping twice, under LRU and under
-    eviction by the learned reuse scores, with the layer's own slot count, and the real cache evicts by whichever
-    missed less lately (decayed counts of one-token calls, with a margin so that a near-tie does not flip it).
-    Counts of misses on the same routing are not noisy the way timings are, and nothing is explored on the real
-    cache: it starts with LRU, the safe choice (or with the scores, for a predictor whose fit already weighed them
-    against recency), and moves to the learned scores only once they have missed less (on smol-moe, a cold start
-    favours LRU for a prompt or so, and steady decoding favours the scores by 13% fewer reads)."""
+    """The duel C runs (csrc/policy.cpp, ``duel_observe``), replayed by C's own code (``native.Replay``): set
+    dueling, as CPU caches choose between replacement policies. Every MoE layer's cache is simulated in
+    bookkeeping twice, under LRU and under eviction by the learned reuse scores, with the layer's own slot count,
+    and the real cache evicts by whichever missed less lately (decayed counts of one-token calls, with a margin so
+    that a near-tie does not flip it). Counts of misses on the same routing are not noisy the way timings are, and
+    nothing is explored on the real cache: it starts with LRU, the safe choice (or with the scores, for a predictor
+    whose fit already weighed them against recency), and moves to the learned scores only once they have missed
+    less (on smol-moe, a cold start favours LRU for a prompt or so, and steady decoding favours the scores by 13%
+    fewer reads)."""
 
-    def __init__(self, slots: dict[int, int], *, decay: float = 0.998, margin: float = 0.03,
+    def __init__(self, slots: dict[int, int], n_expert: int, *, decay: float = 0.998, margin: float = 0.03,
                  start_learned: bool = False) -> None:
         """slots: layer -> its slot count; start_learned: evict by the scores until they miss more than LRU
         (scores whose fit already weighed them against recency on held-out text, ``learned.Recency``: a cold start
         under LRU only costs reads)."""
         self.slots = dict(slots)
-        self._lru: dict[int, dict[int, int]] = {il: {} for il in slots}
-        self._learned: dict[int, dict[int, int]] = {il: {} for il in slots}
-        self.decay, self.margin = decay, margin
-        self.clock = 0
-        self.recent = [0.0, 0.0]  # decayed misses: LRU, learned
-        self.totals = [0, 0]  # misses since the start: LRU, learned
-        self.use_learned = self.trust_learned = start_learned
-        self.switches = 0
+        self._replay = Replay(slots, n_expert, lookahead=False, duel=True, start_learned=start_learned, decay=decay,
+                              margin=margin)
 
     def observe(self, il: int, needed, scores: Scores | None, *, count: bool = True) -> None:
         """Layer il's routing call needed ``needed``; ``scores``: the reuse scores it would have evicted by (None:
         none were computed, the learned simulation falls back to LRU for this call). ``count``: a one-token call
         (a prompt's batch moves both simulations but is not what decode speed depends on)."""
-        if il not in self.slots:
-            return
-        self.clock += 1
-        cap = self.slots[il]
-        a = ghost_step(self._lru[il], needed, cap, self.clock, None)
-        b = ghost_step(self._learned[il], needed, cap, self.clock, scores)
-        if not count:
-            return
-        d = self.decay
-        self.recent = [self.recent[0] * d + a, self.recent[1] * d + b]
-        self.totals[0] += a
-        self.totals[1] += b
-        lru, learned = self.recent
-        m = self.margin  # the trusted side keeps a near-tie
-        if self.trust_learned:
-            use = lru >= (1 - m) * learned if self.use_learned else learned <= lru
-        else:
-            use = learned < (1 - m) * lru if not self.use_learned else learned <= lru
-        if use != self.use_learned:
-            self.use_learned = use
-            self.switches += 1
+        if il in self.slots:
+            self._replay.call(il, list(needed) or [-1], None if scores is None else list(scores), counted=count)
+
+    @property
+    def use_learned(self) -> bool:
+        return bool(self._replay.stats()["use_scores"])
+
+    @property
+    def switches(self) -> int:
+        return self._replay.stats()["switches"]
+
+    @property
+    def totals(self) -> list[int]:
+        """Misses since the start of counted calls: LRU, learned."""
+        st = self._replay.stats()
+        return [st["ghost_lru_misses"], st["ghost_score_misses"]]
 
 
 def oracle_scores(ids: np.ndarray, n_expert: int, k: int) -> np.ndarray:
@@ -182,25 +165,3 @@ def belady_misses(trace: Trace, slots: int, extra: Mapping[int, int] | None = No
         total += (sum(len(set(s)) for s in steps) - simulate_cache(steps, n, "belady")
                   - min(n, len({e for s in steps for e in s if e >= 0})))
     return total
-
-
-class GhostLRU:
-    """Plain LRU over ``capacity`` experts in bookkeeping only: the misses it would have had on the same routing.
-    The reference of the held slots' ghost, which C runs per layer over all of a layer's regular slots, held ones
-    included, to estimate what dropping the draft (whose memory the held slots are) would buy (csrc/residency.cpp,
-    ``held_ghost_observe``): needed experts in the order given (ascending, as C serves them)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._held: OrderedDict[int, None] = OrderedDict()  # oldest first
-
-    def observe(self, needed: Iterable[int]) -> int:
-        """One ubatch's experts; returns how many of them LRU would have missed."""
-        needed = list(needed)
-        misses = sum(1 for e in needed if e not in self._held)
-        for e in needed:
-            self._held[e] = None
-            self._held.move_to_end(e)
-        while len(self._held) > self.capacity:
-            self._held.popitem(last=False)
-        return misses

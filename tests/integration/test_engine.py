@@ -15,8 +15,8 @@ from pyspecter.governor import KGovernor
 from pyspecter.layout import read_layout
 from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
+from pyspecter.native import Replay
 from pyspecter.predict import DraftRouting
-from pyspecter.study.simulate import GhostLRU
 
 
 @pytest.fixture(scope="session")
@@ -127,8 +127,8 @@ def test_engine_exact_with_ordered_waits_on_disk(name: str, tiny_drafts: dict[tu
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3moe"])
 def test_ghost_lru_counts_what_plain_lru_would_miss_with_the_held_slots(name: str) -> None:
     """The estimate behind dropping a draft: with held slots, C also runs plain LRU over all of a layer's slots
-    in bookkeeping. Its misses, layer by layer, must be the reference GhostLRU's on the same routing trace (the
-    prompt's ubatch included, whose distinct experts may outnumber the ghost)."""
+    in bookkeeping. Its misses, layer by layer, must be the replay's (the same C ghost on a private table) on the
+    same routing trace (the prompt's ubatch included, whose distinct experts may outnumber the ghost)."""
     path = build_tiny(name)
     lay = read_layout(path)
     with native.Model(path) as m:
@@ -142,10 +142,10 @@ def test_ghost_lru_counts_what_plain_lru_would_miss_with_the_held_slots(name: st
         totals, trace, cap = cache.totals, list(cache.trace), cache.n_regular
         per_layer = {il: cache.nat.ghost_misses(il) for il in cache.layer_pos}
         cache.close()
-    ghosts = {il: GhostLRU(cap) for il in per_layer}
-    expect = dict.fromkeys(per_layer, 0)
-    for il, needed in trace:
-        expect[il] += ghosts[il].observe(needed)
+    with Replay(dict.fromkeys(per_layer, cap - 2), lay.n_expert, lookahead=False, held=2) as ghosts:
+        for il, needed in trace:
+            ghosts.call(il, list(needed))
+        expect = {il: ghosts.stats(il)["held_ghost_misses"] for il in per_layer}
     assert per_layer == expect and totals.ghost_misses == sum(expect.values()) > 0
     assert totals.misses >= totals.ghost_misses  # fewer usable slots miss at least as often
 

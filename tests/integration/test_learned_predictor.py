@@ -111,7 +111,8 @@ class _ReuseOnTheHook:
     def __init__(self, cache, pred, *, duel: bool) -> None:
         self.cache, self.pred = cache, pred
         self.recency = {il: Recency(pred.n_expert) for il in cache.layers} if pred.blend is not None else {}
-        self.duel = (EvictionDuel({il: cache.usable(il) for il in cache.layers}, start_learned=pred.blend is not None)
+        self.duel = (EvictionDuel({il: cache.usable(il) for il in cache.layers}, pred.n_expert,
+                                  start_learned=pred.blend is not None)
                      if duel else None)
         self._scores: dict[int, list[float]] = {}
 

@@ -13,7 +13,6 @@ from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
 from pyspecter.policies import LFU, LRU, Predicted, make_policy
 from pyspecter.residency import Residency
 from pyspecter.sampling import Sampler, SamplingParams
-from pyspecter.study.simulate import GhostLRU, lru_stack_positions
 
 
 def test_governor_turns_speculation_off_when_it_does_not_pay() -> None:
@@ -187,19 +186,6 @@ def test_predicted_evicts_the_lowest_score_and_lru_among_equals_or_without_score
     res.set_scores(0, [0.0] * 8)  # all equal: LRU
     assert res.victim(0, protected={7}) == 1
     res.set_scores(5, [1.0] * 8)  # not a MoE layer: nothing to rank
-
-
-def test_ghost_lru_matches_the_reference_lru() -> None:
-    """The held slots' ghost is set-LRU (study/simulate.py) where the last expert of a call counts as the most
-    recent: the reference's stack, fed each call's experts in reverse."""
-    rng = np.random.default_rng(0)
-    ghost, got, calls = GhostLRU(4), 0, []
-    for _ in range(200):
-        needed = sorted({int(x) for x in rng.integers(0, 10, size=2)})
-        got += ghost.observe(needed)
-        calls.append((needed[::-1] + [-1])[:2])
-    pos = lru_stack_positions(np.array(calls))
-    assert got == int(((pos < 0) | (pos >= 4))[np.array(calls) >= 0].sum()) > 0
 
 
 class _Api:

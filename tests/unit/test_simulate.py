@@ -8,7 +8,7 @@ from functools import cache
 import numpy as np
 import pytest
 
-from pyspecter.study.simulate import EvictionDuel, belady_misses, lru_stack_positions, per_layer, simulate_cache
+from pyspecter.study.simulate import belady_misses, lru_stack_positions, per_layer, simulate_cache
 
 
 def _optimal_misses(steps: list[tuple[int, ...]], slots: int) -> int:
@@ -40,12 +40,25 @@ def test_belady_is_optimal_by_exhaustive_search() -> None:
             assert accesses - simulate_cache(steps, slots, p) >= best
 
 
+def _set_lru_hits_by_definition(steps: np.ndarray, slots: int) -> int:
+    """Set-LRU read straight from its definition: before each step the cache holds the ``slots`` experts used most
+    recently (a step's first choice the most recent of its step), found by scanning the history backwards."""
+    hits = 0
+    for t, row in enumerate(steps):
+        recent: list[int] = []
+        for prev in steps[:t][::-1]:
+            recent += [int(e) for e in prev if e >= 0 and int(e) not in recent]
+        hits += sum(int(e) in recent[:slots] for e in row if e >= 0)
+    return hits
+
+
 def test_set_lru_is_the_stack_cache_at_every_size() -> None:
     rng = np.random.default_rng(2)
     steps = np.stack([rng.choice(9, 3, replace=False) for _ in range(150)])
     pos = lru_stack_positions(steps)
     for s in range(3, 10):
         assert int(((pos >= 0) & (pos < s)).sum()) == simulate_cache(steps, s, "lru")
+        assert simulate_cache(steps, s, "lru") == _set_lru_hits_by_definition(steps, s)
     with pytest.raises(ValueError):
         simulate_cache(steps, 3, "fifo")
 
@@ -70,28 +83,3 @@ def test_belady_per_layer_multi_expert_steps_and_extra_slots() -> None:
     assert belady_misses(trace, 2) == 0 + 2
     # two extra slots in layer 1 hold all four of its experts: its loads are first uses, all free
     assert belady_misses(trace, 2, {1: 2}) == 0
-
-
-def _duel_run(duel: EvictionDuel, seed: int, scores_know: bool) -> EvictionDuel:
-    """600 calls of 2 experts in 8, scored by what the next 3 calls use (or by exactly what they do not)."""
-    rng = np.random.default_rng(seed)
-    seq = [sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(600)]
-    for t, needed in enumerate(seq):
-        soon = {e for later in seq[t + 1:t + 4] for e in later}
-        duel.observe(0, needed, [float((e in soon) == scores_know) for e in range(8)])
-    return duel
-
-
-def test_the_duel_evicts_by_the_scores_only_once_they_miss_less_than_lru() -> None:
-    for scores_know in (True, False):
-        assert not EvictionDuel({0: 4}).use_learned  # LRU until the scores have shown they miss less
-        duel = _duel_run(EvictionDuel({0: 4}, decay=0.99), 0, scores_know)
-        lru, learned = duel.totals
-        assert duel.use_learned is scores_know and (learned < lru) is scores_know
-
-
-def test_a_duel_that_trusts_the_scores_starts_on_them_and_still_leaves_bad_ones() -> None:
-    assert EvictionDuel({0: 4}, start_learned=True).use_learned
-    for scores_know in (True, False):
-        duel = _duel_run(EvictionDuel({0: 4}, decay=0.99, start_learned=True), 1, scores_know)
-        assert duel.use_learned is scores_know

@@ -170,6 +170,151 @@ def test_csrc_files_stay_small() -> None:
     assert not stale, f"no longer over the limit (or gone): drop them from LONG_CSRC: {stale}"
 
 
+# csrc/ as a graph of files: A -> B where A includes B, or calls an extern function that B alone defines (a header's
+# inline and template functions are its own calls). The check is textual, as a reviewer reads it: comments and
+# strings out; a definition is a name followed by its parameters and a body at file scope (extern "C" and namespace
+# blocks are not scopes here), not static; a call is a name followed by "(" inside a body, not after ".", "->" or
+# "::" (member functions and std:: are not followed: a call through a pointer or an object is the lower level's
+# registration, which is how a lower file reaches a higher one).
+_C_NAME = re.compile(r"(?<![\w:.>])((?:[A-Za-z_]\w*\s*::\s*)*~?[A-Za-z_]\w*)\s*\(")
+_C_NOT_CALLS = {"if", "for", "while", "switch", "return", "sizeof", "catch", "decltype", "alignof", "static_assert",
+                "operator", "noexcept", "alignas", "throw", "new", "delete", "defined"}
+
+
+def _c_close(src: str, i: int, opening: str, closing: str) -> int:
+    depth = 1
+    while i < len(src) and depth:
+        depth += (src[i] == opening) - (src[i] == closing)
+        i += 1
+    return i
+
+
+def _c_scan(text: str) -> tuple[list[str], set[str], set[str]]:
+    """A C or C++ file's quoted includes, the extern functions it defines, and the plain names it calls."""
+    includes = re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.M)
+    src = re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+                 lambda m: '""' if m.group(0)[0] in "\"'" else "\n" * m.group(0).count("\n"), text, flags=re.S)
+    src = re.sub(r"^[ \t]*#.*$", "", src, flags=re.M)
+    depth, level, scopes = [0] * (len(src) + 1), 0, []
+    for i, ch in enumerate(src):
+        depth[i] = level
+        if ch == "{":
+            plain = bool(re.search(r'(?:extern\s*""|namespace(?:\s+\w+)?)\s*$', src[max(0, i - 60):i]))
+            scopes.append(plain)
+            level += not plain
+        elif ch == "}" and scopes:
+            level -= not scopes.pop()
+    defined, bodies, calls = set(), [], set()
+    for m in _C_NAME.finditer(src):
+        name = re.sub(r"\s+", "", m.group(1))
+        if name.split("::")[-1] in _C_NOT_CALLS:
+            continue
+        end = _c_close(src, m.end(), "(", ")")
+        body = re.match(r"\s*(?:(?:const|noexcept|override|final)\b\s*)*\{", src[end:])
+        if body:
+            start = end + body.end()
+            bodies.append((start, _c_close(src, start, "{", "}")))
+            head = src[max(src.rfind(";", 0, m.start()), src.rfind("}", 0, m.start())) + 1:m.start()]
+            if depth[m.start()] == 0 and "::" not in name and not re.search(r"\bstatic\b", head):
+                defined.add(name)
+    for m in _C_NAME.finditer(src):
+        name = re.sub(r"\s+", "", m.group(1))
+        if "::" not in name and name not in _C_NOT_CALLS and any(a <= m.start() < b for a, b in bodies):
+            calls.add(name)
+    return includes, defined, calls - defined
+
+
+def _c_graph(root: Path) -> tuple[dict[str, set[str]], dict[str, dict[str, set[str]]]]:
+    """(include edges, include and call edges with what each edge uses) among root's .cpp and .h files."""
+    scans = {str(p.relative_to(root)): _c_scan(p.read_text()) for p in sorted(root.rglob("*"))
+             if p.suffix in (".cpp", ".h")}
+    by_name = {Path(f).name: f for f in scans}
+    owners: dict[str, set[str]] = {}
+    for f, (_, defined, _) in scans.items():
+        for name in defined:
+            owners.setdefault(name, set()).add(f)
+    includes: dict[str, set[str]] = {f: set() for f in scans}
+    uses: dict[str, dict[str, set[str]]] = {f: {} for f in scans}
+    for f, (incs, _, calls) in scans.items():
+        for i in incs:
+            if Path(i).name in by_name:
+                includes[f].add(by_name[Path(i).name])
+                uses[f].setdefault(by_name[Path(i).name], set()).add("#include")
+        for name in calls:
+            if len(owners.get(name, ())) == 1 and f not in owners[name]:
+                uses[f].setdefault(next(iter(owners[name])), set()).add(f"{name}()")
+    return includes, uses
+
+
+def _cycles(graph) -> list[list[str]]:
+    """The graph's cycles, one per set of nodes that reach each other (strongly connected, more than one)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# csrc files allowed to sit in a cycle, each with its reason: none today. An entry names the files of the cycle.
+CSRC_CYCLES: dict[tuple[str, ...], str] = {}
+
+
+def test_csrc_has_no_include_cycle() -> None:
+    includes, _ = _c_graph(CSRC)
+    assert sum(map(len, includes.values())) >= 10, includes
+    assert not _cycles(includes), _cycles(includes)
+
+
+def test_no_csrc_file_calls_into_one_that_calls_back() -> None:
+    """Files by concern, layered: a file calls down into the files whose functions it uses, and none of those calls
+    back up, directly or round a longer loop; a higher file reaches a lower one's callers through a pointer it
+    registers there (the planner's plan, the residency's deleter). Includes count as edges too."""
+    _, uses = _c_graph(CSRC)
+    loops = [c for c in _cycles(uses) if tuple(c) not in CSRC_CYCLES]
+    why = {f"{a} -> {b}": sorted(uses[a][b]) for c in loops for a in c for b in c if b in uses[a]}
+    assert not loops, (loops, why)
+    stale = sorted(c for c in CSRC_CYCLES if list(c) not in _cycles(uses))
+    assert not stale, f"no longer a cycle: drop them from CSRC_CYCLES: {stale}"
+
+
+def test_the_csrc_rules_see_a_call_back_and_an_include_cycle(tmp_path: Path) -> None:
+    (tmp_path / "low.h").write_text('#include "high.h"\nint low_get(void);\n')
+    (tmp_path / "high.h").write_text('#include "low.h"\n')
+    (tmp_path / "low.cpp").write_text('// high_plan() in a comment is no call\n'
+                                      'int low_get(void) { return high_plan(); }\nstatic int own(void) { return 1; }\n')
+    (tmp_path / "high.cpp").write_text('extern "C" {\nint high_plan(void) { return low_get() + obj.low_get(); }\n}\n'
+                                       'namespace { int helper() { return std::max(1, 2); } }\n')
+    includes, uses = _c_graph(tmp_path)
+    assert _cycles(includes) == [["high.h", "low.h"]]
+    assert uses["low.cpp"] == {"high.cpp": {"high_plan()"}} and uses["high.cpp"] == {"low.cpp": {"low_get()"}}
+    assert ["high.cpp", "low.cpp"] in _cycles(uses)
+    (tmp_path / "low.cpp").write_text("int low_get(void) { return plan ? plan() : 0; }\n")  # a registered pointer
+    assert ["high.cpp", "low.cpp"] not in _cycles(_c_graph(tmp_path)[1])
+
+
 def test_csrc_sources_are_all_built() -> None:
     """Every csrc/*.cpp is in the top-level CMakeLists.txt's pyspecter_core list (a file left out is never compiled)."""
     cmake = (PKG.parent / "CMakeLists.txt").read_text()
