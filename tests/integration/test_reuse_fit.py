@@ -1,4 +1,4 @@
-"""Fitting the reuse maps (study/reuse_fit.py) on synthetic data, judged as the fit judges them: by the misses of
+"""Fitting the reuse maps (models/reuse_fit.py) on synthetic data, judged as the fit judges them: by the misses of
 the engine's own eviction step, which C runs (study/simulate.py's ``eviction_misses`` replays csrc/policy.cpp), so
 these need the built library."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pyspecter import learned
-from pyspecter.study import predictor_fit as pf
-from pyspecter.study import reuse_fit as rf
+from pyspecter.models import predictor_fit as pf
+from pyspecter.models import reuse_fit as rf
 from pyspecter.study import simulate as sim
 
 

@@ -96,7 +96,7 @@ def test_a_missing_library_is_one_line_with_the_fix(monkeypatch: pytest.MonkeyPa
 
     cli_app = importlib.import_module("pyspecter.cli.app")  # the module; the package's `app` is the Typer object
 
-    def no_bindings(args):
+    def no_bindings(*args):
         raise ModuleNotFoundError("No module named 'llama_cpp'", name="llama_cpp")
 
     monkeypatch.setattr(cli_app, "app", no_bindings)
@@ -107,7 +107,7 @@ def test_a_missing_library_is_one_line_with_the_fix(monkeypatch: pytest.MonkeyPa
     assert err.count("\n") == 1 and "llama.cpp library is not installed" in err
     assert "tools/build_llama.py" in err  # this checkout's fix: link (or build) the cached build
 
-    def other(args):
+    def other(*args):
         raise ModuleNotFoundError("No module named 'nope'", name="nope")
 
     monkeypatch.setattr(cli_app, "app", other)
