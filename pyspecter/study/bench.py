@@ -32,7 +32,7 @@ from pyspecter.placement import SlotCount, budget_slot_text
 from pyspecter.prompts import PACKAGED, load_prompts, render_prompt
 from pyspecter.speed import decode_tok_s
 from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
-from pyspecter.study.bench_device import device_columns, syncs_over_device
+from pyspecter.study.bench_device import device_columns, predictions, syncs_over_device
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
@@ -299,7 +299,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "slots": str(SlotCount(tuple(slots + extra.get(L.index, 0) for L in layout.layers), layout.n_expert)),
                  "engine_slots": budget_slot_text(  # generate's slots beside the baselines', which take it whole
                      layout, str(budget_bytes), path, tier=tier, device=device),
-                 "n_expert_used": layout.n_expert_used, "prompts": str(prompts) if prompts is not None else
+                 "n_expert_used": layout.n_expert_used, "n_moe_layers": len(layout.layers),
+                 "prompts": str(prompts) if prompts is not None else
                  PACKAGED if split else None,
                  "split": split,
                  "n_prompts": len(sets), "prompt_tokens": n_prompt_tokens, "decode_tokens": n, "decode": mode,
@@ -404,6 +405,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         out["policies"]["oracle-bound"] = {"tpot_ms": 1e3 * tpot, "tpot_mean_ms": 1e3 * tpot, "decode_tok_s": 1 / tpot,
                                            "bytes_per_token": mn * layer_bytes / n_decode, "computed": True}
     syncs_over_device(out["policies"], len(layout.layers))
+    if dev is not None:
+        predictions(out, layout, path, dev, n_threads)
     if {"all-resident", "stock-device"} <= out["policies"].keys() and "tpot_ms" in out["policies"]["stock-device"]:
         # every expert in device memory both ways: what our per-layer routing round trip (device -> host ids ->
         # device remap, and the slot/host matmul pair) costs on top of stock

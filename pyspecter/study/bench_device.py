@@ -3,6 +3,14 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
+from pyspecter.devcosts import calibrate, save_calibration
+from pyspecter.layerplan import DeviceCosts, LayerPlan, predict_us, stock_plan
+from pyspecter.layout import ModelLayout
+from pyspecter.native.devices import Device
+
 
 def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs: dict | None = None,
                    n_tokens: int = 0) -> dict:
@@ -35,3 +43,34 @@ def syncs_over_device(policies: dict, n_moe_layers: int) -> None:
     for p in policies.values():
         if "host_syncs_per_token" in p:
             p["host_syncs_per_moe_layer"] = (p["host_syncs_per_token"] - ref) / n_moe_layers
+
+
+def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_threads: int) -> None:
+    """The cost model beside what bench measured: each device row whose placement the model knows (stock's three,
+    the plan) gets the time it predicted; where stock --cpu-moe and --n-cpu-moe both ran, the costs are refitted
+    to them (``devcosts.calibrate``), saved for the plan to read from now on, and each row gets the refitted
+    prediction too. Adds ``out["layer_plan"]["calibrated"]``."""
+    info = out.get("layer_plan")
+    pol = out["policies"]
+    if info is None:
+        return
+    n_cpu = info["stock_n_cpu_moe"]
+    plans = {"stock-cpu-moe": stock_plan(layout, None), "stock-n-cpu-moe": stock_plan(layout, n_cpu),
+             "stock-device": stock_plan(layout, 0),
+             "plan": LayerPlan({int(il): k for il, k in info["kinds"].items()}, info["n_slots"])}
+    costs = DeviceCosts(**info["costs"])
+    for name, plan in plans.items():
+        if "tpot_ms" in pol.get(name, {}):
+            pol[name]["predicted_ms"] = predict_us(plan, layout, costs) / 1e3
+    a, b = pol.get("stock-cpu-moe", {}), pol.get("stock-n-cpu-moe", {})
+    if "tpot_ms" not in a:
+        return
+    fitted = calibrate(layout, costs, a["tpot_ms"], b.get("tpot_ms"), n_cpu, out.get("link_gbps", 0.0))
+    save_calibration(path, device, n_threads, fitted,
+                     f"bench {time.strftime('%Y-%m-%d')}: stock --cpu-moe {a['tpot_ms']:.2f} ms"
+                     + (f", --n-cpu-moe {n_cpu} {b['tpot_ms']:.2f} ms" if "tpot_ms" in b else "")
+                     + f", link {out.get('link_gbps', 0.0):.2f} GB/s")
+    info["calibrated"] = fitted.as_dict()
+    for name, plan in plans.items():
+        if "tpot_ms" in pol.get(name, {}):
+            pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted) / 1e3
