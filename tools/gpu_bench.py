@@ -115,11 +115,27 @@ def rows(bench: dict) -> list[dict]:
     return out
 
 
-def floor_syncs(sets: list[dict]) -> None:
-    """The floor row (stock-device) runs once, at the first budget; every budget's rows get their host
-    synchronisations per MoE layer over it (bench does this within one run)."""
-    ref = next((r["host_syncs_per_token"] for s in sets for r in s.get("rows", [])
-                if r["policy"] == FLOOR and r.get("host_syncs_per_token") is not None), None)
+def floor_from(path: Path | None, arch: str | None = None) -> float | None:
+    """stock-device's host synchronisations per token from another bench's JSON (gpu_check's bench of
+    bench-qwen3moe), where it ran on the same architecture: a graph with every layer on the device has two splits
+    whatever its size, and its waits come from its inputs and its logits, which the architecture fixes."""
+    if path is None or not path.exists():
+        return None
+    try:
+        b = last_json(path.read_text())
+    except ValueError:
+        return None
+    if arch is not None and b.get("arch") != arch:
+        return None
+    return b.get("policies", {}).get(FLOOR, {}).get("host_syncs_per_token")
+
+
+def floor_syncs(sets: list[dict], ref: float | None = None) -> None:
+    """Every budget's rows get their host synchronisations per MoE layer over the floor: ``ref`` (another run's
+    stock-device) or the floor row this run benched once, at its first budget (bench does this within a run)."""
+    if ref is None:
+        ref = next((r["host_syncs_per_token"] for s in sets for r in s.get("rows", [])
+                    if r["policy"] == FLOOR and r.get("host_syncs_per_token") is not None), None)
     if ref is None:
         return
     for s in sets:
@@ -184,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", type=int, default=16, help="decode tokens per row (%(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens (%(default)s)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="host threads (%(default)s)")
+    ap.add_argument("--floor-from", type=Path, default=None,
+                    help="a bench JSON of the same architecture whose stock-device row gives the floor of host "
+                         "syncs (gpu_check passes its bench of bench-qwen3moe); else stock-device is benched once")
     ap.add_argument("--json", action="store_true", help="print the report as JSON too")
     a = ap.parse_args(argv)
     budgets = [b.strip() for b in a.budgets.split(",") if b.strip()]
@@ -213,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     if rc not in (0, 125):
         report["notes"].append(f"{a.model} not built (exit {rc} after {secs:.0f}s): {cause(out)}")
         report["sets"] = [{"budget": b, "skipped": "no model"} for b in budgets]
+    from pyspecter.models.big import BIG_MODELS
+    from pyspecter.models.tiny import BENCH_MODELS, TINY_MODELS
+    spec = (BIG_MODELS | BENCH_MODELS | TINY_MODELS).get(a.model)
+    floor = floor_from(a.floor_from, spec.arch if spec else None)
+    if floor is not None:
+        report["notes"].append(f"floor of host syncs: {floor:.1f} per token, stock-device's in {a.floor_from} "
+                               "(same architecture)")
     first_s = None
     for i, budget in enumerate(budgets):
         if rc != 0:
@@ -225,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             report["sets"].append({"budget": budget, "skipped": f"out of time ({why})"})
             say(f"{budget}: skipped ({why})")
             continue
-        pols = [*POLICIES, *([FLOOR] if i == 0 else [])]
+        pols = [*POLICIES, *([FLOOR] if i == 0 and floor is None else [])]
         say(f"{budget}: bench {','.join(pols)}")
         brc, bout, bsecs = run([*py, "bench", a.model, "--device", a.device, "--budget", budget, "--policies",
                                 ",".join(pols), "--repeat", "1", "-n", str(a.n), "--prompt-tokens",
@@ -249,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             f"measured at start; plan {lp.get('plan', '-')} from costs {lp.get('cost_source', '-')}; "
             f"refitted {json.dumps({k: round(v, 2) for k, v in (lp.get('calibrated') or {}).items()})}; "
             f"bench took {bsecs:.0f}s")
-    floor_syncs(report["sets"])
+    floor_syncs(report["sets"], floor)
     text = markdown(report)
     (a.out / "gpu_bench.md").write_text(text)
     (a.out / "gpu_bench.json").write_text(json.dumps(report, indent=1))

@@ -38,7 +38,8 @@
 #   6. big (issue 42's GPU benchmark; GPU_CHECK_BIG=0 leaves it out): tools/gpu_bench.py builds big-qwen3moe-q4
 #      (Qwen3-30B-A3B's shapes, Q4_0 experts, ~17 GB, made here from random bytes: nothing carried) and benches it
 #      at 8 GiB and 16 GiB of VRAM for experts (GPU_CHECK_BIG_MODEL, GPU_CHECK_BIG_BUDGETS): stock --n-cpu-moe N at
-#      equal VRAM, stock --cpu-moe, the layer plan, the engine (and stock-device once: the floor of host syncs),
+#      equal VRAM, stock --cpu-moe, the layer plan, the engine (the floor of host syncs: stock-device's in step 5's
+#      bench of the same architecture, else benched once),
 #      teacher-forced; ms per token, host switches per MoE layer (split count and counted synchronisations), upload
 #      GB/s beside the link, hit rate, the cost model's prediction; $OUT/gpu_bench.md (for docs/BENCHMARKS.md) and
 #      $OUT/gpu_bench.json. Its time guard skips the 16 GiB set, saying so, when the 8 GiB set's own time does not
@@ -60,8 +61,9 @@
 #     wheelhouse's; nothing is fetched;
 #   - the source is .gpu/llama-src.tar.gz (or SPECTER_SDIST); without either the build tries the registry.
 # Sized for one device-tool command (10 minutes at most, in a 15-minute lease that also pays the machine's start):
-# GPU_CHECK_BUDGET_S (default 560) bounds the whole run; the verify steps stop early enough to leave
-# GPU_CHECK_BENCH_S (default 110) for the bench model and its bench, and those GPU_CHECK_BIG_S (default 230) for
+# GPU_CHECK_BUDGET_S (default 575: run it with the device tool's timeout_s 600) bounds the whole run; the verify
+# steps stop early enough to leave GPU_CHECK_BENCH_S (default 110) for the bench model and its bench, and those
+# GPU_CHECK_BIG_S (default 250) for
 # step 6. With the CUDA build's ~170 s that leaves verify about half a minute on 16 cores (breadth first: every
 # arch's first case); GPU_CHECK_BIG=0 gives step 6's time back to steps 4 and 5.
 # Other knobs: OUT (default out/gpu_check), GPU_CHECK_MODEL (default bench-qwen3moe; dry run tiny-qwen3moe),
@@ -135,11 +137,11 @@ fi
 DRY=${GPU_CHECK_DRY:-0}
 OUT=${OUT:-$REPO/out/gpu_check}
 WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check.$$}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-575}
 BENCH_S=${GPU_CHECK_BENCH_S:-110}
 BIG=${GPU_CHECK_BIG:-1}
 BIG_S=0
-[ "$BIG" = 1 ] && BIG_S=${GPU_CHECK_BIG_S:-230}
+[ "$BIG" = 1 ] && BIG_S=${GPU_CHECK_BIG_S:-250}
 VRAM=${GPU_CHECK_VRAM:-50%}
 if [ "$DRY" = 1 ]; then
     # the dry run's device is an RPC server on this machine: one client at a time, a TCP round trip per switch
@@ -747,8 +749,11 @@ if [ "$BIG" != 1 ]; then
 elif [ "$BUILT" = 1 ]; then
     # its own time guard: the model's build, then each budget only if it fits in what is left of the run
     rm -f "$OUT/gpu_bench.md" "$OUT/gpu_bench.json"
-    run "gpu_bench" "$BIG_S" "$DEADLINE" "$WORK/gpu_bench.txt" "$PY" tools/gpu_bench.py --model "$BIG_MODEL" \
-        --device "$DEVICE" --budgets "$BIG_BUDGETS" --until "$((DEADLINE - 5))" --out "$OUT" -n "$BIG_N" \
+    # its own deadline comes first, so that it cuts its own bench short and still writes what it has; the run's
+    # timeout is the backstop (the earlier steps may have ended before BIG_FROM: it gets their time too)
+    run "gpu_bench" "$BUDGET_S" "$DEADLINE" "$WORK/gpu_bench.txt" "$PY" tools/gpu_bench.py --model "$BIG_MODEL" \
+        --device "$DEVICE" --budgets "$BIG_BUDGETS" --until "$((DEADLINE - 15))" --out "$OUT" -n "$BIG_N" \
+        --floor-from "$OUT/bench.json" \
         --threads "$(nproc)" --min-first-s "$([ "$DRY" = 1 ] && echo 30 || echo 90)"
     if [ "$RC" = 0 ]; then
         detail="$BIG_MODEL at $BIG_BUDGETS: $(grep -c '^| [^-V]' "$OUT/gpu_bench.md" 2>/dev/null) rows in $OUT/gpu_bench.md"

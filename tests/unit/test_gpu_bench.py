@@ -69,3 +69,15 @@ def test_the_time_guard_skips_what_does_not_fit(gb, tmp_path: Path, capsys: pyte
 def test_bad_arguments_exit_2(gb, capsys: pytest.CaptureFixture) -> None:
     assert gb.main(["--budgets", ",", "--out", str(Path(sys.prefix) / "unused")]) == 2
     assert "--budgets" in capsys.readouterr().err
+
+
+def test_the_floor_comes_from_a_bench_of_the_same_arch(gb, tmp_path: Path) -> None:
+    f = tmp_path / "bench.json"
+    f.write_text("some log line\n" + __import__("json").dumps(
+        {"arch": "qwen3moe", "policies": {"stock-device": {"host_syncs_per_token": 8.0}}}) + "\n")
+    assert gb.floor_from(f, "qwen3moe") == 8.0
+    assert gb.floor_from(f, "llama") is None  # another architecture's graph inputs: not a floor for this one
+    assert gb.floor_from(tmp_path / "missing.json", "qwen3moe") is None
+    sets = [{"budget": "8GiB", "n_moe_layers": 48, "rows": gb.rows(_bench(False))}]
+    gb.floor_syncs(sets, 8.0)
+    assert sets[0]["rows"][0]["host_syncs_per_moe_layer"] == pytest.approx((104 - 8) / 48)
