@@ -1,5 +1,8 @@
 #include "pyspecter-impl.h"
 
+// the backends' and devices' function tables, to count what the scheduler does with them (see count_syncs below)
+#include "ggml-backend-impl.h"
+
 int32_t llama_pyspecter_get_layer_cpu_hist(const llama_model * model, int64_t * out, int32_t n) {
     if (!out || n < 2 * LLAMA_PYSPECTER_HIST_BINS) {
         return LLAMA_PYSPECTER_ERR_ARG;
@@ -101,4 +104,128 @@ void llama_pyspecter_get_device_stats(const llama_model * model, llama_pyspecter
     out->upload_streams  = (int64_t) s->streams.size();
     out->async_batches   = s->counters.async_batches;
     out->compute_orders  = s->counters.compute_orders;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host<->device synchronisations actually taken (llama_pyspecter_count_syncs). llama.cpp's split count says how
+// many times a graph switches backends when it is reserved; these count what the scheduler does when it runs: every
+// split it computes, and every time the host waits for a device (a backend synchronize: cudaStreamSynchronize on
+// CUDA, a round trip on RPC; an event synchronize). They are counted by wrapping the device's backend entry points,
+// which are per-instance function tables (ggml-backend-impl.h), so stock placements are counted as ours are and no
+// ggml source is patched. Counts are per thread: the decoding thread's (the scheduler runs on it), so the upload
+// thread's own waits on its events are not mixed in.
+namespace {
+
+struct sync_wrap {
+    ggml_backend_dev_t dev = nullptr;
+    bool is_cpu = false;
+    ggml_backend_t (*init_backend)(ggml_backend_dev_t, const char *) = nullptr;
+    void (*event_synchronize)(ggml_backend_dev_t, ggml_backend_event_t) = nullptr;
+    void (*synchronize)(ggml_backend_t) = nullptr;             // the device's backends', as the first one had it
+    ggml_status (*graph_compute)(ggml_backend_t, ggml_cgraph *) = nullptr;
+};
+
+constexpr int MAX_SYNC_DEVS = 16;
+sync_wrap g_wraps[MAX_SYNC_DEVS];
+std::atomic<int> g_n_wraps{0};
+std::mutex g_wrap_mu;
+
+thread_local llama_pyspecter_sync_counts t_sync = {};
+thread_local int t_last_kind = -1; // the kind (0 host, 1 device) of this thread's last graph compute; -1: none yet
+
+const sync_wrap * wrap_of(ggml_backend_dev_t dev) {
+    const int n = g_n_wraps.load(std::memory_order_acquire);
+    for (int i = 0; i < n; ++i) {
+        if (g_wraps[i].dev == dev) {
+            return &g_wraps[i];
+        }
+    }
+    return nullptr;
+}
+
+void counted_synchronize(ggml_backend_t backend) {
+    const auto * w = wrap_of(backend->device);
+    if (w && !w->is_cpu) {
+        t_sync.syncs++;
+    }
+    if (w && w->synchronize) {
+        w->synchronize(backend);
+    }
+}
+
+ggml_status counted_graph_compute(ggml_backend_t backend, ggml_cgraph * graph) {
+    const auto * w = wrap_of(backend->device);
+    const int kind = w && !w->is_cpu ? 1 : 0;
+    (kind ? t_sync.device_computes : t_sync.host_computes)++;
+    if (t_last_kind >= 0 && t_last_kind != kind) {
+        t_sync.switches++;
+    }
+    t_last_kind = kind;
+    return w->graph_compute(backend, graph);
+}
+
+void counted_event_synchronize(ggml_backend_dev_t dev, ggml_backend_event_t event) {
+    const auto * w = wrap_of(dev);
+    t_sync.event_syncs++;
+    w->event_synchronize(dev, event);
+}
+
+ggml_backend_t counted_init_backend(ggml_backend_dev_t dev, const char * params) {
+    auto * w = const_cast<sync_wrap *>(wrap_of(dev));
+    ggml_backend_t b = w->init_backend(dev, params);
+    if (!b) {
+        return b;
+    }
+    std::lock_guard<std::mutex> lk(g_wrap_mu);
+    // every backend of one device has the same entry points (its implementation's table, copied per instance)
+    if (!w->graph_compute) {
+        w->synchronize = b->iface.synchronize;
+        w->graph_compute = b->iface.graph_compute;
+    }
+    if (b->iface.graph_compute == w->graph_compute) {
+        b->iface.graph_compute = counted_graph_compute;
+        if (b->iface.synchronize) {
+            b->iface.synchronize = counted_synchronize;
+        }
+    }
+    return b;
+}
+
+} // namespace
+
+int32_t llama_pyspecter_count_syncs(ggml_backend_dev_t dev) {
+    if (!dev || !dev->iface.init_backend) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(g_wrap_mu);
+    if (wrap_of(dev)) {
+        return LLAMA_PYSPECTER_OK;
+    }
+    const int n = g_n_wraps.load();
+    if (n == MAX_SYNC_DEVS) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    auto & w = g_wraps[n];
+    w.dev = dev;
+    w.is_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    w.init_backend = dev->iface.init_backend;
+    w.event_synchronize = dev->iface.event_synchronize;
+    g_n_wraps.store(n + 1, std::memory_order_release); // published before any wrapper can look it up
+    dev->iface.init_backend = counted_init_backend;
+    if (w.event_synchronize && !w.is_cpu) {
+        dev->iface.event_synchronize = counted_event_synchronize;
+    }
+    return LLAMA_PYSPECTER_OK;
+}
+
+void llama_pyspecter_get_sync_counts(struct llama_pyspecter_sync_counts * out) {
+    if (out) {
+        *out = t_sync;
+    }
+}
+
+void llama_pyspecter_sync_counts_reset(void) {
+    // the last kind stays: a token's first split switches from the previous token's last, so that a token of
+    // steady decode counts every boundary it crosses, as many as the graph has splits
+    t_sync = {};
 }

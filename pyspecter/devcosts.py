@@ -162,7 +162,7 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
     except ValueError:
         known = {}
     if use_cache and key in known:
-        return DeviceCosts(**known[key])
+        return _costs(known[key])
     L = len(layout.layers)
     moe = sorted(L_.index for L_ in layout.layers)
     free, _ = device.memory()
@@ -181,8 +181,25 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
     one_a, wide_a, one_b, wide_b = ta[0::2], ta[1::2], tb[0::2], tb[1::2]
     costs = solve(layout, m, med(one_a, one_b), med(wide_a, one_a), med(wide_b, one_b), extra, link,
                   statistics.median(one_a))
+    _save(key, {**costs.as_dict(), "source": "measured"})
+    return costs
+
+
+_FIELDS = ("split_us", "link_gbps", "cpu_row_us", "dev_row_us", "base_us")
+
+
+def _costs(entry: dict) -> DeviceCosts:
+    return DeviceCosts(**{k: float(entry[k]) for k in _FIELDS if k in entry})
+
+
+def _save(key: str, entry: dict) -> None:
+    f = _cache_file()
+    try:
+        known = json.loads(f.read_text()) if f.exists() else {}
+    except ValueError:
+        known = {}
     known = {k: v for k, v in known.items() if k.startswith(f"v{VERSION}|")}  # another version's: stale
-    known[key] = costs.as_dict()
+    known[key] = entry
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
         tmp = f.with_suffix(".tmp")
@@ -190,7 +207,45 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
         tmp.replace(f)
     except OSError:
         pass  # a cache that cannot be written costs a measurement next time, nothing else
-    return costs
+
+
+def calibrate(layout: ModelLayout, costs: DeviceCosts, cpu_moe_ms: float, n_cpu_moe_ms: float | None,
+              n_cpu_moe: int, link_gbps: float) -> DeviceCosts:
+    """The costs refitted to what bench measured on real text: stock --cpu-moe's and --n-cpu-moe N's time per
+    token (N the --n-cpu-moe at bench's budget; its full layers are the MoE layers from block N on) and the link
+    over bench's many uploads. As ``solve`` does, the host-over-full difference per layer (2 split + k (cpu_row -
+    dev_row)) is kept exactly: the split gives way first (the row costs, from a measurement of their own, stay),
+    then the host row; the base is what --cpu-moe's time leaves. Without full layers at that budget the two rows
+    are one placement, and only the base and the link move."""
+    k = layout.n_expert_used
+    L = len(layout.layers)
+    m = sum(1 for L_ in layout.layers if L_.index >= n_cpu_moe)
+    split, cpu, dev = costs.split_us, costs.cpu_row_us, costs.dev_row_us
+    if m > 0 and n_cpu_moe_ms is not None:
+        host_over_full = 1e3 * (cpu_moe_ms - n_cpu_moe_ms) / m
+        split = (host_over_full - k * (cpu - dev)) / 2
+        if split < 0:
+            split, cpu = 0.0, dev + max(host_over_full, 0.0) / k
+    base = max(1e3 * cpu_moe_ms - L * (2 * split + k * cpu), 0.0)
+    return DeviceCosts(split_us=split, link_gbps=link_gbps if link_gbps > 0 else costs.link_gbps, cpu_row_us=cpu,
+                       dev_row_us=dev, base_us=base)
+
+
+def save_calibration(path: str | Path, device: Device, n_threads: int, costs: DeviceCosts, source: str) -> None:
+    """Keep ``costs`` (``calibrate``'s) as the model's costs on this machine and device: ``plan_for`` (the session's
+    layer plan, ``inspect --device``, bench's ``plan``) reads them from now on instead of measuring."""
+    _save(cache_key(path, device, n_threads), {**costs.as_dict(), "source": source})
+
+
+def cost_source(path: str | Path, device: Device, n_threads: int = 2) -> str:
+    """Where the cached costs came from: "measured" (``measure``'s few seconds), a bench calibration's line, or
+    "none" (not cached yet)."""
+    f = _cache_file()
+    try:
+        entry = json.loads(f.read_text()).get(cache_key(path, device, n_threads)) if f.exists() else None
+    except ValueError:
+        entry = None
+    return "none" if entry is None else str(entry.get("source", "measured"))
 
 
 def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes: int,
@@ -203,7 +258,8 @@ def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes
     plan = (stock_plan(layout, 0) if device_bytes >= layout.expert_total_bytes
             else choose_plan(layout, device_bytes, costs))
     n_cpu = n_cpu_moe_for(layout, device_bytes)
-    return plan, {"plan": plan.describe(layout), "kinds": {str(il): k for il, k in sorted(plan.kinds.items())},
+    return plan, {"plan": plan.describe(layout), "cost_source": cost_source(path, device, n_threads),
+                  "kinds": {str(il): k for il, k in sorted(plan.kinds.items())},
                   "n_slots": plan.n_slots, "device_bytes": plan.device_bytes(layout), "costs": costs.as_dict(),
                   "predicted_ms": predict_us(plan, layout, costs) / 1e3, "stock_n_cpu_moe": n_cpu,
                   "predicted_stock_n_cpu_moe_ms": predict_us(stock_plan(layout, n_cpu), layout, costs) / 1e3,

@@ -127,18 +127,25 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts) -> L
     """The plan of least predicted time whose experts fit in ``device_bytes``: f full layers (the last ones, as
     stock), s slot layers of n slots, the rest host, over every f, n and s (slots never fewer than top-k, nor E:
     a layer with every expert is a full layer). Stock's placements are among the candidates in their own right
-    (--cpu-moe, every layer host, first: it wins a tie; --n-cpu-moe at this memory, which counts each layer's own
-    bytes), so the plan is never predicted slower than either."""
+    (--n-cpu-moe at this memory, which counts each layer's own bytes, first; then --cpu-moe, every layer host), so
+    the plan is never predicted slower than either. Of plans predicted alike, the one with fewer host switches wins
+    (then the earlier: stock's): a switch is the cost the model knows least well (a stream synchronisation on a
+    GPU, measured apart from its neighbours), so where the model cannot tell, the plan crosses fewer."""
     if device_bytes < 0:
         raise SpecterError("negative device memory for experts")
     layers = [L.index for L in sorted(layout.layers, key=lambda L: L.index)]
     E, k = layout.n_expert, layout.n_expert_used
     eb = max(L.expert_bytes for L in layout.layers)  # plan by the largest layer: every plan below fits
-    all_host = stock_plan(layout, None)
-    best = (predict_us(all_host, layout, costs), all_host)
+
+    def better(t: float, plan: LayerPlan) -> bool:
+        """Predicted faster than the best so far, or as fast with fewer switches."""
+        return t < best[0] - 1e-9 or (t <= best[0] + 1e-9 and plan.switches_per_token() < best[1].switches_per_token())
+
     stock = stock_plan(layout, n_cpu_moe_for(layout, device_bytes))
-    if predict_us(stock, layout, costs) < best[0] - 1e-9:
-        best = (predict_us(stock, layout, costs), stock)
+    best = (predict_us(stock, layout, costs), stock)
+    all_host = stock_plan(layout, None)
+    if better(predict_us(all_host, layout, costs), all_host):
+        best = (predict_us(all_host, layout, costs), all_host)
     for f in range(len(layers) + 1):
         left = device_bytes - f * E * eb
         if left < 0:
@@ -153,6 +160,6 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts) -> L
                     kinds[il] = "slots"
                 plan = LayerPlan(kinds, n if s else 0)
                 t = predict_us(plan, layout, costs)
-                if t < best[0] - 1e-9:
+                if better(t, plan):
                     best = (t, plan)
     return best[1]

@@ -35,6 +35,16 @@
 #      and slot layers the cost model chooses at the budget), on-demand-lru and specter (with a draft made by
 #      `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device and them; what is missing is a
 #      row saying so
+#   6. big (issue 42's GPU benchmark; GPU_CHECK_BIG=0 leaves it out): tools/gpu_bench.py builds big-qwen3moe-q4
+#      (Qwen3-30B-A3B's shapes, Q4_0 experts, ~17 GB, made here from random bytes: nothing carried) and benches it
+#      at 8 GiB and 16 GiB of VRAM for experts (GPU_CHECK_BIG_MODEL, GPU_CHECK_BIG_BUDGETS): stock --n-cpu-moe N at
+#      equal VRAM, stock --cpu-moe, the layer plan, the engine (the floor of host syncs: stock-device's in step 5's
+#      bench of the same architecture, else benched once),
+#      teacher-forced; ms per token, host switches per MoE layer (split count and counted synchronisations), upload
+#      GB/s beside the link, hit rate, the cost model's prediction; $OUT/gpu_bench.md (for docs/BENCHMARKS.md) and
+#      $OUT/gpu_bench.json. Its time guard skips the 16 GiB set, saying so, when the 8 GiB set's own time does not
+#      fit in what is left. Steps 4 and 5 stop early enough to leave it GPU_CHECK_BIG_S; step 5 then leaves out
+#      specter (its draft takes a minute and a half to make)
 # Then one table (stdout and $OUT/table.txt) whose failed rows give the cause found in the output (a traceback's
 # exception and where, else the first error line; a timeout or a signal such as SEGV), and under it the device
 # rows' host round trips beside their time per token (llama.cpp's splits of the one-token graph, host switches per
@@ -50,8 +60,12 @@
 #     the wheelhouse was prepared for, with nothing installed (not even pip); its own packages are shadowed by the
 #     wheelhouse's; nothing is fetched;
 #   - the source is .gpu/llama-src.tar.gz (or SPECTER_SDIST); without either the build tries the registry.
-# Sized to finish in under 9 minutes on 16 cores: GPU_CHECK_BUDGET_S (default 510) bounds the whole run; the verify
-# steps stop early enough to leave GPU_CHECK_BENCH_S (default 150) for the model, the draft and the bench.
+# Sized for one device-tool command (10 minutes at most, in a 15-minute lease that also pays the machine's start):
+# GPU_CHECK_BUDGET_S (default 575: run it with the device tool's timeout_s 600) bounds the whole run; the verify
+# steps stop early enough to leave GPU_CHECK_BENCH_S (default 110) for the bench model and its bench, and those
+# GPU_CHECK_BIG_S (default 250) for
+# step 6. With the CUDA build's ~170 s that leaves verify about half a minute on 16 cores (breadth first: every
+# arch's first case); GPU_CHECK_BIG=0 gives step 6's time back to steps 4 and 5.
 # Other knobs: OUT (default out/gpu_check), GPU_CHECK_MODEL (default bench-qwen3moe; dry run tiny-qwen3moe),
 # GPU_CHECK_DEVICE (default cuda0), GPU_CHECK_PAR (verify runs at a time: 4, dry run 1), GPU_CHECK_REPEAT and
 # GPU_CHECK_BENCH_N (bench repeats and decode tokens: 2 and 32, dry run 1 and 8), GPU_CHECK_WORK (scratch folder,
@@ -123,16 +137,22 @@ fi
 DRY=${GPU_CHECK_DRY:-0}
 OUT=${OUT:-$REPO/out/gpu_check}
 WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check.$$}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-510}
-BENCH_S=${GPU_CHECK_BENCH_S:-150}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-575}
+BENCH_S=${GPU_CHECK_BENCH_S:-110}
+BIG=${GPU_CHECK_BIG:-1}
+BIG_S=0
+[ "$BIG" = 1 ] && BIG_S=${GPU_CHECK_BIG_S:-250}
 VRAM=${GPU_CHECK_VRAM:-50%}
 if [ "$DRY" = 1 ]; then
     # the dry run's device is an RPC server on this machine: one client at a time, a TCP round trip per switch
     MODEL=${GPU_CHECK_MODEL:-tiny-qwen3moe} REPEAT=${GPU_CHECK_REPEAT:-1} BENCH_N=${GPU_CHECK_BENCH_N:-8}
     PAR=${GPU_CHECK_PAR:-1}
+    # step 6 scaled down: the same code path on a 1 GB model at budgets that leave it host layers to plan
+    BIG_MODEL=${GPU_CHECK_BIG_MODEL:-bench-qwen3moe} BIG_BUDGETS=${GPU_CHECK_BIG_BUDGETS:-25%,50%} BIG_N=6
 else
     MODEL=${GPU_CHECK_MODEL:-bench-qwen3moe} REPEAT=${GPU_CHECK_REPEAT:-2} BENCH_N=${GPU_CHECK_BENCH_N:-32}
     PAR=${GPU_CHECK_PAR:-4}
+    BIG_MODEL=${GPU_CHECK_BIG_MODEL:-big-qwen3moe-q4} BIG_BUDGETS=${GPU_CHECK_BIG_BUDGETS:-8GiB,16GiB} BIG_N=16
 fi
 PY=${GPU_CHECK_PYTHON:-}
 if [ -z "$PY" ]; then
@@ -147,6 +167,7 @@ STEPS=$WORK/steps.tsv
 : > "$STEPS"
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET_S))
+BIG_FROM=$((DEADLINE - BIG_S))  # steps 4 and 5 end by then
 RPC_PID=
 
 # the Python side of the report, written once: gc.py cause | python | build-detail | verify-row | bench-rows |
@@ -588,7 +609,7 @@ else
 fi
 
 # --- 4. verify ----------------------------------------------------------------------------------------------------
-VERIFY_UNTIL=$((DEADLINE - BENCH_S))
+VERIFY_UNTIL=$((BIG_FROM - BENCH_S))
 LONG_PROMPT="The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches; \
 meanwhile, a lazy river carries forty jugs of liquid past the old mill, and nobody counts the tokens."
 mkdir -p "$WORK/verify"
@@ -651,6 +672,8 @@ fi
 # --- 5. bench -----------------------------------------------------------------------------------------------------
 # all-resident beside stock-device: bench then reports the routing round trip per MoE layer
 WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru specter"
+# step 6's time comes first: the draft specter needs takes a minute and a half to make
+[ "$BIG" = 1 ] && WANT=${WANT/ specter/}
 if [ "$BUILT" = 1 ]; then
     run "bench --help" 60 "$DEADLINE" "$WORK/bench_help.txt" env COLUMNS=300 "$PY" -m pyspecter bench --help
     help_rc=$RC
@@ -664,10 +687,11 @@ if [ "$BUILT" = 1 ]; then
         record bench skip 0 "this pyspecter's bench --help shows no --device: nothing to bench on the GPU"
     else
         pols=()
+        [ "$BIG" = 1 ] && record "bench specter" skip 0 "left out to leave step 6 its time (GPU_CHECK_BIG=0 runs it)"
         for p in $WANT; do
             if [[ " $have " == *" $p "* ]]; then pols+=("$p"); else record "bench $p" skip 0 "not in this pyspecter's bench"; fi
         done
-        run "model $MODEL" 150 "$DEADLINE" "$WORK/model.txt" "$PY" -m pyspecter models build "$MODEL"
+        run "model $MODEL" 150 "$BIG_FROM" "$WORK/model.txt" "$PY" -m pyspecter models build "$MODEL"
         if [ "$RC" = 0 ]; then detail=$(last_line "$WORK/model.txt"); else detail=$(why $RC "$WORK/model.txt"); fi
         record "model $MODEL" "$(status_of $RC)" "$SECS" "$detail"
         model_rc=$RC
@@ -676,7 +700,7 @@ if [ "$BUILT" = 1 ]; then
             # expert bytes as slots, misses on the CPU, against stock-device and stock --cpu-moe
             f="$WORK/verify/model-forced.json"
             name="verify $MODEL --budget 50% miss=cpu (teacher-forced)"
-            run "$name" 120 "$DEADLINE" "$f" "$PY" -m pyspecter verify "$MODEL" --budget 50% --miss cpu \
+            run "$name" 120 "$BIG_FROM" "$f" "$PY" -m pyspecter verify "$MODEL" --budget 50% --miss cpu \
                 --device "$DEVICE" --forced -n 16 --json
             rc=$RC
             if row=$("$PY" "$GC" verify-row "$f" "$rc" 2>> "$LOG"); then
@@ -688,7 +712,7 @@ if [ "$BUILT" = 1 ]; then
         fi
         draft_args=()
         if [ "$model_rc" = 0 ] && [[ " ${pols[*]} " == *" specter "* ]]; then
-            run "draft" 90 "$DEADLINE" "$WORK/draft.txt" "$PY" -m pyspecter draft "$MODEL" -o "$WORK/draft.gguf"
+            run "draft" 90 "$BIG_FROM" "$WORK/draft.txt" "$PY" -m pyspecter draft "$MODEL" -o "$WORK/draft.gguf"
             if [ "$RC" = 0 ]; then detail=$(last_line "$WORK/draft.txt"); else detail=$(why $RC "$WORK/draft.txt"); fi
             record "draft of $MODEL" "$(status_of $RC)" "$SECS" "$detail"
             if [ "$RC" = 0 ]; then
@@ -704,7 +728,7 @@ if [ "$BUILT" = 1 ]; then
         elif [ -z "$pol_list" ]; then
             record bench skip 0 "none of $WANT in this pyspecter's bench"
         else
-            run "bench" 400 "$DEADLINE" "$WORK/bench.txt" "$PY" -m pyspecter bench "$MODEL" --device "$DEVICE" \
+            run "bench" 400 "$BIG_FROM" "$WORK/bench.txt" "$PY" -m pyspecter bench "$MODEL" --device "$DEVICE" \
                 --budget "$VRAM" --policies "$pol_list" --repeat "$REPEAT" -n "$BENCH_N" --json "${draft_args[@]}"
             bench_rc=$RC
             bench_secs=$SECS
@@ -720,6 +744,29 @@ else
     record bench skip 0 "no build"
 fi
 
+# --- 6. big: issue 42's benchmark ------------------------------------------------------------------------------------
+if [ "$BIG" != 1 ]; then
+    record "gpu_bench" skip 0 "GPU_CHECK_BIG=0"
+elif [ "$BUILT" = 1 ]; then
+    # its own time guard: the model's build, then each budget only if it fits in what is left of the run
+    rm -f "$OUT/gpu_bench.md" "$OUT/gpu_bench.json"
+    # its own deadline comes first, so that it cuts its own bench short and still writes what it has; the run's
+    # timeout is the backstop (the earlier steps may have ended before BIG_FROM: it gets their time too)
+    run "gpu_bench" "$BUDGET_S" "$DEADLINE" "$WORK/gpu_bench.txt" "$PY" tools/gpu_bench.py --model "$BIG_MODEL" \
+        --device "$DEVICE" --budgets "$BIG_BUDGETS" --until "$((DEADLINE - 15))" --out "$OUT" -n "$BIG_N" \
+        --floor-from "$OUT/bench.json" \
+        --threads "$(nproc)" --min-first-s "$([ "$DRY" = 1 ] && echo 30 || echo 90)"
+    if [ "$RC" = 0 ]; then
+        detail="$BIG_MODEL at $BIG_BUDGETS: $(grep -c '^| [^-V]' "$OUT/gpu_bench.md" 2>/dev/null) rows in $OUT/gpu_bench.md"
+        grep -q 'skipped: out of time' "$OUT/gpu_bench.md" 2>/dev/null && detail="$detail (a budget skipped: out of time)"
+        record "gpu_bench" ok "$SECS" "$detail"
+    else
+        record "gpu_bench" "$(status_of $RC)" "$SECS" "$(why $RC "$WORK/gpu_bench.txt")"
+    fi
+else
+    record "gpu_bench" skip 0 "no build"
+fi
+
 # --- the table ----------------------------------------------------------------------------------------------------
 TOTAL=$(($(date +%s) - T0))
 "$PY" "$GC" table "$STEPS" "$OUT" "$TOTAL" "$DRY" "$DEVICE" "$WORK" \
@@ -727,6 +774,10 @@ TOTAL=$(($(date +%s) - T0))
 if [ -s "$WORK/device_table.txt" ]; then
     echo; echo "host round trips and time per token:"; cat "$WORK/device_table.txt"
     { echo; echo "host round trips and time per token:"; cat "$WORK/device_table.txt"; } >> "$OUT/table.txt"
+fi
+if [ -s "$OUT/gpu_bench.md" ]; then
+    echo; echo "issue 42's benchmark (also $OUT/gpu_bench.md):"; cat "$OUT/gpu_bench.md"
+    { echo; echo "issue 42's benchmark:"; cat "$OUT/gpu_bench.md"; } >> "$OUT/table.txt"
 fi
 failed=$(awk -F'\t' '$2 != "ok" && $2 != "skip"' "$STEPS" | wc -l)
 say "done in ${TOTAL}s; results in $OUT"

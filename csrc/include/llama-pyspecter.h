@@ -352,6 +352,20 @@ struct llama_pyspecter_device_stats {
 };
 LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
                                                    struct llama_pyspecter_device_stats * out);
+// Host<->device synchronisations actually taken, counted as the scheduler runs (not as it plans: that is llama.cpp's
+// split count), on the thread that reads them (the decoding thread; the upload thread's waits are its own).
+struct llama_pyspecter_sync_counts {
+    int64_t syncs;           // backend synchronizes of a counted non-CPU device: the host waited for its queue
+    int64_t event_syncs;     // event synchronizes on such a device: the host waited for an event
+    int64_t device_computes; // graph computes (a split each) on a counted non-CPU device
+    int64_t host_computes;   // ... on a counted CPU device
+    int64_t switches;        // consecutive graph computes on different kinds (host, device): a split boundary taken
+};
+// Count dev's synchronisations from now on (its backends made after this call; idempotent; dev a ggml device,
+// the CPU's too: its graph computes are the host splits). 0, or LLAMA_PYSPECTER_ERR_ARG.
+LLAMA_API int32_t llama_pyspecter_count_syncs(ggml_backend_dev_t dev);
+LLAMA_API void    llama_pyspecter_get_sync_counts(struct llama_pyspecter_sync_counts * out);
+LLAMA_API void    llama_pyspecter_sync_counts_reset(void);
 // Layer il's row of its device's remap table, read back from the device: a plane per row j of a token (n_used
 // of them), (slot, expert) per expert in each, 2 * n_expert * n_used int32 into out (n at least that). The slot
 // matmul's ids are get_rows over it, so every slot in it must be a slot or the layer's zero slot j (n_slots + j),

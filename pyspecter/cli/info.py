@@ -87,5 +87,6 @@ def inspect(
         print(f"layer plan for {fmt_bytes(p['device_bytes'])} of experts on the device: {p['plan']}; predicted "
               f"{p['predicted_ms']:.2f} ms/token, stock --n-cpu-moe {p['stock_n_cpu_moe']} "
               f"{p['predicted_stock_n_cpu_moe_ms']:.2f}, stock --cpu-moe {p['predicted_stock_cpu_moe_ms']:.2f} "
-              f"(measured: a host switch {c['split_us']:.0f} us, link {c['link_gbps']:.2f} GB/s, an expert row "
+              f"({p.get('cost_source', 'measured')}: a host switch {c['split_us']:.0f} us, "
+              f"link {c['link_gbps']:.2f} GB/s, an expert row "
               f"{c['cpu_row_us']:.1f} us on the host, {c['dev_row_us']:.1f} us on the device)")

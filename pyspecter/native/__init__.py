@@ -6,8 +6,10 @@ from pyspecter.native.device_api import (
     LAYER_HOST,
     LAYER_KIND_NAMES,
     LAYER_SLOTS,
+    count_syncs,
     device_stats,
     read_table,
+    sync_counts,
 )
 from pyspecter.native.lib import (
     ERR_IO,
@@ -41,7 +43,8 @@ from pyspecter.native.stats_api import HIST_NS, layer_cpu_hist
 __all__ = [
     "ERR_IO", "HIST_NS", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
     "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ResidencyParams",
-    "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits", "read_table",
+    "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "count_syncs", "device_stats", "graph_splits",
+    "read_table", "sync_counts",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
     "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "recent_log_errors",

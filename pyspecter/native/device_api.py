@@ -86,3 +86,63 @@ def device_stats(model: ModelPtr) -> DeviceStats:
     out = DeviceStats()
     slots().get_device_stats(model, ctypes.byref(out))
     return out
+
+
+class SyncCounts(ctypes.Structure):
+    """struct llama_pyspecter_sync_counts: host<->device synchronisations the scheduler actually took, on this
+    thread, since the last sync_counts_reset (counted on devices passed to count_syncs)."""
+
+    _fields_ = [
+        ("syncs", ctypes.c_int64),  # backend synchronizes of a device: the host waited for its queue
+        ("event_syncs", ctypes.c_int64),  # event synchronizes on a device
+        ("device_computes", ctypes.c_int64),  # device splits computed
+        ("host_computes", ctypes.c_int64),  # host (CPU) splits computed
+        ("switches", ctypes.c_int64),  # consecutive splits on different kinds (host, device)
+    ]
+
+    syncs: int
+    event_syncs: int
+    device_computes: int
+    host_computes: int
+    switches: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+@ctypes_function("llama_pyspecter_count_syncs", [ctypes.c_void_p], _i32)
+def llama_pyspecter_count_syncs(dev: int, /) -> int:
+    """Count dev's (a ggml_backend_dev_t) synchronisations from now on: its backends made after this call."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_get_sync_counts", [ctypes.POINTER(SyncCounts)], None)
+def llama_pyspecter_get_sync_counts(out: Any, /) -> None:
+    """Fill a SyncCounts with this thread's counts."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_sync_counts_reset", [], None)
+def llama_pyspecter_sync_counts_reset() -> None:
+    """Zero this thread's counts."""
+    ...
+
+
+def count_syncs(*devs: int) -> None:
+    """Count the synchronisations of these ggml devices (and the CPU's, whose splits are the host's) from now on:
+    call before the contexts to be counted are made."""
+    from pyspecter.native.devices import cpu_device
+
+    for dev in (*devs, cpu_device()):
+        rc = slots().count_syncs(dev)
+        if rc != 0:
+            raise RuntimeError(f"llama_pyspecter_count_syncs: {rc}")
+
+
+def sync_counts(reset: bool = False) -> SyncCounts:
+    """This thread's synchronisation counts since the last reset (``reset``: then zero them)."""
+    out = SyncCounts()
+    slots().get_sync_counts(ctypes.byref(out))
+    if reset:
+        slots().sync_counts_reset()
+    return out

@@ -32,6 +32,7 @@ from pyspecter.placement import SlotCount, budget_slot_text
 from pyspecter.prompts import PACKAGED, load_prompts, render_prompt
 from pyspecter.speed import decode_tok_s
 from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
+from pyspecter.study.bench_device import device_columns, predictions, syncs_over_device
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
@@ -80,14 +81,6 @@ def prompt_sets(path: Path, items: list[dict] | None, prompt_len: int | None) ->
         if items is None:
             return [_prompt_tokens(model, prompt_len or DEFAULT_PROMPT_LEN)]
         return [model.tokenize(render_prompt(model, p["messages"]))[:prompt_len] for p in items]
-
-
-def device_columns(splits: int | None, n_moe_layers: int, on_device: bool) -> dict:
-    """A device row's host round trips: llama.cpp's splits of the one-token graph, and the switches beyond the two
-    every device graph has (the host's input split, then the device), per MoE layer."""
-    if not on_device or splits is None:
-        return {}
-    return {"splits_per_token": splits, "host_switches_per_moe_layer": (splits - 2) / n_moe_layers}
 
 
 def calibration_profile(path: Path, layout: ModelLayout, n_threads: int) -> dict[int, list[int]]:
@@ -278,6 +271,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     if "static-hot" in policies:
         say("static-hot: profiling the calibration prompts", 0, 0)
     hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
+    if dev is not None:  # what the scheduler actually does per token, beside its split count (device_columns)
+        native.count_syncs(dev.ptr)
     say(f"measuring the {tier} tier's link", 0, 0)
     link_gbps = measure_link(path, tier, device=dev)
     plan, plan_info = plan_for(path, layout, dev, budget_bytes, n_threads) if dev is not None and "plan" in policies \
@@ -304,7 +299,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "slots": str(SlotCount(tuple(slots + extra.get(L.index, 0) for L in layout.layers), layout.n_expert)),
                  "engine_slots": budget_slot_text(  # generate's slots beside the baselines', which take it whole
                      layout, str(budget_bytes), path, tier=tier, device=device),
-                 "n_expert_used": layout.n_expert_used, "prompts": str(prompts) if prompts is not None else
+                 "n_expert_used": layout.n_expert_used, "n_moe_layers": len(layout.layers),
+                 "prompts": str(prompts) if prompts is not None else
                  PACKAGED if split else None,
                  "split": split,
                  "n_prompts": len(sets), "prompt_tokens": n_prompt_tokens, "decode_tokens": n, "decode": mode,
@@ -340,7 +336,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             # from a cold start to the first prompt's first token: load + that prefill (see Run.load_s)
             "cold_ttft_s": statistics.median(r.load_s + r.first_prefill_s for r in rs),
             "hit_rate": c.get("hit_rate", 1.0), "coverage": c.get("slot_row_rate", 1.0),
-            **device_columns(rs[-1].splits, len(layout.layers), dev is not None),
+            **device_columns(rs[-1].splits, len(layout.layers), dev is not None, rs[-1].syncs, n_decode),
             "bytes_per_token": statistics.mean(ups) / n_decode,
             "stall_ms_per_token": statistics.mean(hook_ms) / n_decode,
             "route_us_per_call": c.get("route_us_per_call", 0.0), "hook_us_per_call": c.get("hook_us_per_call", 0.0),
@@ -408,6 +404,9 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         tpot = max(ar, t_link)
         out["policies"]["oracle-bound"] = {"tpot_ms": 1e3 * tpot, "tpot_mean_ms": 1e3 * tpot, "decode_tok_s": 1 / tpot,
                                            "bytes_per_token": mn * layer_bytes / n_decode, "computed": True}
+    syncs_over_device(out["policies"], len(layout.layers))
+    if dev is not None:
+        predictions(out, layout, path, dev, n_threads)
     if {"all-resident", "stock-device"} <= out["policies"].keys() and "tpot_ms" in out["policies"]["stock-device"]:
         # every expert in device memory both ways: what our per-layer routing round trip (device -> host ids ->
         # device remap, and the slot/host matmul pair) costs on top of stock

@@ -23,7 +23,7 @@ from pyspecter.layerplan import LayerPlan, n_cpu_moe_for
 from pyspecter.layout import ModelLayout
 from pyspecter.misses import computes_in_place
 from pyspecter.models.calibration import select_neurons
-from pyspecter.native import Context, Model, graph_splits
+from pyspecter.native import Context, Model, graph_splits, sync_counts
 from pyspecter.native.devices import Device
 from pyspecter.native_residency import layer_cpu_p50_us
 from pyspecter.policies import hot_experts
@@ -54,6 +54,15 @@ class Run:
     splits: int | None = None
     decode: str = FREE  # or FORCED: every step fed the held-out text's next token
     digests: list[str] | None = None  # teacher-forced: each fed token's logits row (forced.digest), in order
+    # synchronisations the scheduler actually took over decode (native.sync_counts, summed over the prompts; zeros
+    # unless bench asked native.count_syncs to count the device)
+    syncs: dict | None = None
+
+
+def _add_syncs(total: dict | None) -> dict:
+    """``total`` plus this thread's synchronisation counts since the last reset."""
+    now = sync_counts().as_dict()
+    return {k: (total or {}).get(k, 0) + v for k, v in now.items()}
 
 
 def step_token_times(stamps: list[float], steps: list[int]) -> list[float]:
@@ -210,6 +219,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
             cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss
         first_prefill, digests = None, [] if forced is not None else None
+        syncs: dict | None = None
         with Context(model, n_threads=n_threads, n_ctx=max(map(len, prompts)) + n + 8) as ctx:
             splits = graph_splits()
             ctx.warmup()
@@ -226,6 +236,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
                     cache.reset_counters()
                     if cache.trace is not None:
                         del cache.trace[mark:]  # prefill's routing is a batch, not what decode must predict
+                sync_counts(reset=True)  # decode's synchronisations only
                 for t in range(n):
                     if forced is None:
                         tokens.append(int(np.argmax(logits)))
@@ -236,6 +247,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
                     logits = ctx.decode([tokens[-1]])
                     tpots.append(time.perf_counter() - t0)
                     peak = max(peak, proc.memory_info().rss)
+                syncs = _add_syncs(syncs)
                 if cache:
                     parts.append(cache.counters())
                     cache.check()
@@ -243,7 +255,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         if cache:
             c["slots_mean"] = cache.usable_mean()
         return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens, load_s, first_prefill or 0.0,
-                   splits[1] if splits else None, FREE if forced is None else FORCED, digests)
+                   splits[1] if splits else None, FREE if forced is None else FORCED, digests, syncs)
     finally:
         if cache:
             cache.close()
@@ -272,6 +284,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
     try:
         prefill, tpots, parts, tokens = 0.0, [], [], []
         first_prefill, digests = None, [] if forced is not None else None
+        syncs: dict | None = None
         for i, prompt in enumerate(prompts):
             stamps: list[float] = []
             if forced is not None:
@@ -284,6 +297,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
                 steps.append(s.decoder.stats.steps if draft is not None else len(stamps))  # no draft: a token a step
                 if len(stamps) == 1:  # decode counters only, as for the other policies
                     s.reset_stats()
+                    sync_counts(reset=True)
 
             t0 = time.perf_counter()
             # the first token comes straight from the target's prefill; the rest are decode
@@ -291,6 +305,7 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
             prefill += stamps[0] - t0
             first_prefill = prefill if first_prefill is None else first_prefill
             tpots += step_token_times(stamps, steps)
+            syncs = _add_syncs(syncs)
             parts.append(s.cache.counters() if s.cache is not None else {})
             tokens += out[:n]  # as the other policies count them: the first n, the prefill's own included
             if forced is not None:
@@ -309,6 +324,6 @@ def run_specter(path: Path, draft: Path | None, budget_bytes: int | None, count_
         c.update({k: st[k] for k in ENGINE_STATS if k in st})
         return Run(prefill, tpots, c, proc.memory_info().rss, tokens=tokens, load_s=load_s,
                    first_prefill_s=first_prefill or 0.0, splits=s.target_splits[1] if s.target_splits else None,
-                   decode=FREE if forced is None else FORCED, digests=digests)
+                   decode=FREE if forced is None else FORCED, digests=digests, syncs=syncs)
     finally:
         s.close()

@@ -121,3 +121,14 @@ def test_catalog_names_build_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(big, "build_big", lambda name: built.append(name) or Path(f"/cache/{name}.gguf"))
     assert catalog.resolve_model("big-qwen3moe") == Path("/cache/big-qwen3moe.gguf") and built == ["big-qwen3moe"]
     assert "big-qwen3moe" in run_cli("models", "list").stdout.split()
+
+
+def test_the_bytes_do_not_depend_on_the_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts are made on several threads (the GPU machine builds big-qwen3moe-q4 inside its lease); each has its
+    own random stream, so one thread and four write the same file."""
+    spec = _small(n_layer=2, n_expert=16)
+    monkeypatch.setattr(big, "_WORKERS", 1)
+    one = big.build_big(spec, tmp_path / "one", progress=False).read_bytes()
+    monkeypatch.setattr(big, "_WORKERS", 4)
+    four = big.build_big(spec, tmp_path / "four", progress=False).read_bytes()
+    assert one == four

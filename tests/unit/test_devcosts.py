@@ -83,3 +83,55 @@ def test_differences_bigger_than_the_step_are_scaled_into_it() -> None:
     f = got.split_us / big.split_us
     assert 0 < f < 1 and math.isclose(got.cpu_row_us, big.cpu_row_us * f) and \
         math.isclose(got.dev_row_us, big.dev_row_us * f)
+
+
+@pytest.mark.parametrize("true", [
+    DeviceCosts(split_us=37.0, link_gbps=50.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=400.0),  # H200-like
+    DeviceCosts(split_us=1500.0, link_gbps=1.5, cpu_row_us=450.0, dev_row_us=450.0, base_us=2000.0),  # RPC-like
+], ids=["gpu", "rpc"])
+def test_calibrate_recovers_the_split_and_base_from_benchs_two_stock_rows(true: DeviceCosts) -> None:
+    """bench's stock --cpu-moe and --n-cpu-moe times, as the model says they would be with the true costs, refit
+    a first measurement whose split and base were wrong: the rows (measured apart) stay, the split and base come
+    back, and the link is bench's."""
+    from pyspecter.devcosts import calibrate
+    from pyspecter.layerplan import predict_us, stock_plan
+
+    lay = _layout()
+    first = DeviceCosts(split_us=5 * true.split_us, link_gbps=1.0, cpu_row_us=true.cpu_row_us,
+                        dev_row_us=true.dev_row_us, base_us=0.1 * true.base_us)
+    n_cpu = 3
+    a = predict_us(stock_plan(lay, None), lay, true) / 1e3
+    b = predict_us(stock_plan(lay, n_cpu), lay, true) / 1e3
+    got = calibrate(lay, first, a, b, n_cpu, true.link_gbps)
+    for field in ("split_us", "base_us", "cpu_row_us", "dev_row_us", "link_gbps"):
+        assert math.isclose(getattr(got, field), getattr(true, field), rel_tol=1e-9, abs_tol=1e-6), field
+
+
+def test_calibrate_keeps_the_difference_when_the_split_would_go_negative() -> None:
+    from pyspecter.devcosts import calibrate
+
+    lay = _layout()
+    k = lay.n_expert_used
+    first = DeviceCosts(split_us=50.0, link_gbps=5.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0)
+    # --n-cpu-moe 4's full layers save only 10 us each, less than k (cpu - dev): the split is 0, the host row gives
+    got = calibrate(lay, first, 5.0, 5.0 - 4 * 10.0 / 1e3, 4, 0.0)
+    assert got.split_us == 0.0 and math.isclose(k * (got.cpu_row_us - got.dev_row_us), 10.0)
+    assert got.link_gbps == 5.0 and got.base_us >= 0.0  # no link measured: the first one stays
+
+
+def test_the_plan_reads_a_saved_calibration(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What bench saves is what measure (and so plan_for, the session's plan and inspect --device) returns next."""
+    from pyspecter.devcosts import cost_source, measure, save_calibration
+
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+
+    class Dev:
+        description = "dev"
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    costs = DeviceCosts(split_us=12.0, link_gbps=30.0, cpu_row_us=40.0, dev_row_us=3.0, base_us=700.0)
+    assert cost_source(f, Dev()) == "none"  # type: ignore[arg-type]
+    save_calibration(f, Dev(), 2, costs, "bench 2026-12-04")  # type: ignore[arg-type]
+    assert measure(f, _layout(), Dev()) == costs  # type: ignore[arg-type]  # cached: nothing is measured
+    assert cost_source(f, Dev()) == "bench 2026-12-04"  # type: ignore[arg-type]

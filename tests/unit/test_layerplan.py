@@ -137,3 +137,28 @@ def test_equal_rows_and_dear_switches_put_every_layer_that_fits_on_the_device() 
     for share in (0.3, 0.5):
         budget = int(share * lay.expert_total_bytes)
         assert choose_plan(lay, budget, dear) == stock_plan(lay, n_cpu_moe_for(lay, budget))
+
+
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_the_plan_never_switches_more_than_stock_n_cpu_moe_where_the_device_is_no_slower(uneven: bool) -> None:
+    """Counts, not times: wherever the device computes a row no slower than the host, the plan's host switches per
+    token are never above stock --n-cpu-moe's at the same memory (a full layer saves both its switches and its
+    rows; ties go to fewer switches). Where the device is slower per row, all-host may rightly win."""
+    lay = _uneven_layout() if uneven else _layout()
+    for costs in _grid():
+        if costs.dev_row_us > costs.cpu_row_us:
+            continue
+        for share in (0.0, 0.1, 0.3, 0.5, 0.75, 0.99, 1.0):
+            budget = int(share * lay.expert_total_bytes)
+            plan = choose_plan(lay, budget, costs)
+            stock = stock_plan(lay, n_cpu_moe_for(lay, budget))
+            assert plan.switches_per_token() <= stock.switches_per_token(), (costs, share, plan.describe(lay))
+
+
+def test_a_tie_goes_to_fewer_switches() -> None:
+    """Switches free and the device as fast as the host: every placement is predicted alike, and the plan is stock
+    --n-cpu-moe's (the old rule, --cpu-moe first, put every layer on the host)."""
+    lay = _layout()
+    flat = DeviceCosts(split_us=0.0, link_gbps=2.0, cpu_row_us=40.0, dev_row_us=40.0, base_us=1000.0)
+    budget = lay.expert_total_bytes // 2
+    assert choose_plan(lay, budget, flat).kinds == stock_plan(lay, n_cpu_moe_for(lay, budget)).kinds

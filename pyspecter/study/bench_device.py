@@ -1,0 +1,76 @@
+"""bench's device rows: host round trips as llama.cpp plans them (its split count) and as the scheduler takes them
+(``native.sync_counts``), and the layer plan's predictions beside what was measured."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pyspecter.devcosts import calibrate, save_calibration
+from pyspecter.layerplan import DeviceCosts, LayerPlan, predict_us, stock_plan
+from pyspecter.layout import ModelLayout
+from pyspecter.native.devices import Device
+
+
+def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs: dict | None = None,
+                   n_tokens: int = 0) -> dict:
+    """A device row's host round trips: llama.cpp's splits of the one-token graph, and the switches beyond the two
+    every device graph has (the host's input split, then the device), per MoE layer; and, from ``syncs`` (the
+    decode's ``native.sync_counts`` over ``n_tokens`` tokens), what the scheduler actually did per token: splits
+    computed, switches between host and device taken, and the host's waits for the device (stream or event
+    synchronisations), with the same two-per-graph floor taken out per MoE layer."""
+    if not on_device or splits is None:
+        return {}
+    out = {"splits_per_token": splits, "host_switches_per_moe_layer": (splits - 2) / n_moe_layers}
+    if syncs and n_tokens > 0 and syncs.get("device_computes", 0) + syncs.get("host_computes", 0) > 0:
+        per = {k: v / n_tokens for k, v in syncs.items()}
+        out.update(splits_computed_per_token=per["device_computes"] + per["host_computes"],
+                   # split boundaries crossed (a token's first split counts its switch from the token before's last)
+                   switches_taken_per_token=per["switches"],
+                   switches_taken_per_moe_layer=(per["switches"] - 2) / n_moe_layers,
+                   # the host waiting for the device: stream synchronisations and event synchronisations
+                   host_syncs_per_token=per["syncs"] + per["event_syncs"], sync_counts_per_token=per)
+    return out
+
+
+def syncs_over_device(policies: dict, n_moe_layers: int) -> None:
+    """Each device row's host synchronisations per token beyond stock-device's (a graph with no host layer: its
+    inputs and its logits cost the same few in every row), per MoE layer: what a row's host and slot layers add.
+    Only where stock-device ran and counted them."""
+    ref = policies.get("stock-device", {}).get("host_syncs_per_token")
+    if ref is None:
+        return
+    for p in policies.values():
+        if "host_syncs_per_token" in p:
+            p["host_syncs_per_moe_layer"] = (p["host_syncs_per_token"] - ref) / n_moe_layers
+
+
+def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_threads: int) -> None:
+    """The cost model beside what bench measured: each device row whose placement the model knows (stock's three,
+    the plan) gets the time it predicted; where stock --cpu-moe and --n-cpu-moe both ran, the costs are refitted
+    to them (``devcosts.calibrate``), saved for the plan to read from now on, and each row gets the refitted
+    prediction too. Adds ``out["layer_plan"]["calibrated"]``."""
+    info = out.get("layer_plan")
+    pol = out["policies"]
+    if info is None:
+        return
+    n_cpu = info["stock_n_cpu_moe"]
+    plans = {"stock-cpu-moe": stock_plan(layout, None), "stock-n-cpu-moe": stock_plan(layout, n_cpu),
+             "stock-device": stock_plan(layout, 0),
+             "plan": LayerPlan({int(il): k for il, k in info["kinds"].items()}, info["n_slots"])}
+    costs = DeviceCosts(**info["costs"])
+    for name, plan in plans.items():
+        if "tpot_ms" in pol.get(name, {}):
+            pol[name]["predicted_ms"] = predict_us(plan, layout, costs) / 1e3
+    a, b = pol.get("stock-cpu-moe", {}), pol.get("stock-n-cpu-moe", {})
+    if "tpot_ms" not in a:
+        return
+    fitted = calibrate(layout, costs, a["tpot_ms"], b.get("tpot_ms"), n_cpu, out.get("link_gbps", 0.0))
+    save_calibration(path, device, n_threads, fitted,
+                     f"bench {time.strftime('%Y-%m-%d')}: stock --cpu-moe {a['tpot_ms']:.2f} ms"
+                     + (f", --n-cpu-moe {n_cpu} {b['tpot_ms']:.2f} ms" if "tpot_ms" in b else "")
+                     + f", link {out.get('link_gbps', 0.0):.2f} GB/s")
+    info["calibrated"] = fitted.as_dict()
+    for name, plan in plans.items():
+        if "tpot_ms" in pol.get(name, {}):
+            pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted) / 1e3
