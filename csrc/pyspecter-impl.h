@@ -328,6 +328,10 @@ int32_t pyspecter_read_range(llama_pyspecter_layer * L, int32_t kind, int32_t sl
 int32_t pyspecter_land_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t offset, int64_t lo,
                              int64_t hi, const void * buf, size_t got);
 
+// Fills bytes [lo, hi) of one kind of a slot (kind -1: every kind whole) with 0xFF, NaN in every float and block
+// scale type: what a read still landing, or one torn, leaves there (uploads.cpp)
+int32_t pyspecter_poison_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t lo, int64_t hi);
+
 // io_uring without liburing (io_ring.cpp): one ring of depth reads, opened where the kernel and its sandbox allow
 // it (null otherwise: the caller falls back to pread threads). Submission and completion run on one thread; only
 // wake() may be called from others.

@@ -44,6 +44,38 @@ struct pyspecter_task {
 
 enum { CLS_DEMAND = 0, CLS_BACKGROUND = 1, CLS_PREFETCH = 2, CLS_ADVISE = 3 };
 
+// Injected read faults (llama_pyspecter_set_read_faults): set between decodes, read by every reader
+struct pyspecter_faults {
+    std::atomic<int32_t> fail_every{0}, slow_us{0}, land_us{0};
+    std::atomic<bool> torn{false}, on{false};
+    std::atomic<int64_t> reads{0}, injected{0};
+
+    // One read (kind >= 0: bytes [lo, hi) of that kind; -1: every kind) through the faults: read()'s status, or
+    // the injected failure
+    template <typename F>
+    int32_t apply(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t lo, int64_t hi, F && read) {
+        if (!on.load(std::memory_order_relaxed)) {
+            return read();
+        }
+        if (const int32_t us = slow_us.load()) {
+            std::this_thread::sleep_for(std::chrono::microseconds(us));
+        }
+        const int32_t every = fail_every.load();
+        if (every > 0 && ++reads % every == 0) {
+            injected++;
+            if (torn) {
+                pyspecter_poison_range(L, kind, slot, lo, hi);
+            }
+            return LLAMA_PYSPECTER_ERR_IO;
+        }
+        if (const int32_t us = land_us.load()) {
+            pyspecter_poison_range(L, kind, slot, lo, hi);
+            std::this_thread::sleep_for(std::chrono::microseconds(us));
+        }
+        return read();
+    }
+};
+
 struct pyspecter_residency {
     llama_pyspecter_slots * s = nullptr;
     llama_pyspecter_residency_params p = {};
@@ -78,6 +110,7 @@ struct pyspecter_residency {
     size_t read_buf = 0;  // a reader's buffer: one chunk's span
     pyspecter_ring * ring = nullptr; // file reads go through io_uring (one thread); null: pread threads
     bool ring_waiting = false;       // under qmu: the ring's thread is blocked for completions (wake it)
+    pyspecter_faults faults;              // injected (tests); off by default
     std::atomic<int64_t> queued_bytes{0}; // bytes of the tasks queued and not yet taken by a reader
     size_t max_chunks = 0;                // the chunks of one expert's read at most (push reserves them)
 

@@ -218,7 +218,9 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
         const int64_t t0 = pyspecter_now_ns(), cpu0 = pyspecter_op_cpu_ns();
         for (auto [e, slot] : loads) {
             c.uploads++;
-            const int32_t rc = pyspecter_run_copy(c, [&] { return pyspecter_load_one(L, e, slot); });
+            const int32_t rc = pyspecter_run_copy(c, [&] {
+                return R->faults.apply(L, -1, slot, 0, 0, [&] { return pyspecter_load_one(L, e, slot); });
+            });
             if (rc == LLAMA_PYSPECTER_OK) {
                 map_slot(R, L, e, slot);
             }
@@ -546,7 +548,9 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
         }
         int32_t rc = LLAMA_PYSPECTER_OK;
         if (R->p.fd < 0) {
-            rc = pyspecter_run_copy(c, [&] { return pyspecter_load_one(L, e, slot); });
+            rc = pyspecter_run_copy(c, [&] {
+                return R->faults.apply(L, -1, slot, 0, 0, [&] { return pyspecter_load_one(L, e, slot); });
+            });
         } else {
             void * buf = nullptr;
             if (posix_memalign(&buf, 4096, R->buf_size) != 0) {
@@ -556,7 +560,9 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
                 if (L->host[k]) {
                     const int64_t off = L->file_off[k] + (int64_t) (L->host[k]->nb[2] * e);
                     rc = pyspecter_run_copy(c, [&] {
-                        return pyspecter_read_one(L, k, slot, R->p.fd, off, buf, R->buf_size, R->p.drop_cache);
+                        return R->faults.apply(L, k, slot, 0, (int64_t) L->host[k]->nb[2], [&] {
+                            return pyspecter_read_one(L, k, slot, R->p.fd, off, buf, R->buf_size, R->p.drop_cache);
+                        });
                     });
                 }
             }

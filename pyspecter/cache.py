@@ -395,6 +395,10 @@ class ExpertCache:
             return self.nat.since_start("upload_failures")
         return self.residency.failed_uploads
 
+    def faults_injected(self) -> int:
+        """Reads the tier's injected faults failed so far (``Tier.faults``; 0 without native residency)."""
+        return self.nat.faults_injected() if self.nat is not None else 0
+
     def warm(self, experts_by_layer: dict[int, list[int]]) -> None:
         """Fill slots before the first token (e.g. from a routing profile), hottest first."""
         for il, experts in experts_by_layer.items():

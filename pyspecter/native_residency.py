@@ -118,6 +118,8 @@ class NativeResidency:
                 for kind, t in L.tensors.items():
                     self._check(self.api.set_file_offset(model.ptr, L.index, native.KIND_NAMES[kind], t.offset),
                                 f"layer {L.index}: where {t.name} is in the file")
+        if tier.faults is not None:
+            self._check(self.api.set_read_faults(model.ptr, ctypes.byref(tier.faults)), "could not inject read faults")
         if reuse is not None and policy == "predicted":
             self._set_reuse_maps(reuse, duel)
         self.ahead = ahead
@@ -210,6 +212,10 @@ class NativeResidency:
 
     def drain(self) -> None:
         self.api.drain(self.model.ptr)
+
+    def faults_injected(self) -> int:
+        """Reads failed by the tier's injected faults so far (``Tier.faults``)."""
+        return max(self.api.read_faults_injected(self.model.ptr), 0)
 
     def release_held(self) -> int:
         """The draft is dropped (between decodes): C hands out every layer's held slots from here on, ends their

@@ -35,6 +35,8 @@ class Tier:
     # where the experts' home copy is, as the miss modes see it (misses.default_miss): "host" RAM the host computes
     # from at full speed, "link" (RAM behind a throttled, emulated link), or "file" (read from disk)
     home = "link"
+    # faults injected into every read the engine makes from this tier (tests: ``native.ReadFaults``); None: none
+    faults: native.ReadFaults | None = None
 
     def bind(self, model: native.Model, layout: ModelLayout) -> None:
         self.model, self.layout, self.api = model, layout, native.slots()
@@ -107,6 +109,9 @@ class RamTier(Tier):
     name = "ram"
     home = "host"
 
+    def __init__(self, faults: native.ReadFaults | None = None) -> None:
+        self.faults = faults
+
     def upload(self, il: int, expert: int, slot: int) -> None:
         # on the compute thread itself: no hand-off to the upload thread for a copy it waits for anyway
         if self.api.load_expert(self.model.ptr, il, expert, slot) != 0:
@@ -125,9 +130,10 @@ class EmulatedTier(RamTier):
     emulated = True
     home = "link"  # the link is what is emulated: the host computes from its end of it only at the link's speed
 
-    def __init__(self, gbps: float) -> None:
+    def __init__(self, gbps: float, faults: native.ReadFaults | None = None) -> None:
         if gbps <= 0:
             raise SpecterError(f"emulated tier needs a positive bandwidth, got {gbps}")
+        super().__init__(faults)
         self.gbps = gbps
         self.name = f"emulated:{gbps:g}"
 
@@ -192,7 +198,9 @@ class DiskTier(Tier):
     home = "file"
     ALIGN = 4096
 
-    def __init__(self, queue_depth: int = 4, read_chunk: int = 0, io: str | None = None) -> None:
+    def __init__(self, queue_depth: int = 4, read_chunk: int = 0, io: str | None = None,
+                 faults: native.ReadFaults | None = None) -> None:
+        self.faults = faults
         self.queue_depth = max(1, queue_depth)
         self.read_chunk = read_chunk
         self.io = io or os.environ.get("SPECTER_DISK_IO") or "threads"

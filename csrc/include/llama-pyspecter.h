@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 23
+#define LLAMA_PYSPECTER_VERSION 24
 
 #ifdef __cplusplus
 extern "C" {
@@ -289,6 +289,19 @@ LLAMA_API int32_t llama_pyspecter_set_planner(struct llama_model * model, bool e
 // computes (tests compare it with the Python predictor). 0, or a negative status (no such map).
 LLAMA_API int32_t llama_pyspecter_ahead_probs(struct llama_model * model, int32_t il_src, int32_t il_dst,
                                               const float * x, int32_t n_embd, float * out, int32_t n_expert);
+// Fault injection (tests): every read native residency makes (a chunk of a file read, a copy from the host copy,
+// a late expert's read again) goes through these from the next read on. Set between decodes; all zero: none.
+struct llama_pyspecter_read_faults {
+    int32_t fail_every; // every fail_every-th read fails (ERR_IO) and its expert stays a miss; 0: none fail
+    bool    torn;       // a failing read first fills its bytes of the slot with 0xFF (NaN), as a torn read would
+    int32_t slow_us;    // every read first waits this long: a slow disk
+    int32_t land_us;    // every read fills its bytes of the slot with 0xFF, waits this long, then lands: a slot
+                        // read before its read landed turns the logits NaN
+};
+LLAMA_API int32_t llama_pyspecter_set_read_faults(struct llama_model * model,
+                                                  const struct llama_pyspecter_read_faults * faults);
+// reads failed by injection since residency_init, or a negative status
+LLAMA_API int64_t llama_pyspecter_read_faults_injected(const struct llama_model * model);
 // wait for every read in flight and map what landed (between decodes)
 LLAMA_API int32_t llama_pyspecter_drain(struct llama_model * model);
 // The routing trace (record): flat int32 [il, n, e_1 .. e_n] per routing call, the distinct experts ascending.

@@ -22,6 +22,7 @@ from pyspecter.native.lib import (
     NATIVE_POLICIES,
     PATCH_SERIES_VERSION,
     ROUTE_CB,
+    ReadFaults,
     WAIT_CB,
     ResidencyParams,
     SlotAPI,
@@ -39,7 +40,7 @@ from pyspecter.native.stats_api import HIST_NS, layer_cpu_hist
 
 __all__ = [
     "ERR_IO", "HIST_NS", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
-    "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ResidencyParams",
+    "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ReadFaults", "ResidencyParams",
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits", "read_table",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",

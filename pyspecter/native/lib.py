@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 23
+PATCH_SERIES_VERSION = 24
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out
@@ -243,6 +243,19 @@ class ResidencyParams(ctypes.Structure):
         ("record", ctypes.c_bool),
         ("read_chunk", ctypes.c_int32),  # bytes per file read at most (<= 0: 256 KiB)
         ("io", ctypes.c_int32),  # NATIVE_IO
+    ]
+
+
+class ReadFaults(ctypes.Structure):
+    """struct llama_pyspecter_read_faults: faults injected into native residency's reads (tests). fail_every: every
+    n-th read fails (0: none); torn: a failing read first fills its slot bytes with NaN; slow_us: every read waits
+    first; land_us: every read NaN-fills its slot bytes and waits before landing."""
+
+    _fields_ = [
+        ("fail_every", ctypes.c_int32),
+        ("torn", ctypes.c_bool),
+        ("slow_us", ctypes.c_int32),
+        ("land_us", ctypes.c_int32),
     ]
 
 
@@ -523,6 +536,17 @@ def llama_pyspecter_set_planner(model: ModelPtr, enabled: bool, min_prob: float,
 def llama_pyspecter_ahead_probs(model: ModelPtr, il_src: int, il_dst: int, x: int, n_embd: int, out: int,
                                 n_expert: int, /) -> int:
     """What il_src's map for il_dst predicts for router input x (float32 [n_embd]) into out (float32 [n_expert])."""
+
+
+@ctypes_function("llama_pyspecter_set_read_faults", [_model, ctypes.POINTER(ReadFaults)], _i32)
+def llama_pyspecter_set_read_faults(model: ModelPtr, faults: Any, /) -> int:
+    """int32_t llama_pyspecter_set_read_faults(llama_model *, const llama_pyspecter_read_faults *): every read of
+    native residency goes through these faults from the next one on (between decodes)."""
+
+
+@ctypes_function("llama_pyspecter_read_faults_injected", [_model], _i64)
+def llama_pyspecter_read_faults_injected(model: ModelPtr, /) -> int:
+    """int64_t llama_pyspecter_read_faults_injected(const llama_model *): reads failed by injection so far."""
 
 
 @ctypes_function("llama_pyspecter_drain", [_model], _i32)
