@@ -621,8 +621,22 @@ bool pyspecter_native_in_time(llama_pyspecter_layer * D, int32_t h) {
 }
 
 //
-// API: fault injection (tests)
+// API
 //
+
+int32_t llama_pyspecter_set_file_offset(llama_model * model, int32_t il, int32_t kind, int64_t offset) {
+    auto * R = residency_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!R || !L || kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->host[kind] || offset < 0) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    L->file_off[kind] = offset;
+    return LLAMA_PYSPECTER_OK;
+}
+
+// fault injection (tests)
+
 
 int32_t llama_pyspecter_set_read_faults(llama_model * model, const llama_pyspecter_read_faults * f) {
     auto * R = residency_of(model);

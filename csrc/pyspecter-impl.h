@@ -308,6 +308,8 @@ pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s,
 // offset, through the page-aligned buf of buf_size bytes) into a slot. Both run on any thread; the caller counts
 // failures (pyspecter_run_copy).
 int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
+// one kind of one expert's bytes (nbytes, the slot's whole expert) into a slot
+int32_t pyspecter_write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes);
 int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
                            void * buf, size_t buf_size, bool drop_cache);
 

@@ -76,6 +76,17 @@ struct pyspecter_faults {
     }
 };
 
+// One layer's surrogates (surrogate.cpp; MISS_SURROGATE, set_surrogates): every expert's kept bytes, and the
+// reserved slots they are expanded into
+struct pyspecter_surrogates {
+    int32_t first = 0, n_reserved = 0, group = 0, n_keep = 0;
+    std::vector<int32_t> groups;                        // [n_expert][n_keep] kept neuron groups
+    std::vector<uint8_t> kept[LLAMA_PYSPECTER_N_KINDS]; // per kind, as set_surrogate_bytes takes them
+    std::vector<int32_t> in;                            // reserved slot - first -> expert expanded there, -1
+    std::vector<int32_t> mapped;                        // experts routed to a reserved slot for this ubatch
+    std::vector<uint8_t> scratch;                       // one expanded kind
+};
+
 struct pyspecter_residency {
     llama_pyspecter_slots * s = nullptr;
     llama_pyspecter_residency_params p = {};
@@ -111,6 +122,8 @@ struct pyspecter_residency {
     pyspecter_ring * ring = nullptr; // file reads go through io_uring (one thread); null: pread threads
     bool ring_waiting = false;       // under qmu: the ring's thread is blocked for completions (wake it)
     pyspecter_faults faults;              // injected (tests); off by default
+    std::vector<std::unique_ptr<pyspecter_surrogates>> sur; // by layer index (MISS_SURROGATE); null: none
+    std::atomic<int64_t> surrogate_uses{0};
     std::atomic<int64_t> queued_bytes{0}; // bytes of the tasks queued and not yet taken by a reader
     size_t max_chunks = 0;                // the chunks of one expert's read at most (push reserves them)
 
@@ -179,3 +192,15 @@ void recency_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & nee
 int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed);
 void duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & needed,
                   bool count);
+
+// residency.cpp's slot table, for the miss mode in surrogate.cpp (mu held)
+pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert);
+void evict_slot(llama_pyspecter_layer * L, int32_t slot);
+std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
+                                           int32_t slot, int32_t cls, float priority = 0.0f, int64_t deadline = 0);
+void wait_due(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing);
+// surrogate.cpp (mu held): the previous ubatch's surrogate routing ends (at a layer's routing call); a one-token
+// ubatch's misses are served by surrogates
+void pyspecter_unmap_surrogates(pyspecter_residency * R, llama_pyspecter_layer * L);
+void pyspecter_miss_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L,
+                              const std::vector<int32_t> & missing);

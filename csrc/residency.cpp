@@ -31,7 +31,7 @@ static void map_slot(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t
     L->last_use[slot] = L->loaded[slot] = R->clock;
 }
 
-static void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
+void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
     const int32_t prev = L->owner[slot];
     if (prev >= 0) {
         pyspecter_remap_set(L, prev, -1);
@@ -53,7 +53,7 @@ static void reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
     }
 }
 
-static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert) {
+pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert) {
     for (const auto & r : L->pending) {
         if (r && r->expert == expert && !r->dropped) { // a dropped one never lands: read the expert anew
             return r.get();
@@ -62,9 +62,8 @@ static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert
     return nullptr;
 }
 
-static std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
-                                                  int32_t slot, int32_t cls, float priority = 0.0f,
-                                                  int64_t deadline = 0) {
+std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
+                                           int32_t slot, int32_t cls, float priority, int64_t deadline) {
     auto r = std::make_shared<pyspecter_read>();
     r->L = L;
     r->expert = expert;
@@ -272,9 +271,9 @@ static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, con
     }
 }
 
-static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+// a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
+void wait_due(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
     auto & c = L->parent->counters;
-    // a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
     std::vector<pyspecter_read *> & due = R->landing;
     due.clear();
     {
@@ -291,6 +290,10 @@ static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const s
         c.waited += (int64_t) due.size();
         reap(R, L);
     }
+}
+
+static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+    wait_due(R, L, missing);
     for (int32_t e : missing) {
         if (L->remap[e] >= 0 || inflight(L, e)) {
             continue;
@@ -389,6 +392,9 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         L->ghost_held_misses += g;
         c.ghost_misses += g;
     }
+    if (!R->sur.empty() && R->sur[L->il]) {
+        pyspecter_unmap_surrogates(R, L);
+    }
     reap(R, L);
     drop_stale_lookahead(R, L);
     std::vector<int32_t> & missing = R->missing;
@@ -411,6 +417,8 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     if (!missing.empty() && moves) {
         if (R->p.miss == LLAMA_PYSPECTER_MISS_ORDERED && with_late) {
             miss_ordered(R, L, missing);
+        } else if (R->p.miss == LLAMA_PYSPECTER_MISS_SURROGATE && n_tokens == 1) {
+            pyspecter_miss_surrogate(R, L, missing);
         } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
             miss_wait(R, L, missing);
         } else if (n_tokens == 1) {
@@ -597,7 +605,7 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         return LLAMA_PYSPECTER_ERR_ENABLED;
     }
     if (params->policy < LLAMA_PYSPECTER_POLICY_LRU || params->policy > LLAMA_PYSPECTER_POLICY_SCORE ||
-            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_HOST ||
+            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_SURROGATE ||
             params->io < LLAMA_PYSPECTER_IO_AUTO || params->io > LLAMA_PYSPECTER_IO_THREADS) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
@@ -646,17 +654,6 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
 
 bool llama_pyspecter_residency_enabled(const llama_model * model) {
     return pyspecter_native_enabled(pyspecter_slots_of(model));
-}
-
-int32_t llama_pyspecter_set_file_offset(llama_model * model, int32_t il, int32_t kind, int64_t offset) {
-    auto * R = residency_of(model);
-    auto * L = pyspecter_layer_of(model, il);
-    if (!R || !L || kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->host[kind] || offset < 0) {
-        return LLAMA_PYSPECTER_ERR_ARG;
-    }
-    std::lock_guard<std::mutex> lk(R->mu);
-    L->file_off[kind] = offset;
-    return LLAMA_PYSPECTER_OK;
 }
 
 int32_t llama_pyspecter_set_usable(llama_model * model, int32_t il, int32_t n) {

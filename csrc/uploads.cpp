@@ -304,7 +304,7 @@ int32_t pyspecter_poison_range(llama_pyspecter_layer * L, int32_t kind, int32_t 
     });
 }
 
-static int32_t write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {
+int32_t pyspecter_write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {
     upload_batch b(L);
     b.copy(L->slot[kind], slot, src, nbytes);
     b.finish();
@@ -384,7 +384,7 @@ int32_t llama_pyspecter_write_slot(llama_model * model, int32_t il, int32_t kind
     if (rc != LLAMA_PYSPECTER_OK) {
         return rc;
     }
-    return pyspecter_run_copy(L->parent->counters, [=] { return write_one(L, kind, slot, src, nbytes); });
+    return pyspecter_run_copy(L->parent->counters, [=] { return pyspecter_write_one(L, kind, slot, src, nbytes); });
 }
 
 int32_t llama_pyspecter_load_expert(llama_model * model, int32_t il, int32_t expert, int32_t slot) {
@@ -487,7 +487,7 @@ int64_t llama_pyspecter_write_slot_async(llama_model * model, int32_t il, int32_
         return rc;
     }
     try {
-        return L->parent->uploads.enqueue([=] { return write_one(L, kind, slot, src, nbytes); });
+        return L->parent->uploads.enqueue([=] { return pyspecter_write_one(L, kind, slot, src, nbytes); });
     } catch (...) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY; // building the job
     }

@@ -9,6 +9,7 @@ from pyspecter.native.device_api import (
     device_stats,
     read_table,
 )
+from pyspecter.native.engine_api import ReadFaults
 from pyspecter.native.lib import (
     ERR_IO,
     INPUT_CB,
@@ -22,7 +23,6 @@ from pyspecter.native.lib import (
     NATIVE_POLICIES,
     PATCH_SERIES_VERSION,
     ROUTE_CB,
-    ReadFaults,
     WAIT_CB,
     ResidencyParams,
     SlotAPI,

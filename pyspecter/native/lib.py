@@ -226,7 +226,7 @@ class Stats(ctypes.Structure):
 
 # enum llama_pyspecter_policy / llama_pyspecter_miss
 NATIVE_POLICIES = {"lru": 0, "lfu": 1, "prev-token": 2, "score": 3}
-NATIVE_MISS = {"cpu": 0, "wait": 1, "ordered": 2, "host": 3}
+NATIVE_MISS = {"cpu": 0, "wait": 1, "ordered": 2, "host": 3, "surrogate": 4}
 NATIVE_IO = {"auto": 0, "threads": 1}  # enum llama_pyspecter_io
 
 
@@ -243,19 +243,6 @@ class ResidencyParams(ctypes.Structure):
         ("record", ctypes.c_bool),
         ("read_chunk", ctypes.c_int32),  # bytes per file read at most (<= 0: 256 KiB)
         ("io", ctypes.c_int32),  # NATIVE_IO
-    ]
-
-
-class ReadFaults(ctypes.Structure):
-    """struct llama_pyspecter_read_faults: faults injected into native residency's reads (tests). fail_every: every
-    n-th read fails (0: none); torn: a failing read first fills its slot bytes with NaN; slow_us: every read waits
-    first; land_us: every read NaN-fills its slot bytes and waits before landing."""
-
-    _fields_ = [
-        ("fail_every", ctypes.c_int32),
-        ("torn", ctypes.c_bool),
-        ("slow_us", ctypes.c_int32),
-        ("land_us", ctypes.c_int32),
     ]
 
 
@@ -536,17 +523,6 @@ def llama_pyspecter_set_planner(model: ModelPtr, enabled: bool, min_prob: float,
 def llama_pyspecter_ahead_probs(model: ModelPtr, il_src: int, il_dst: int, x: int, n_embd: int, out: int,
                                 n_expert: int, /) -> int:
     """What il_src's map for il_dst predicts for router input x (float32 [n_embd]) into out (float32 [n_expert])."""
-
-
-@ctypes_function("llama_pyspecter_set_read_faults", [_model, ctypes.POINTER(ReadFaults)], _i32)
-def llama_pyspecter_set_read_faults(model: ModelPtr, faults: Any, /) -> int:
-    """int32_t llama_pyspecter_set_read_faults(llama_model *, const llama_pyspecter_read_faults *): every read of
-    native residency goes through these faults from the next one on (between decodes)."""
-
-
-@ctypes_function("llama_pyspecter_read_faults_injected", [_model], _i64)
-def llama_pyspecter_read_faults_injected(model: ModelPtr, /) -> int:
-    """int64_t llama_pyspecter_read_faults_injected(const llama_model *): reads failed by injection so far."""
 
 
 @ctypes_function("llama_pyspecter_drain", [_model], _i32)
