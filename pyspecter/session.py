@@ -295,6 +295,8 @@ class Session:
                                  held_extra=self.held_extra, extra=self.plan.extra,
                                  kinds=self.layer_plan.plan.native_kinds() if self.layer_plan else None,
                                  reuse=self.predictor if fitted else None, ahead=self.predictor if ahead else None)
+        if self.surrogates is not None:
+            self.surrogates.release()  # C holds its own copy of the kept bytes
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
