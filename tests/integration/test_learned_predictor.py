@@ -13,7 +13,7 @@ import pytest
 
 from pyspecter import native
 from pyspecter.layout import read_layout
-from pyspecter.learned import LearnedPredictor, model_key, sidecar_path
+from pyspecter.learned import LearnedPredictor, Recency, model_key, sidecar_path
 from pyspecter.models.tiny import build_tiny
 from pyspecter.native.hooks import Hooks
 from pyspecter.prompts import load_prompts
@@ -201,3 +201,50 @@ def test_a_model_without_a_predictor_says_so_once(tmp_path: Path) -> None:
     every = subprocess.run([*args[:5], "--budget", "100%", *args[7:]], capture_output=True, text=True,
                            env={**env, "SPECTER_CACHE": str(tmp_path / "other")}, timeout=600)
     assert every.returncode == 0 and "fit-predictor" not in every.stderr  # all resident: nothing to prefetch
+
+
+def test_reuse_maps_in_c_read_what_the_replay_of_their_scores_reads(fitted) -> None:
+    """C's eviction by the reuse maps against the Python predictor's own scores (``LearnedPredictor.reuse`` over
+    ``Recency``), replayed on the same routing (study/replay.py, which C's bench decisions already agree with
+    for lru/lfu/prev-token): the same decode reads, on the RAM tier with misses waited for and no lookahead,
+    where C's decisions do not depend on when reads land."""
+    from pyspecter.cache import ExpertCache
+    from pyspecter.study.replay import record_calls, replay
+
+    pred, path = fitted["pred"], fitted["model"]
+    lay = read_layout(path)
+    E, n = lay.n_expert, 12
+    with native.Model(path) as m:
+        prompt = m.tokenize("The reuse maps read each layer's router input and say which experts come back soon.")
+    calls, _ = record_calls(path, [prompt], n, n_threads=1, inputs=True)
+    recency = {il: Recency(E) for il in pred.layers}
+    last: dict[int, list[int]] = {}
+
+    def scores(L, c) -> np.ndarray | None:
+        if L.il in last:  # the layer's previous call joins its past before this call is scored (C's order)
+            recency[L.il].observe(last[L.il])
+        last[L.il] = sorted({int(e) for e in c.ids.ravel()})
+        return pred.reuse(L.il, c.x, recency[L.il])
+
+    def by_score(L, s, e, clock) -> tuple:
+        return (float(L.scores[e]) if L.scores is not None else 0.0, L.last_use[s])
+
+    slots = {L.index: lay.n_expert_used + 2 for L in lay.layers}
+    want = replay(calls, slots, E, by_score, lookahead=False, scores=scores)
+    lru = replay(calls, slots, E, "lru", lookahead=False)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, lay.n_expert_used + 2, policy="predicted", miss="wait", lookahead=False,
+                            reuse=pred, duel=False)
+        try:
+            with native.Context(m, n_threads=1, n_ctx=len(prompt) + n + 8) as ctx:
+                logits = ctx.decode(prompt)
+                cache.reset_counters()
+                for _ in range(n):
+                    logits = ctx.decode([int(np.argmax(logits))])
+                cache.check()
+            got = cache.counters()["uploads"]
+        finally:
+            cache.close()
+    print(f"decode reads: C {got}, replay by the scores {want}, replay by LRU {lru}")
+    assert got == want, (got, want, lru)
+    assert want != lru  # the scores decide something on this text
