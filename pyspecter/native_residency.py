@@ -279,8 +279,7 @@ class NativeResidency:
             "slot_row_rate": c.hit_rows / rows if rows else 0.0,
             "hit_rows": c.hit_rows, "miss_rows": c.miss_rows, "route_calls": calls,
             "needed": c.needed, "resident_at_need": c.resident_at_need,
-            # the stall a token sees from residency: the routing op's time, its waits for reads included (the
-            # Python hook's time is the same measure there)
+            # the stall a token sees from residency: the routing op's time, its waits for reads included
             "hook_ms": c.route_ns / 1e6, "upload_ns": c.upload_ns,
             "uploads": c.uploads, "upload_bytes": c.upload_bytes, "native": 1,
             "overflow_rows": c.overflow, "prefetches": c.prefetches,
