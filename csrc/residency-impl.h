@@ -193,14 +193,8 @@ int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t>
 void duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & needed,
                   bool count);
 
-// residency.cpp's slot table, for the miss mode in surrogate.cpp (mu held)
-pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert);
-void evict_slot(llama_pyspecter_layer * L, int32_t slot);
-std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
-                                           int32_t slot, int32_t cls, float priority = 0.0f, int64_t deadline = 0);
-void wait_due(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing);
-// surrogate.cpp (mu held): the previous ubatch's surrogate routing ends (at a layer's routing call); a one-token
-// ubatch's misses are served by surrogates
+// surrogate.cpp (mu held): e routed to a reserved slot of L for this ubatch, its surrogate expanded there unless
+// the slot holds it already (false: no surrogates for L, every reserved slot serves another miss, or a write
+// failed; the host path then computes e exactly); the previous ubatch's surrogate routing ends (at L's routing call)
+bool pyspecter_map_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t e);
 void pyspecter_unmap_surrogates(pyspecter_residency * R, llama_pyspecter_layer * L);
-void pyspecter_miss_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L,
-                              const std::vector<int32_t> & missing);

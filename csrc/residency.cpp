@@ -31,7 +31,7 @@ static void map_slot(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t
     L->last_use[slot] = L->loaded[slot] = R->clock;
 }
 
-void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
+static void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
     const int32_t prev = L->owner[slot];
     if (prev >= 0) {
         pyspecter_remap_set(L, prev, -1);
@@ -53,7 +53,7 @@ static void reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
     }
 }
 
-pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert) {
+static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert) {
     for (const auto & r : L->pending) {
         if (r && r->expert == expert && !r->dropped) { // a dropped one never lands: read the expert anew
             return r.get();
@@ -62,8 +62,9 @@ pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert) {
     return nullptr;
 }
 
-std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
-                                           int32_t slot, int32_t cls, float priority, int64_t deadline) {
+static std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
+                                                  int32_t slot, int32_t cls, float priority = 0.0f,
+                                                  int64_t deadline = 0) {
     auto r = std::make_shared<pyspecter_read>();
     r->L = L;
     r->expert = expert;
@@ -272,7 +273,7 @@ static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, con
 }
 
 // a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
-void wait_due(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+static void wait_due(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
     auto & c = L->parent->counters;
     std::vector<pyspecter_read *> & due = R->landing;
     due.clear();
@@ -304,6 +305,23 @@ static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const s
         }
         evict_slot(L, slot);
         start_read(R, L, e, slot, CLS_BACKGROUND);
+    }
+}
+
+// Surrogate (approximate): a miss whose read is on the wire is waited for (the exact expert is worth a short wait);
+// every other is read in the background for next time and computed from its surrogate for this ubatch
+static void miss_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+    wait_due(R, L, missing);
+    for (int32_t e : missing) {
+        if (L->remap[e] >= 0) {
+            continue;
+        }
+        const int32_t slot = inflight(L, e) ? -1 : victim(R, L, L->mark, nullptr, true);
+        if (slot >= 0) {
+            evict_slot(L, slot);
+            start_read(R, L, e, slot, CLS_BACKGROUND);
+        }
+        pyspecter_map_surrogate(R, L, e);
     }
 }
 
@@ -418,7 +436,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         if (R->p.miss == LLAMA_PYSPECTER_MISS_ORDERED && with_late) {
             miss_ordered(R, L, missing);
         } else if (R->p.miss == LLAMA_PYSPECTER_MISS_SURROGATE && n_tokens == 1) {
-            pyspecter_miss_surrogate(R, L, missing);
+            miss_surrogate(R, L, missing);
         } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
             miss_wait(R, L, missing);
         } else if (n_tokens == 1) {
@@ -750,35 +768,4 @@ int32_t llama_pyspecter_drain(llama_model * model) {
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
     }
-}
-
-size_t llama_pyspecter_trace_take(llama_model * model, int32_t * out, size_t cap) {
-    auto * R = residency_of(model);
-    if (!R) {
-        return 0;
-    }
-    std::lock_guard<std::mutex> lk(R->mu);
-    if (!out || cap == 0) {
-        return R->trace.size();
-    }
-    size_t n = 0; // whole calls only
-    while (n + 1 < R->trace.size() && n + 2 + (size_t) R->trace[n + 1] <= cap) {
-        n += 2 + (size_t) R->trace[n + 1];
-    }
-    std::copy(R->trace.begin(), R->trace.begin() + (ptrdiff_t) n, out);
-    R->trace.erase(R->trace.begin(), R->trace.begin() + (ptrdiff_t) n);
-    return n;
-}
-
-int32_t llama_pyspecter_set_record(llama_model * model, bool enabled) {
-    auto * R = residency_of(model);
-    if (!R) {
-        return LLAMA_PYSPECTER_ERR_NO_SLOTS;
-    }
-    std::lock_guard<std::mutex> lk(R->mu);
-    R->p.record = enabled;
-    if (!enabled) {
-        std::vector<int32_t>().swap(R->trace);
-    }
-    return LLAMA_PYSPECTER_OK;
 }

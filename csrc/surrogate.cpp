@@ -1,8 +1,6 @@
-// Surrogate misses (LLAMA_PYSPECTER_MISS_SURROGATE: approximate, opt-in; the control plane's surrogate.py chooses
-// what each expert keeps and hands the kept bytes over once). A miss of a one-token ubatch whose read is not on the
-// wire is computed from its surrogate, the expert with only its most important neurons, expanded into one of the
-// layer's reserved slots for that ubatch, while the full expert is read into a regular slot in the background for
-// next time. The kept bytes are the target's own quantized rows and blocks, so an expansion is a copy with the
+// Surrogates (LLAMA_PYSPECTER_MISS_SURROGATE: approximate, opt-in; the control plane's surrogate.py chooses what
+// each expert keeps and hands the kept bytes over once): their store, and their expansion into a layer's reserved
+// slots, which the miss mode (residency.cpp) maps a one-token ubatch's misses to. The kept bytes are the target's own quantized rows and blocks, so an expansion is a copy with the
 // dropped neurons' bytes zero (an all-zero block is 0.0 in every ggml weight type), not a re-quantization.
 
 #include "residency-impl.h"
@@ -47,9 +45,12 @@ static void expand(pyspecter_surrogates & S, const llama_pyspecter_layer * L, in
     }
 }
 
-// e routed to a reserved slot for this ubatch: one already holding its surrogate, else the first free one, expanded
-// there. False: every reserved slot serves another miss (the host path computes e exactly), or the write failed.
-static bool map_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L, pyspecter_surrogates & S, int32_t e) {
+bool pyspecter_map_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t e) {
+    pyspecter_surrogates * P = L->il < (int32_t) R->sur.size() ? R->sur[L->il].get() : nullptr;
+    if (!P) {
+        return false; // no surrogates for this layer: the host path computes e exactly
+    }
+    pyspecter_surrogates & S = *P;
     int32_t r = -1;
     for (int32_t i = 0; i < S.n_reserved; ++i) {
         if (L->owner[S.first + i] >= 0) {
@@ -98,27 +99,6 @@ void pyspecter_unmap_surrogates(pyspecter_residency * R, llama_pyspecter_layer *
         }
     }
     S.mapped.clear();
-}
-
-void pyspecter_miss_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L,
-                              const std::vector<int32_t> & missing) {
-    wait_due(R, L, missing); // the exact expert is worth a short wait
-    pyspecter_surrogates * S = L->il < (int32_t) R->sur.size() ? R->sur[L->il].get() : nullptr;
-    for (int32_t e : missing) {
-        if (L->remap[e] >= 0) {
-            continue;
-        }
-        if (!inflight(L, e)) { // the full expert, in the background, for next time
-            const int32_t slot = victim(R, L, L->mark, nullptr, true);
-            if (slot >= 0) {
-                evict_slot(L, slot);
-                start_read(R, L, e, slot, CLS_BACKGROUND);
-            }
-        }
-        if (S) {
-            map_surrogate(R, L, *S, e);
-        }
-    }
 }
 
 //
