@@ -19,6 +19,7 @@ from pyspecter.native.hooks import Hooks
 from pyspecter.prompts import load_prompts
 from pyspecter.study.analyze import analyze, format_analysis
 from pyspecter.study.predictor_fit import fit_model
+from pyspecter.study.simulate import EvictionDuel
 from pyspecter.study.trace import record_trace
 
 
@@ -203,38 +204,45 @@ def test_a_model_without_a_predictor_says_so_once(tmp_path: Path) -> None:
     assert every.returncode == 0 and "fit-predictor" not in every.stderr  # all resident: nothing to prefetch
 
 
-def test_reuse_maps_in_c_read_what_the_replay_of_their_scores_reads(fitted) -> None:
+@pytest.mark.parametrize("duel", [False, True], ids=["scores", "duel"])
+def test_reuse_maps_in_c_read_what_the_replay_of_their_scores_reads(fitted, duel: bool) -> None:
     """C's eviction by the reuse maps against the Python predictor's own scores (``LearnedPredictor.reuse`` over
-    ``Recency``), replayed on the same routing (study/replay.py, which C's bench decisions already agree with
-    for lru/lfu/prev-token): the same decode reads, on the RAM tier with misses waited for and no lookahead,
-    where C's decisions do not depend on when reads land."""
+    ``Recency``; with the duel, ``EvictionDuel`` choosing between them and LRU), replayed on the same routing
+    (study/replay.py, which C's bench decisions already agree with for lru/lfu/prev-token): the same decode reads,
+    on the RAM tier with misses waited for and no lookahead, where C's decisions do not depend on when reads
+    land."""
     from pyspecter.cache import ExpertCache
     from pyspecter.study.replay import record_calls, replay
 
     pred, path = fitted["pred"], fitted["model"]
     lay = read_layout(path)
-    E, n = lay.n_expert, 12
+    E, n, n_slots = lay.n_expert, 12, lay.n_expert_used + 2
     with native.Model(path) as m:
         prompt = m.tokenize("The reuse maps read each layer's router input and say which experts come back soon.")
     calls, _ = record_calls(path, [prompt], n, n_threads=1, inputs=True)
     recency = {il: Recency(E) for il in pred.layers}
-    last: dict[int, list[int]] = {}
+    judge = EvictionDuel(dict.fromkeys(pred.layers, n_slots), start_learned=pred.blend is not None) if duel else None
+    done: list[tuple] = []  # the previous call: it joins the past before the next call is scored (C's order)
 
     def scores(L, c) -> np.ndarray | None:
-        if L.il in last:  # the layer's previous call joins its past before this call is scored (C's order)
-            recency[L.il].observe(last[L.il])
-        last[L.il] = sorted({int(e) for e in c.ids.ravel()})
-        return pred.reuse(L.il, c.x, recency[L.il])
+        if done:
+            il, needed, s, count = done.pop()
+            if judge is not None and s is not None:
+                judge.observe(il, needed, s, count=count)
+            recency[il].observe(needed)
+        s = pred.reuse(L.il, c.x, recency[L.il])
+        done.append((L.il, sorted({int(e) for e in c.ids.ravel()}), s, len(c.ids) == 1))
+        return s if judge is None or judge.use_learned else None
 
     def by_score(L, s, e, clock) -> tuple:
         return (float(L.scores[e]) if L.scores is not None else 0.0, L.last_use[s])
 
-    slots = {L.index: lay.n_expert_used + 2 for L in lay.layers}
+    slots = {L.index: n_slots for L in lay.layers}
     want = replay(calls, slots, E, by_score, lookahead=False, scores=scores)
     lru = replay(calls, slots, E, "lru", lookahead=False)
     with native.Model(path) as m:
-        cache = ExpertCache(m, lay, lay.n_expert_used + 2, policy="predicted", miss="wait", lookahead=False,
-                            reuse=pred, duel=False)
+        cache = ExpertCache(m, lay, n_slots, policy="predicted", miss="wait", lookahead=False, reuse=pred,
+                            duel=duel)
         try:
             with native.Context(m, n_threads=1, n_ctx=len(prompt) + n + 8) as ctx:
                 logits = ctx.decode(prompt)
@@ -243,8 +251,12 @@ def test_reuse_maps_in_c_read_what_the_replay_of_their_scores_reads(fitted) -> N
                     logits = ctx.decode([int(np.argmax(logits))])
                 cache.check()
             got = cache.counters()["uploads"]
+            state = cache.duel_state()
         finally:
             cache.close()
     print(f"decode reads: C {got}, replay by the scores {want}, replay by LRU {lru}")
     assert got == want, (got, want, lru)
-    assert want != lru  # the scores decide something on this text
+    if judge is not None:
+        assert state == (judge.use_learned, judge.switches)
+    else:
+        assert want != lru  # the scores decide something on this text
