@@ -261,15 +261,19 @@ void pyspecter_residency::run(bool files) {
             }
 #endif
         } else if (t.kind == -1) {
-            rc = pyspecter_run_copy(s->counters, [&] { return pyspecter_load_one(L, t.r->expert, t.r->slot); });
+            rc = pyspecter_run_copy(s->counters, [&] {
+                return faults.apply(L, -1, t.r->slot, 0, 0, [&] { return pyspecter_load_one(L, t.r->expert, t.r->slot); });
+            });
             for (auto * h : L->host) {
                 nbytes += h ? h->nb[2] : 0;
             }
         } else {
             const int64_t off = file_offset(t);
             rc = !buf ? (int32_t) LLAMA_PYSPECTER_ERR_NO_MEMORY : pyspecter_run_copy(s->counters, [&] {
-                return pyspecter_read_range(L, t.kind, t.r->slot, p.fd, off, t.lo, t.hi, buf, read_buf,
-                                            p.drop_cache);
+                return faults.apply(L, t.kind, t.r->slot, t.lo, t.hi, [&] {
+                    return pyspecter_read_range(L, t.kind, t.r->slot, p.fd, off, t.lo, t.hi, buf, read_buf,
+                                                p.drop_cache);
+                });
             });
             nbytes = (size_t) (t.hi - t.lo);
         }
@@ -367,8 +371,10 @@ void pyspecter_residency::run_ring(int32_t depth) {
             llama_pyspecter_layer * L = o.t.r->L;
             const int64_t off = file_offset(o.t);
             const int32_t rc_land = pyspecter_run_copy(s->counters, [&] {
-                return pyspecter_land_range(L, o.t.kind, o.t.r->slot, off, o.t.lo, o.t.hi, o.buf,
-                                            (size_t) o.got);
+                return faults.apply(L, o.t.kind, o.t.r->slot, o.t.lo, o.t.hi, [&] {
+                    return pyspecter_land_range(L, o.t.kind, o.t.r->slot, off, o.t.lo, o.t.hi, o.buf,
+                                                (size_t) o.got);
+                });
             });
 #ifdef POSIX_FADV_DONTNEED
             if (p.drop_cache) {
@@ -612,4 +618,45 @@ bool pyspecter_native_in_time(llama_pyspecter_layer * D, int32_t h) {
     }
     const double rate = (double) bytes / (double) busy; // bytes per ns
     return (double) (R->queued_bytes.load() + nbytes) <= rate * h * R->t_layer_ns;
+}
+
+//
+// API
+//
+
+int32_t llama_pyspecter_set_file_offset(llama_model * model, int32_t il, int32_t kind, int64_t offset) {
+    auto * R = residency_of(model);
+    auto * L = pyspecter_layer_of(model, il);
+    if (!R || !L || kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->host[kind] || offset < 0) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    L->file_off[kind] = offset;
+    return LLAMA_PYSPECTER_OK;
+}
+
+// fault injection (tests)
+
+
+int32_t llama_pyspecter_set_read_faults(llama_model * model, const llama_pyspecter_read_faults * f) {
+    auto * R = residency_of(model);
+    if (!R || !f) {
+        return R ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    if (f->fail_every < 0 || f->slow_us < 0 || f->land_us < 0) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    auto & F = R->faults;
+    F.fail_every = f->fail_every;
+    F.torn = f->torn;
+    F.slow_us = f->slow_us;
+    F.land_us = f->land_us;
+    F.on = f->fail_every > 0 || f->slow_us > 0 || f->land_us > 0;
+    return LLAMA_PYSPECTER_OK;
+}
+
+int64_t llama_pyspecter_read_faults_injected(const llama_model * model) {
+    auto * s = pyspecter_slots_of(model);
+    auto * R = s ? s->res.get() : nullptr;
+    return R ? R->faults.injected.load() : (int64_t) LLAMA_PYSPECTER_ERR_NO_SLOTS;
 }

@@ -310,6 +310,8 @@ pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s,
 // offset, through the page-aligned buf of buf_size bytes) into a slot. Both run on any thread; the caller counts
 // failures (pyspecter_run_copy).
 int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
+// one kind of one expert's bytes (nbytes, the slot's whole expert) into a slot
+int32_t pyspecter_write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes);
 int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
                            void * buf, size_t buf_size, bool drop_cache);
 
@@ -329,6 +331,10 @@ int32_t pyspecter_read_range(llama_pyspecter_layer * L, int32_t kind, int32_t sl
                              int64_t lo, int64_t hi, void * buf, size_t buf_size, bool drop_cache);
 int32_t pyspecter_land_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t offset, int64_t lo,
                              int64_t hi, const void * buf, size_t got);
+
+// Fills bytes [lo, hi) of one kind of a slot (kind -1: every kind whole) with 0xFF, NaN in every float and block
+// scale type: what a read still landing, or one torn, leaves there (uploads.cpp)
+int32_t pyspecter_poison_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t lo, int64_t hi);
 
 // io_uring without liburing (io_ring.cpp): one ring of depth reads, opened where the kernel and its sandbox allow
 // it (null otherwise: the caller falls back to pread threads). Submission and completion run on one thread; only

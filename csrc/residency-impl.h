@@ -45,6 +45,49 @@ struct pyspecter_task {
 
 enum { CLS_DEMAND = 0, CLS_BACKGROUND = 1, CLS_PREFETCH = 2, CLS_ADVISE = 3 };
 
+// Injected read faults (llama_pyspecter_set_read_faults): set between decodes, read by every reader
+struct pyspecter_faults {
+    std::atomic<int32_t> fail_every{0}, slow_us{0}, land_us{0};
+    std::atomic<bool> torn{false}, on{false};
+    std::atomic<int64_t> reads{0}, injected{0};
+
+    // One read (kind >= 0: bytes [lo, hi) of that kind; -1: every kind) through the faults: read()'s status, or
+    // the injected failure
+    template <typename F>
+    int32_t apply(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t lo, int64_t hi, F && read) {
+        if (!on.load(std::memory_order_relaxed)) {
+            return read();
+        }
+        if (const int32_t us = slow_us.load()) {
+            std::this_thread::sleep_for(std::chrono::microseconds(us));
+        }
+        const int32_t every = fail_every.load();
+        if (every > 0 && ++reads % every == 0) {
+            injected++;
+            if (torn) {
+                pyspecter_poison_range(L, kind, slot, lo, hi);
+            }
+            return LLAMA_PYSPECTER_ERR_IO;
+        }
+        if (const int32_t us = land_us.load()) {
+            pyspecter_poison_range(L, kind, slot, lo, hi);
+            std::this_thread::sleep_for(std::chrono::microseconds(us));
+        }
+        return read();
+    }
+};
+
+// One layer's surrogates (surrogate.cpp; MISS_SURROGATE, set_surrogates): every expert's kept bytes, and the
+// reserved slots they are expanded into
+struct pyspecter_surrogates {
+    int32_t first = 0, n_reserved = 0, group = 0, n_keep = 0;
+    std::vector<int32_t> groups;                        // [n_expert][n_keep] kept neuron groups
+    std::vector<uint8_t> kept[LLAMA_PYSPECTER_N_KINDS]; // per kind, as set_surrogate_bytes takes them
+    std::vector<int32_t> in;                            // reserved slot - first -> expert expanded there, -1
+    std::vector<int32_t> mapped;                        // experts routed to a reserved slot for this ubatch
+    std::vector<uint8_t> scratch;                       // one expanded kind
+};
+
 struct pyspecter_residency {
     llama_pyspecter_slots * s = nullptr;
     llama_pyspecter_residency_params p = {};
@@ -79,6 +122,9 @@ struct pyspecter_residency {
     size_t read_buf = 0;  // a reader's buffer: one chunk's span
     pyspecter_ring * ring = nullptr; // file reads go through io_uring (one thread); null: pread threads
     bool ring_waiting = false;       // under qmu: the ring's thread is blocked for completions (wake it)
+    pyspecter_faults faults;              // injected (tests); off by default
+    std::vector<std::unique_ptr<pyspecter_surrogates>> sur; // by layer index (MISS_SURROGATE); null: none
+    std::atomic<int64_t> surrogate_uses{0};
     std::atomic<int64_t> queued_bytes{0}; // bytes of the tasks queued and not yet taken by a reader
     size_t max_chunks = 0;                // the chunks of one expert's read at most (push reserves them)
 
@@ -150,3 +196,9 @@ int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t>
 // (the misses of the duel's two simulated caches on this call: LRU, scores)
 std::pair<int32_t, int32_t> duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L,
                                          const std::vector<int32_t> & needed, bool count);
+
+// surrogate.cpp (mu held): e routed to a reserved slot of L for this ubatch, its surrogate expanded there unless
+// the slot holds it already (false: no surrogates for L, every reserved slot serves another miss, or a write
+// failed; the host path then computes e exactly); the previous ubatch's surrogate routing ends (at L's routing call)
+bool pyspecter_map_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t e);
+void pyspecter_unmap_surrogates(pyspecter_residency * R, llama_pyspecter_layer * L);

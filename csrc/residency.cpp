@@ -218,7 +218,9 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
         const int64_t t0 = pyspecter_now_ns(), cpu0 = pyspecter_op_cpu_ns();
         for (auto [e, slot] : loads) {
             c.uploads++;
-            const int32_t rc = pyspecter_run_copy(c, [&] { return pyspecter_load_one(L, e, slot); });
+            const int32_t rc = pyspecter_run_copy(c, [&] {
+                return R->faults.apply(L, -1, slot, 0, 0, [&] { return pyspecter_load_one(L, e, slot); });
+            });
             if (rc == LLAMA_PYSPECTER_OK) {
                 map_slot(R, L, e, slot);
             }
@@ -270,9 +272,9 @@ static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, con
     }
 }
 
-static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+// a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
+static void wait_due(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
     auto & c = L->parent->counters;
-    // a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
     std::vector<pyspecter_read *> & due = R->landing;
     due.clear();
     {
@@ -289,6 +291,10 @@ static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const s
         c.waited += (int64_t) due.size();
         reap(R, L);
     }
+}
+
+static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+    wait_due(R, L, missing);
     for (int32_t e : missing) {
         if (L->remap[e] >= 0 || inflight(L, e)) {
             continue;
@@ -299,6 +305,23 @@ static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const s
         }
         evict_slot(L, slot);
         start_read(R, L, e, slot, CLS_BACKGROUND);
+    }
+}
+
+// Surrogate (approximate): a miss whose read is on the wire is waited for (the exact expert is worth a short wait);
+// every other is read in the background for next time and computed from its surrogate for this ubatch
+static void miss_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
+    wait_due(R, L, missing);
+    for (int32_t e : missing) {
+        if (L->remap[e] >= 0) {
+            continue;
+        }
+        const int32_t slot = inflight(L, e) ? -1 : victim(R, L, L->mark, nullptr, true);
+        if (slot >= 0) {
+            evict_slot(L, slot);
+            start_read(R, L, e, slot, CLS_BACKGROUND);
+        }
+        pyspecter_map_surrogate(R, L, e);
     }
 }
 
@@ -387,6 +410,9 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         L->ghost_held_misses += g;
         c.ghost_misses += g;
     }
+    if (!R->sur.empty() && R->sur[L->il]) {
+        pyspecter_unmap_surrogates(R, L);
+    }
     reap(R, L);
     drop_stale_lookahead(R, L);
     std::vector<int32_t> & missing = R->missing;
@@ -409,6 +435,8 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     if (!missing.empty() && moves) {
         if (R->p.miss == LLAMA_PYSPECTER_MISS_ORDERED && with_late) {
             miss_ordered(R, L, missing);
+        } else if (R->p.miss == LLAMA_PYSPECTER_MISS_SURROGATE && n_tokens == 1) {
+            miss_surrogate(R, L, missing);
         } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
             miss_wait(R, L, missing);
         } else if (n_tokens == 1) {
@@ -552,7 +580,9 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
         }
         int32_t rc = LLAMA_PYSPECTER_OK;
         if (R->p.fd < 0) {
-            rc = pyspecter_run_copy(c, [&] { return pyspecter_load_one(L, e, slot); });
+            rc = pyspecter_run_copy(c, [&] {
+                return R->faults.apply(L, -1, slot, 0, 0, [&] { return pyspecter_load_one(L, e, slot); });
+            });
         } else {
             void * buf = nullptr;
             if (posix_memalign(&buf, 4096, R->buf_size) != 0) {
@@ -562,7 +592,9 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
                 if (L->host[k]) {
                     const int64_t off = L->file_off[k] + (int64_t) (L->host[k]->nb[2] * e);
                     rc = pyspecter_run_copy(c, [&] {
-                        return pyspecter_read_one(L, k, slot, R->p.fd, off, buf, R->buf_size, R->p.drop_cache);
+                        return R->faults.apply(L, k, slot, 0, (int64_t) L->host[k]->nb[2], [&] {
+                            return pyspecter_read_one(L, k, slot, R->p.fd, off, buf, R->buf_size, R->p.drop_cache);
+                        });
                     });
                 }
             }
@@ -591,7 +623,7 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         return LLAMA_PYSPECTER_ERR_ENABLED;
     }
     if (params->policy < LLAMA_PYSPECTER_POLICY_LRU || params->policy > LLAMA_PYSPECTER_POLICY_SCORE ||
-            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_HOST ||
+            params->miss < LLAMA_PYSPECTER_MISS_CPU || params->miss > LLAMA_PYSPECTER_MISS_SURROGATE ||
             params->io < LLAMA_PYSPECTER_IO_AUTO || params->io > LLAMA_PYSPECTER_IO_THREADS) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
@@ -641,17 +673,6 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
 
 bool llama_pyspecter_residency_enabled(const llama_model * model) {
     return pyspecter_native_enabled(pyspecter_slots_of(model));
-}
-
-int32_t llama_pyspecter_set_file_offset(llama_model * model, int32_t il, int32_t kind, int64_t offset) {
-    auto * R = residency_of(model);
-    auto * L = pyspecter_layer_of(model, il);
-    if (!R || !L || kind < 0 || kind >= LLAMA_PYSPECTER_N_KINDS || !L->host[kind] || offset < 0) {
-        return LLAMA_PYSPECTER_ERR_ARG;
-    }
-    std::lock_guard<std::mutex> lk(R->mu);
-    L->file_off[kind] = offset;
-    return LLAMA_PYSPECTER_OK;
 }
 
 int32_t llama_pyspecter_set_usable(llama_model * model, int32_t il, int32_t n) {
@@ -748,35 +769,4 @@ int32_t llama_pyspecter_drain(llama_model * model) {
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
     }
-}
-
-size_t llama_pyspecter_trace_take(llama_model * model, int32_t * out, size_t cap) {
-    auto * R = residency_of(model);
-    if (!R) {
-        return 0;
-    }
-    std::lock_guard<std::mutex> lk(R->mu);
-    if (!out || cap == 0) {
-        return R->trace.size();
-    }
-    size_t n = 0; // whole calls only
-    while (n + 1 < R->trace.size() && n + 2 + (size_t) R->trace[n + 1] <= cap) {
-        n += 2 + (size_t) R->trace[n + 1];
-    }
-    std::copy(R->trace.begin(), R->trace.begin() + (ptrdiff_t) n, out);
-    R->trace.erase(R->trace.begin(), R->trace.begin() + (ptrdiff_t) n);
-    return n;
-}
-
-int32_t llama_pyspecter_set_record(llama_model * model, bool enabled) {
-    auto * R = residency_of(model);
-    if (!R) {
-        return LLAMA_PYSPECTER_ERR_NO_SLOTS;
-    }
-    std::lock_guard<std::mutex> lk(R->mu);
-    R->p.record = enabled;
-    if (!enabled) {
-        std::vector<int32_t>().swap(R->trace);
-    }
-    return LLAMA_PYSPECTER_OK;
 }

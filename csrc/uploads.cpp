@@ -168,7 +168,7 @@ public:
             // fault injection (tests): the bytes of a copy in flight are undefined, so make them NaN for a while
             // before the real ones land; a kernel that reads the slot in that window (mapped before its upload
             // landed, or still read for the expert it held) turns the logits NaN
-            ggml_backend_tensor_memset(slot_t, 0xFF, off, n);
+            poison(slot_t, slot, n, at);
             std::this_thread::sleep_for(std::chrono::microseconds(us));
         }
         if (st) {
@@ -177,6 +177,15 @@ public:
             ggml_backend_tensor_set(slot_t, src, off, n);
         }
         bytes += n;
+    }
+
+    // n bytes of slot, at byte `at` of its expert, made 0xFF (NaN): fault injection's garbage
+    void poison(ggml_tensor * slot_t, int32_t slot, size_t n, size_t at = 0) {
+        if (!after_compute) {
+            order_after_compute();
+            after_compute = true;
+        }
+        ggml_backend_tensor_memset(slot_t, 0xFF, (size_t) slot * slot_t->nb[2] + at, n);
     }
 
     void land() {
@@ -225,7 +234,21 @@ private:
     bool                         after_compute = false;
 };
 
-static int32_t write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {
+int32_t pyspecter_poison_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t lo, int64_t hi) {
+    return pyspecter_guarded(__func__, [&]() -> int32_t {
+        upload_batch b(L);
+        for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
+            if (L->slot[k] && (kind < 0 || k == kind)) {
+                const size_t n = L->slot[k]->nb[2];
+                const size_t at = kind < 0 ? 0 : (size_t) lo, len = kind < 0 ? n : (size_t) (hi - lo);
+                b.poison(L->slot[k], slot, std::min(len, n - at), at);
+            }
+        }
+        return LLAMA_PYSPECTER_OK;
+    });
+}
+
+int32_t pyspecter_write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {
     upload_batch b(L);
     b.copy(L->slot[kind], slot, src, nbytes);
     b.land();
@@ -305,7 +328,7 @@ int32_t llama_pyspecter_write_slot(llama_model * model, int32_t il, int32_t kind
     if (rc != LLAMA_PYSPECTER_OK) {
         return rc;
     }
-    return pyspecter_run_copy(L->parent->counters, [=] { return write_one(L, kind, slot, src, nbytes); });
+    return pyspecter_run_copy(L->parent->counters, [=] { return pyspecter_write_one(L, kind, slot, src, nbytes); });
 }
 
 int32_t llama_pyspecter_load_expert(llama_model * model, int32_t il, int32_t expert, int32_t slot) {
@@ -408,7 +431,7 @@ int64_t llama_pyspecter_write_slot_async(llama_model * model, int32_t il, int32_
         return rc;
     }
     try {
-        return L->parent->uploads.enqueue([=] { return write_one(L, kind, slot, src, nbytes); });
+        return L->parent->uploads.enqueue([=] { return pyspecter_write_one(L, kind, slot, src, nbytes); });
     } catch (...) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY; // building the job
     }

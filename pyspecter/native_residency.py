@@ -1,8 +1,6 @@
 """The control plane's side of native residency (csrc/residency.cpp): configure it, then, between decodes, hand it
-prefetches and protected experts and read its counters and routing trace. Inside a layer C alone decides; nothing
-here mirrors its slot table (``NativeLayer`` reads it on demand, for tests and stats).
-
-``native_reason`` says which configurations C runs; the others keep the Python routing hook (``cache.py``).
+prefetches and protected experts and read its counters and routing trace. Inside a layer C alone decides, in every
+policy and miss mode; nothing here mirrors its slot table (``NativeLayer`` reads it on demand, for tests and stats).
 """
 
 from __future__ import annotations
@@ -15,29 +13,9 @@ import numpy as np
 from pyspecter import native
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
-from pyspecter.tiers import DiskTier, EmulatedTier, RamTier, Tier
+from pyspecter.tiers import DiskTier, Tier
 
 Trace = list[tuple[int, tuple[int, ...]]]
-
-
-def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, surrogates: bool = False,
-                  reuse: bool = False) -> str:
-    """Why the routing op cannot own residency in C for this configuration ('' when it can). What stays in Python:
-    surrogates (approximate, opt-in) and tiers C does not know (tests' fault-injecting ones). A learned predictor
-    runs in C whole: its reuse maps evict, its layer-ahead maps feed the native planner (policy 'predicted';
-    without reuse maps C evicts LRU). A draft's held slots and their ghost LRU are C's too (``set_held``)."""
-    del reuse  # C applies whatever maps the predictor has
-    if not hook:
-        return "no routing hook (static residency)"
-    if policy not in native.NATIVE_POLICIES and policy != "predicted":
-        return f"policy {policy!r} is decided in Python"
-    if miss not in ("cpu", "wait", "host"):
-        return f"miss mode {miss!r} is Python's"
-    if surrogates:
-        return "surrogates are expanded from Python"
-    if type(tier) not in (RamTier, EmulatedTier, DiskTier):
-        return f"tier {type(tier).__name__} has no native reader"
-    return ""
 
 
 class NativeLayer:
@@ -104,8 +82,8 @@ class NativeResidency:
             miss=native.NATIVE_MISS["ordered" if ordered else miss], n_readers=1, fd=-1, drop_cache=False,
             lookahead=lookahead, record=trace is not None)
         if isinstance(tier, DiskTier):
-            # as many readers as the Python path's demand and prefetch pools together: misses of one layer and
-            # the kinds of one expert are read side by side, so the disk's queue stays several deep
+            # two readers per queue slot: misses of one layer and the kinds of one expert are read side by side,
+            # so the disk's queue stays several deep
             p.fd, p.drop_cache, p.n_readers = tier.fd, not tier.direct, 2 * tier.queue_depth
             p.read_chunk, p.io = tier.read_chunk, native.NATIVE_IO[tier.io]
         self._check(self.api.residency_init(model.ptr, ctypes.byref(p)), "could not enable native residency")
@@ -118,6 +96,8 @@ class NativeResidency:
                 for kind, t in L.tensors.items():
                     self._check(self.api.set_file_offset(model.ptr, L.index, native.KIND_NAMES[kind], t.offset),
                                 f"layer {L.index}: where {t.name} is in the file")
+        if tier.faults is not None:
+            self._check(self.api.set_read_faults(model.ptr, ctypes.byref(tier.faults)), "could not inject read faults")
         if reuse is not None and policy == "predicted":
             self._set_reuse_maps(reuse, duel)
         self.ahead = ahead
@@ -125,6 +105,7 @@ class NativeResidency:
             self._set_ahead_maps(ahead, min_prob)
         self.trace_list = trace
         self.base = native.Stats()  # counters from before the last reset
+        self.surrogate_base = 0  # surrogate uses before the last reset (C counts them since init)
         self.usable = dict(usable)
         self.n_held = {il: (held or {}).get(il, 0) for il in usable}
 
@@ -211,6 +192,10 @@ class NativeResidency:
     def drain(self) -> None:
         self.api.drain(self.model.ptr)
 
+    def faults_injected(self) -> int:
+        """Reads failed by the tier's injected faults so far (``Tier.faults``)."""
+        return max(self.api.read_faults_injected(self.model.ptr), 0)
+
     def release_held(self) -> int:
         """The draft is dropped (between decodes): C hands out every layer's held slots from here on, ends their
         ghosts and protections, and takes back the prefetches still queued. The slots released."""
@@ -278,6 +263,7 @@ class NativeResidency:
         return getattr(self.base, name) + getattr(self.stats(), name)
 
     def reset(self) -> None:
+        self.surrogate_base = max(self.api.surrogate_uses(self.model.ptr), 0)
         c = self.stats()
         for name, _ in native.Stats._fields_:
             setattr(self.base, name, getattr(self.base, name) + getattr(c, name))
@@ -293,12 +279,12 @@ class NativeResidency:
             "slot_row_rate": c.hit_rows / rows if rows else 0.0,
             "hit_rows": c.hit_rows, "miss_rows": c.miss_rows, "route_calls": calls,
             "needed": c.needed, "resident_at_need": c.resident_at_need,
-            # the stall a token sees from residency: the routing op's time, its waits for reads included (the
-            # Python hook's time is the same measure there)
+            # the stall a token sees from residency: the routing op's time, its waits for reads included
             "hook_ms": c.route_ns / 1e6, "upload_ns": c.upload_ns,
             "uploads": c.uploads, "upload_bytes": c.upload_bytes, "native": 1,
             "overflow_rows": c.overflow, "prefetches": c.prefetches,
-            "waited": c.waited, "surrogate_uses": 0, "late": c.late, "lookahead": c.lookahead,
+            "waited": c.waited, "late": c.late, "lookahead": c.lookahead,
+            "surrogate_uses": max(self.api.surrogate_uses(self.model.ptr), 0) - self.surrogate_base,
             "failed_uploads": c.upload_failures,
             "route_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,
             "hook_us_per_call": c.route_ns / 1e3 / calls if calls else 0.0,

@@ -19,7 +19,7 @@ import numpy as np
 
 from pyspecter import native
 from pyspecter.budget import MemoryPlan
-from pyspecter.cache import ExpertCache, native_reason
+from pyspecter.cache import ExpertCache
 from pyspecter.engine import SpeculativeDecoder, generate_step
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
@@ -59,8 +59,6 @@ class SessionConfig:
     force: bool = False  # run a budget the memory available cannot hold (refused by default, with the numbers)
     miss: str | None = None  # None: misses.default_miss (wait on the disk tier, host on the RAM tier's CPU, else cpu)
     policy: str = "lru"
-    # residency decided in C inside each layer (None: wherever the configuration allows it; False: the Python hook)
-    native: bool | None = None
     k: int = 4
     adaptive: bool = True
     temperature: float = 0.0
@@ -160,10 +158,8 @@ class Session:
         # miss mode host moves nothing: no prefetch to plan, no eviction to rank
         self.predictor = (None if cfg.budget is None or self.miss == "host"
                           else load_predictor(cfg.predictor, cfg.model))
-        if self.predictor is not None and (cfg.native is False or native_reason(
-                "predicted", self.miss, self.tier, surrogates=self.surrogates is not None)):
-            # a learned predictor runs in C (its reuse maps evict, its layer-ahead maps feed the native planner):
-            # a configuration on the Python hook decodes without it
+        if self.predictor is not None and self.surrogates is not None:
+            # approximate misses are measured (quality and speed) against plain eviction, not a predictor's
             self.predictor = None
         self.device = open_device(cfg.device)
         # full, host and slot layers on a device (None: slots in every layer); a plan's layers are not all slots,
@@ -200,10 +196,6 @@ class Session:
         # held_extra: layer -> slots it holds beyond `held` (the draft's memory comes back as the engine's spread)
         self.n_slots, self.held = self.plan.slots - self.plan.held, self.plan.held
         self.held_extra = self.plan.held_extra
-        if (self.held or self.held_extra) and (cfg.native is False or native_reason(
-                cfg.policy, self.miss, self.tier, surrogates=self.surrogates is not None)):
-            # held slots and their ghost LRU are native residency's: on the Python hook the draft keeps its memory
-            self.held, self.held_extra = 0, {}
         if self.device is not None and self.layer_plan is None:
             check_device_memory(self.device, self.layout, self.plan, self.draft_bytes)
         # every expert resident in RAM: llama.cpp as users run it (its repacked weights where the CPU has kernels
@@ -241,8 +233,7 @@ class Session:
         planner's prefetches cost more reads than they saved (``_build_cache``)."""
         cfg = self.cfg
         return (cfg.predictor == "auto" and cfg.budget is not None and not self.draft_bytes
-                and self.tier.name == "disk" and self.device is None and self.surrogates is None
-                and cfg.native is not False and not native_reason(cfg.policy, self.miss, self.tier))
+                and self.tier.name == "disk" and self.device is None and self.surrogates is None)
 
     def _memory_plan(self) -> MemoryPlan:
         cfg = self.cfg
@@ -308,9 +299,10 @@ class Session:
                                  # the routing calls, to score a draft's prefetches by (engine.SpeculativeDecoder)
                                  record=record,
                                  held_extra=self.held_extra, extra=self.plan.extra,
-                                 native=True if learned else cfg.native,
                                  kinds=self.layer_plan.plan.native_kinds() if self.layer_plan else None,
                                  reuse=self.predictor if fitted else None, ahead=self.predictor if ahead else None)
+        if self.surrogates is not None:
+            self.surrogates.release()  # C holds its own copy of the kept bytes
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 

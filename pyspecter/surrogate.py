@@ -56,26 +56,18 @@ class Surrogates:
                 self.nbytes += per[kind].nbytes
             self.data[L.index] = per
         del mm
-        self._scratch: dict[str, np.ndarray] = {}
 
-    def write(self, api: native.SlotAPI, model_ptr, il: int, expert: int, slot: int) -> None:
-        """Expand expert ``expert`` of layer ``il`` into ``slot`` (dropped neurons zero)."""
-        L = self.layout.layer(il)
-        for kind, t in L.tensors.items():
-            E, n_rows, _ = t.shape
-            # one scratch buffer per tensor kind, shared by all layers (their experts have the same size here;
-            # a bigger one is allocated when not)
-            buf = self._scratch.get(kind)
-            if buf is None or buf.size < t.expert_bytes:
-                buf = self._scratch[kind] = np.zeros(t.expert_bytes, np.uint8)
-            buf = buf[: t.expert_bytes]
-            buf[:] = 0
-            if kind == "down":
-                view = buf.reshape(n_rows, t.shape[2] // self.group, -1)
-                view[:, self.groups[il][expert], :] = self.data[il][kind][expert]
-            else:
-                view = buf.reshape(n_rows, -1)
-                view[self.rows[il][expert]] = self.data[il][kind][expert]
-            rc = api.write_slot(model_ptr, il, native.KIND_NAMES[kind], slot, buf.ctypes.data, t.expert_bytes)
-            if rc != 0:
-                raise SpecterError(f"write of a surrogate into slot {slot} of layer {il} failed ({rc})")
+    def install(self, api: native.SlotAPI, model_ptr, il: int, first: int, n_reserved: int) -> None:
+        """Hand layer il's kept bytes to native residency, which expands them into its reserved slots
+        [first, first + n_reserved) (csrc/surrogate.cpp); this copy of them can go afterwards (``release``)."""
+        gr = np.ascontiguousarray(self.groups[il], np.int32)
+        rc = api.set_surrogates(model_ptr, il, first, n_reserved, self.group, gr.ctypes.data, gr.shape[1])
+        for kind, data in self.data[il].items():
+            if rc == 0:
+                rc = api.set_surrogate_bytes(model_ptr, il, native.KIND_NAMES[kind], data.ctypes.data, data.nbytes)
+        if rc != 0:
+            raise SpecterError(f"layer {il}: the surrogates do not fit the slots ({native.status_name(rc)})")
+
+    def release(self) -> None:
+        """C holds its own copy of the kept bytes: drop this one (``nbytes`` still says what they take)."""
+        self.data = {}

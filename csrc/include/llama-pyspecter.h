@@ -197,6 +197,10 @@ enum llama_pyspecter_miss {
                                    // read, prefetch, lookahead or planner): for slots in host memory whose experts'
                                    // home copy is host RAM too, where a copy into a slot is pure cost (a memcpy on
                                    // the compute threads' cores for rows the host computes as fast from home)
+    LLAMA_PYSPECTER_MISS_SURROGATE = 4, // APPROXIMATE, opt-in (set_surrogates): a one-token ubatch's miss not
+                                        // landing soon is computed from its surrogate, mapped into a reserved slot
+                                        // for that ubatch, while the full expert is read in the background;
+                                        // multi-token ubatches wait (MISS_WAIT)
 };
 struct llama_pyspecter_residency_params {
     int32_t policy;     // llama_pyspecter_policy
@@ -332,6 +336,32 @@ LLAMA_API int32_t llama_pyspecter_replay_call(struct llama_pyspecter_replay * r,
 // layer il's counts, or (il = -1) every layer's summed
 LLAMA_API int32_t llama_pyspecter_replay_get_stats(const struct llama_pyspecter_replay * r, int32_t il,
                                                    struct llama_pyspecter_replay_stats * out);
+// Surrogates (MISS_SURROGATE): layer il's reserved slots [first, first + n_reserved) (after its usable and held
+// ones) hold expanded surrogates, and each expert's surrogate keeps n_keep groups of `group` neurons (groups:
+// [n_expert][n_keep] group indices, ascending). Then, per kind (gate, up, down; no merged gate_up), the kept bytes:
+// gate/up [n_expert][n_keep * group rows][row bytes] (the rows of the kept neurons, in order), down
+// [n_expert][rows][n_keep][block bytes] (each row's quantization blocks of the kept groups). An expanded surrogate
+// is the expert with every other neuron's bytes zero. Copied; set after residency_init, before creating a context.
+LLAMA_API int32_t llama_pyspecter_set_surrogates(struct llama_model * model, int32_t il, int32_t first,
+                                                 int32_t n_reserved, int32_t group, const int32_t * groups,
+                                                 int32_t n_keep);
+LLAMA_API int32_t llama_pyspecter_set_surrogate_bytes(struct llama_model * model, int32_t il, int32_t kind,
+                                                      const void * data, size_t nbytes);
+// misses served by surrogates since residency_init (a negative status without residency)
+LLAMA_API int64_t llama_pyspecter_surrogate_uses(const struct llama_model * model);
+// Fault injection (tests): every read native residency makes (a chunk of a file read, a copy from the host copy,
+// a late expert's read again) goes through these from the next read on. Set between decodes; all zero: none.
+struct llama_pyspecter_read_faults {
+    int32_t fail_every; // every fail_every-th read fails (ERR_IO) and its expert stays a miss; 0: none fail
+    bool    torn;       // a failing read first fills its bytes of the slot with 0xFF (NaN), as a torn read would
+    int32_t slow_us;    // every read first waits this long: a slow disk
+    int32_t land_us;    // every read fills its bytes of the slot with 0xFF, waits this long, then lands: a slot
+                        // read before its read landed turns the logits NaN
+};
+LLAMA_API int32_t llama_pyspecter_set_read_faults(struct llama_model * model,
+                                                  const struct llama_pyspecter_read_faults * faults);
+// reads failed by injection since residency_init, or a negative status
+LLAMA_API int64_t llama_pyspecter_read_faults_injected(const struct llama_model * model);
 // wait for every read in flight and map what landed (between decodes)
 LLAMA_API int32_t llama_pyspecter_drain(struct llama_model * model);
 // The routing trace (record): flat int32 [il, n, e_1 .. e_n] per routing call, the distinct experts ascending.

@@ -11,6 +11,7 @@ from pyspecter.native.device_api import (
     read_table,
     sync_counts,
 )
+from pyspecter.native.engine_api import ReadFaults
 from pyspecter.native.lib import (
     ERR_IO,
     INPUT_CB,
@@ -42,7 +43,7 @@ from pyspecter.native.stats_api import HIST_NS, layer_cpu_hist
 
 __all__ = [
     "ERR_IO", "HIST_NS", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
-    "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ResidencyParams",
+    "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ReadFaults", "ResidencyParams",
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "count_syncs", "device_stats", "graph_splits",
     "read_table", "sync_counts",
     "ROUTE_CB", "WAIT_CB",

@@ -226,7 +226,7 @@ class Stats(ctypes.Structure):
 
 # enum llama_pyspecter_policy / llama_pyspecter_miss
 NATIVE_POLICIES = {"lru": 0, "lfu": 1, "prev-token": 2, "score": 3}
-NATIVE_MISS = {"cpu": 0, "wait": 1, "ordered": 2, "host": 3}
+NATIVE_MISS = {"cpu": 0, "wait": 1, "ordered": 2, "host": 3, "surrogate": 4}
 NATIVE_IO = {"auto": 0, "threads": 1}  # enum llama_pyspecter_io
 
 

@@ -124,7 +124,7 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
     memory as the engine; the learned policies spend theirs as the engine does."""
     extra = extra or {}
     if policy.startswith("all-resident"):
-        # -hooked keeps the Python routing hook on with nothing to do: the hook's own cost per layer
+        # -hooked keeps the residency engine on with nothing to do: its own cost per layer when every expert hits
         cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"), hook=policy.endswith("hooked"))
         cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
         return cache
@@ -150,7 +150,7 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
             slots, extra = mp.slots, mp.extra
         return ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier),
                            record=True, ordered=True, extra=extra, reuse=predictor, duel=False,
-                           ahead=predictor if policy == "learned" else None, native=True)
+                           ahead=predictor if policy == "learned" else None)
     if policy == "prev-token":
         # misses waited for, as on-demand-lru and -lfu do: only the eviction order differs
         return ExpertCache(model, layout, slots, policy="prev-token", miss="wait", tier=make_tier(tier), record=True,

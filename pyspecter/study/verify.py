@@ -70,12 +70,11 @@ def device_contract(ours: np.ndarray, d_ours_device: float, stock_gap: float, al
 def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram", policy: str = "lru",
            prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512,
            ordered: bool = False, device: str | None = None, plan: LayerPlan | None = None,
-           native: bool | None = None, forced: bool = False) -> dict:
+           forced: bool = False) -> dict:
     """Greedy tokens and logits of stock vs slot path. Attention and batching settings are identical in both
     (docs/DESIGN.md, exactness: routing near-ties make any difference there look like a slot bug). With a device,
     stock gets the same placement (layers on the device, experts in host memory, no op offload); with a layer
-    plan too (its full layers' experts on the device, its host and slot layers' in host memory). native: as
-    ``ExpertCache``'s (None: C decides wherever it can).
+    plan too (its full layers' experts on the device, its host and slot layers' in host memory).
 
     On a device (no layer plan) the result also holds ``contract`` (device_contract): stock with every expert on
     the device is run too, and with slots for every expert they are all uploaded before the prompt.
@@ -97,7 +96,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
 
     with Model(path, device=dev, host_layers=host_layers) as model:
         cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered,
-                            kinds=plan.native_kinds() if plan is not None else None, native=native)
+                            kinds=plan.native_kinds() if plan is not None else None)
         try:
             if all_resident:
                 cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})

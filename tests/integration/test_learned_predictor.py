@@ -102,39 +102,7 @@ def test_analyze_scores_the_learned_predictor_from_a_trace(fitted, tmp_path: Pat
     assert not analyze(tmp_path / "t.npz", predictor=False)["learned"]["available"]
 
 
-class _ReuseOnTheHook:
-    """The Python reference of C's eviction by the reuse maps, on the Python routing hook: at each layer's router
-    input, the layer's reuse scores (its map and blend, ``LearnedPredictor.reuse``, over the layer's past calls,
-    ``Recency``) become the scores policy 'predicted' evicts by in that call; with ``duel``, only while
-    ``EvictionDuel`` (the rule C runs) has them ahead of LRU. Only layers with a map take part, as in C."""
-
-    def __init__(self, cache, pred, *, duel: bool) -> None:
-        self.cache, self.pred = cache, pred
-        self.recency = {il: Recency(pred.n_expert) for il in cache.layers} if pred.blend is not None else {}
-        self.duel = (EvictionDuel({il: cache.usable(il) for il in cache.layers}, pred.n_expert,
-                                  start_learned=pred.blend is not None)
-                     if duel else None)
-        self._scores: dict[int, list[float]] = {}
-
-    def on_input(self, il: int, x: np.ndarray) -> None:
-        s = self.pred.reuse(il, x, self.recency.get(il))  # x lives only for this call: scored now
-        if s is None:
-            return
-        self._scores[il] = s.tolist()
-        use = self.duel is None or self.duel.use_learned
-        self.cache.residency.set_scores(il, self._scores[il] if use else [])
-
-    def on_route(self, il: int, needed, n_tokens: int) -> None:
-        scores = self._scores.pop(il, None)
-        if scores is None:
-            return
-        if self.duel is not None:  # with this call's scores, before the call joins the layer's past
-            self.duel.observe(il, needed, scores, count=n_tokens == 1)
-        if il in self.recency:
-            self.recency[il].observe(needed)
-
-
-def _decode_with_reuse(fitted, in_c: bool, *, tier: str = "ram", ordered: bool = False, duel: bool = False):
+def _decode_with_reuse(fitted, reuse: bool, *, tier: str = "ram", ordered: bool = False, duel: bool = False):
     from pyspecter.cache import ExpertCache
     from pyspecter.tiers import make_tier
 
@@ -142,18 +110,12 @@ def _decode_with_reuse(fitted, in_c: bool, *, tier: str = "ram", ordered: bool =
     lay = read_layout(path)
     text = "The reuse maps read each layer's router input and say which experts come back soon."
     with native.Model(path) as m:
-        common = dict(policy="predicted", miss="wait", lookahead=False, tier=make_tier(tier), ordered=ordered)
-        ref = None
-        if in_c:
-            cache = ExpertCache(m, lay, lay.n_expert_used + 2, reuse=pred, duel=duel, native=True, **common)
-            assert cache.hooks is None  # nothing of Python inside a layer
+        common = dict(miss="wait", lookahead=False, tier=make_tier(tier), ordered=ordered)
+        if reuse:
+            cache = ExpertCache(m, lay, lay.n_expert_used + 2, policy="predicted", reuse=pred, duel=duel, **common)
         else:
-            box: list[_ReuseOnTheHook] = []
-            cache = ExpertCache(m, lay, lay.n_expert_used + 2, native=False,
-                                on_input=lambda il, x: box[0].on_input(il, x), **common)
-            ref = _ReuseOnTheHook(cache, pred, duel=duel)
-            box.append(ref)
-            cache.route_observer = ref
+            cache = ExpertCache(m, lay, lay.n_expert_used + 2, policy="lru", **common)
+        assert cache.hooks is None  # nothing of Python inside a layer
         with native.Context(m, n_threads=1) as ctx:
             logits = [ctx.decode(m.tokenize(text), logits_all=True)[-1]]
             for _ in range(12):
@@ -161,26 +123,31 @@ def _decode_with_reuse(fitted, in_c: bool, *, tier: str = "ram", ordered: bool =
                 cache.check()
         c = cache.counters()
         where = {il: st.where for il, st in cache.layers.items()}
-        state = cache.duel_state() if ref is None else (
-            (ref.duel.use_learned, ref.duel.switches) if ref.duel is not None else None)
+        state = cache.duel_state()
         cache.close()
     return c, where, np.array(logits), state
 
 
 @pytest.mark.parametrize("duel", [False, True], ids=["scores", "duel"])
-def test_reuse_maps_in_c_evict_as_python_does(fitted, duel: bool) -> None:
+def test_reuse_maps_in_c_evict_by_their_scores_and_stay_exact(fitted, duel: bool) -> None:
     """C applies the reuse maps and their recency blend to each layer's router input: with misses waited for on
-    the RAM tier and no lookahead, the same misses and the same slot tables as the Python hook evicting by the
-    same scores; with the duel on, C's duel also chooses as its Python reference does."""
-    assert fitted["pred"].has_reuse and fitted["pred"].blend is not None  # the blend is compared too
-    c_nat, w_nat, l_nat, s_nat = _decode_with_reuse(fitted, True, duel=duel)
-    c_py, w_py, l_py, s_py = _decode_with_reuse(fitted, False, duel=duel)
+    the RAM tier and no lookahead its decisions cannot race, so two runs decide alike; the logits are stock's,
+    and the maps do decide (the slot tables differ from plain LRU's on the same text)."""
+    assert fitted["pred"].has_reuse and fitted["pred"].blend is not None  # the blend takes part too
+    path = fitted["model"]
+    with native.Model(path) as m, native.Context(m, n_threads=1) as ctx:
+        text = "The reuse maps read each layer's router input and say which experts come back soon."
+        ref = [ctx.decode(m.tokenize(text), logits_all=True)[-1]]
+        for _ in range(12):
+            ref.append(ctx.decode([int(ref[-1].argmax())]))
+    c_a, w_a, l_a, s_a = _decode_with_reuse(fitted, True, duel=duel)
+    c_b, w_b, l_b, s_b = _decode_with_reuse(fitted, True, duel=duel)
+    c_lru, w_lru, _, _ = _decode_with_reuse(fitted, False)
     for key in ("needed", "resident_at_need", "uploads", "hit_rows", "miss_rows"):
-        assert c_nat[key] == c_py[key], key
-    assert w_nat == w_py
-    assert np.array_equal(l_nat, l_py)
-    if duel:
-        assert s_nat == s_py
+        assert c_a[key] == c_b[key], key
+    assert w_a == w_b and s_a == s_b
+    assert np.abs(np.array(ref) - l_a).max() == 0.0
+    assert c_a["needed"] == c_lru["needed"] and w_a != w_lru
 
 
 def test_reuse_maps_in_c_are_exact_with_the_duel_on_disk(fitted) -> None:
@@ -235,3 +202,61 @@ def test_a_model_without_a_predictor_says_so_once(tmp_path: Path) -> None:
     every = subprocess.run([*args[:5], "--budget", "100%", *args[7:]], capture_output=True, text=True,
                            env={**env, "SPECTER_CACHE": str(tmp_path / "other")}, timeout=600)
     assert every.returncode == 0 and "fit-predictor" not in every.stderr  # all resident: nothing to prefetch
+
+
+@pytest.mark.parametrize("duel", [False, True], ids=["scores", "duel"])
+def test_reuse_maps_in_c_read_what_the_replay_of_their_scores_reads(fitted, duel: bool) -> None:
+    """C's eviction by the reuse maps against the Python predictor's own scores (``LearnedPredictor.reuse`` over
+    ``Recency``; with the duel, ``EvictionDuel`` choosing between them and LRU), replayed on the same routing
+    (study/replay.py, which C's bench decisions already agree with for lru/lfu/prev-token): the same decode reads,
+    on the RAM tier with misses waited for and no lookahead, where C's decisions do not depend on when reads
+    land."""
+    from pyspecter.cache import ExpertCache
+    from pyspecter.study.replay import record_calls, replay
+
+    pred, path = fitted["pred"], fitted["model"]
+    lay = read_layout(path)
+    E, n, n_slots = lay.n_expert, 12, lay.n_expert_used + 2
+    with native.Model(path) as m:
+        prompt = m.tokenize("The reuse maps read each layer's router input and say which experts come back soon.")
+    calls, _ = record_calls(path, [prompt], n, n_threads=1, inputs=True)
+    recency = {il: Recency(E) for il in pred.layers}
+    judge = EvictionDuel(dict.fromkeys(pred.layers, n_slots), start_learned=pred.blend is not None) if duel else None
+    done: list[tuple] = []  # the previous call: it joins the past before the next call is scored (C's order)
+
+    def scores(L, c) -> np.ndarray | None:
+        if done:
+            il, needed, s, count = done.pop()
+            if judge is not None and s is not None:
+                judge.observe(il, needed, s, count=count)
+            recency[il].observe(needed)
+        s = pred.reuse(L.il, c.x, recency[L.il])
+        done.append((L.il, sorted({int(e) for e in c.ids.ravel()}), s, len(c.ids) == 1))
+        return s if judge is None or judge.use_learned else None
+
+    def by_score(L, s, e, clock) -> tuple:
+        return (float(L.scores[e]) if L.scores is not None else 0.0, L.last_use[s])
+
+    slots = {L.index: n_slots for L in lay.layers}
+    want = replay(calls, slots, E, by_score, lookahead=False, scores=scores)
+    lru = replay(calls, slots, E, "lru", lookahead=False)
+    with native.Model(path) as m:
+        cache = ExpertCache(m, lay, n_slots, policy="predicted", miss="wait", lookahead=False, reuse=pred,
+                            duel=duel)
+        try:
+            with native.Context(m, n_threads=1, n_ctx=len(prompt) + n + 8) as ctx:
+                logits = ctx.decode(prompt)
+                cache.reset_counters()
+                for _ in range(n):
+                    logits = ctx.decode([int(np.argmax(logits))])
+                cache.check()
+            got = cache.counters()["uploads"]
+            state = cache.duel_state()
+        finally:
+            cache.close()
+    print(f"decode reads: C {got}, replay by the scores {want}, replay by LRU {lru}")
+    assert got == want, (got, want, lru)
+    if judge is not None:
+        assert state == (judge.use_learned, judge.switches)
+    else:
+        assert want != lru  # the scores decide something on this text

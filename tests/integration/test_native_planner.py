@@ -54,8 +54,7 @@ def test_native_maps_give_the_predictors_probabilities(fitted: LearnedPredictor)
     lay = read_layout(model)
     rng = np.random.default_rng(3)
     with native.Model(model) as m:
-        cache = ExpertCache(m, lay, lay.n_expert_used + 2, policy="predicted", miss="wait", reuse=pred, ahead=pred,
-                            native=True)
+        cache = ExpertCache(m, lay, lay.n_expert_used + 2, policy="predicted", miss="wait", reuse=pred, ahead=pred)
         try:
             same = pairs = 0
             for j, il in enumerate(pred.layers):
@@ -81,7 +80,7 @@ def _decode(model, pred: LearnedPredictor, tier: str, ahead: bool, n: int = 40,
     lay = read_layout(model)
     with native.Model(model, lazy_experts=tier == "disk") as m:
         cache = ExpertCache(m, lay, lay.n_expert_used + 4, policy="predicted", miss="wait", tier=make_tier(tier),
-                            ordered=True, reuse=pred, duel=False, ahead=pred if ahead else None, native=True)
+                            ordered=True, reuse=pred, duel=False, ahead=pred if ahead else None)
         try:
             assert cache.hooks is None  # no Python inside a layer
             if ahead:  # 1: never link-bound (the rule has a test of its own)
@@ -151,9 +150,6 @@ def test_session_runs_the_predictor_natively(tier: str, fitted: LearnedPredictor
         assert spent <= parse_budget("25%", lay.expert_total_bytes)
     with Session(SessionConfig(model=model, budget="25%", tier=tier, miss=miss, n_threads=1, predictor="off")) as s:
         assert s.predictor is None and s.stats().get("plan_prefetches") is None
-        assert s.generate(toks, 40, stop_at_eog=False) == ref
-    with Session(SessionConfig(model=model, budget="25%", tier=tier, miss=miss, n_threads=1, native=False)) as s:
-        assert s.predictor is None and not s.cache.native
         assert s.generate(toks, 40, stop_at_eog=False) == ref
 
 

@@ -86,8 +86,7 @@ def test_chunked_reads_land_the_files_bytes(io: str) -> None:
     ref = _stock(path)
     want = list(range(0, lay.n_expert, 2))[: lay.n_expert // 2]
     with native.Model(path) as m:
-        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io),
-                            native=True)
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io))
         for L in lay.layers:
             assert cache.prefetch(L.index, want) == len(want)
         cache.drain()
@@ -129,8 +128,7 @@ def test_a_failed_chunk_fails_its_expert(io: str, tmp_path) -> None:
     shutil.copyfile(path, short)
     os.truncate(short, cut)
     with native.Model(path) as m:
-        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io),
-                            native=True)
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io))
         fd = os.open(short, os.O_RDONLY)
         os.dup2(fd, cache.tier.fd)
         os.close(fd)
@@ -171,7 +169,7 @@ def test_a_demand_takes_back_a_queued_prefetch(io: str) -> None:
     first = lay.layers[0].index
     with native.Model(path) as m:  # which experts the token needs in the first layer (routing is deterministic)
         tokens = m.tokenize(PROMPT)[:1]
-        cache = ExpertCache(m, lay, n_slots, miss="wait", native=True, lookahead=False, record=True)
+        cache = ExpertCache(m, lay, n_slots, miss="wait", lookahead=False, record=True)
         with native.Context(m, n_threads=2) as ctx:
             ctx.decode(tokens)
         il, needed = cache.trace[0]
@@ -180,7 +178,7 @@ def test_a_demand_takes_back_a_queued_prefetch(io: str) -> None:
     ref = _stock(path, 1)
     order = [e for e in range(lay.n_expert) if e not in needed][: n_slots - len(needed)] + list(needed)
     with native.Model(path) as m:
-        cache = ExpertCache(m, lay, n_slots, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io), native=True,
+        cache = ExpertCache(m, lay, n_slots, miss="wait", tier=DiskTier(read_chunk=CHUNK, io=io),
                             lookahead=False)
         native.slots().set_link_gbps(m.ptr, 0.0002)
         with native.Context(m, n_threads=2) as ctx:
@@ -214,7 +212,7 @@ def test_a_prompts_pages_go_back_on_a_reader() -> None:
     with native.Model(path) as stock:
         ref = _prompt_then_token(stock)
     with native.Model(path) as m:
-        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(io="threads"), native=True,
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(io="threads"),
                             lookahead=False)
         with native.Context(m, n_threads=2) as ctx:
             logits = ctx.decode(m.tokenize(PROMPT))
@@ -256,7 +254,7 @@ def test_a_calls_stale_lookahead_is_taken_back_not_read_in_the_decode_after(io: 
     assert all(sum(t.expert_bytes for t in L.tensors.values()) == expert_bytes for L in lay.layers)
     with native.Model(path) as m:
         cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", ordered=True,
-                            tier=DiskTier(read_chunk=CHUNK, io=io), native=True)
+                            tier=DiskTier(read_chunk=CHUNK, io=io))
         native.slots().set_link_gbps(m.ptr, 0.0002)
         with native.Context(m, n_threads=2) as ctx:
             got = [ctx.decode(tokens[:n_prompt], logits_all=True)]
@@ -297,7 +295,7 @@ def test_the_cpu_of_waiting_for_reads_is_kept_apart() -> None:
         for _ in range(31):
             ref.append(ctx.decode([int(ref[-1][-1].argmax())], logits_all=True))
     with native.Model(path) as m:
-        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(io="threads"), native=True,
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(io="threads"),
                             lookahead=False)
         native.slots().set_link_gbps(m.ptr, 0.002)
         with native.Context(m, n_threads=2) as ctx:

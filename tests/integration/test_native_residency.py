@@ -1,6 +1,6 @@
-"""Native residency (csrc/residency.cpp): the routing op looks up residency, evicts and reads in C, with no Python
-call inside a layer. Exact against stock for every policy C runs, on every tier; the same decisions as the
-Python path where both are deterministic; failed reads leave experts to the host path."""
+"""Native residency (csrc/residency.cpp), the one residency engine: the routing op looks up residency, evicts and
+reads in C, with no Python call inside a layer. Exact against stock for every policy and miss mode, on every tier;
+deterministic where reads cannot race; failed reads leave experts to the host path."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from pyspecter import native
-from pyspecter.cache import ExpertCache, native_reason
+from pyspecter.cache import MISS_MODES, POLICIES, ExpertCache
 from pyspecter.layout import read_layout
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
 from pyspecter.study.verify import verify
-from pyspecter.tiers import RamTier, make_tier
+from pyspecter.tiers import make_tier
 
 TOL = 1e-4
 PROMPT = "Once upon a time there was a tiny mixture of experts, and it routed every token somewhere."
@@ -28,7 +28,7 @@ PROMPT = "Once upon a time there was a tiny mixture of experts, and it routed ev
 def test_native_is_exact(name: str, miss: str, policy: str, tier: str) -> None:
     spec = TINY_MODELS[name]
     for slots in (spec.n_expert_used, spec.n_expert // 2):
-        r = verify(build_tiny(name), slots=slots, miss=miss, tier=tier, policy=policy, n_tokens=10, native=True)
+        r = verify(build_tiny(name), slots=slots, miss=miss, tier=tier, policy=policy, n_tokens=10)
         assert r["native"]
         assert r["identical_tokens"], (slots, r["stock_tokens"], r["slot_tokens"])
         assert r["max_abs_logit_diff"] <= TOL, (slots, r["max_abs_logit_diff"])
@@ -42,42 +42,52 @@ def test_native_ordered_is_exact(tier: str) -> None:
     for name in ("tiny-qwen3moe", "tiny-gptoss"):
         spec = TINY_MODELS[name]
         for slots in (spec.n_expert_used, spec.n_expert // 2, spec.n_expert):
-            r = verify(build_tiny(name), slots=slots, miss="wait", tier=tier, n_tokens=10, ordered=True, native=True)
+            r = verify(build_tiny(name), slots=slots, miss="wait", tier=tier, n_tokens=10, ordered=True)
             assert r["native"] and r["identical_tokens"], (name, slots, r["stock_tokens"], r["slot_tokens"])
             assert r["max_abs_logit_diff"] == 0.0, (name, slots, r["max_abs_logit_diff"])
             assert r["late"] > 0
 
 
-def _decode(path, slots: int, policy: str, use_native: bool, n: int = 8):
+def _decode(path, slots: int | None, policy: str, n: int = 8):
+    """A prompt and n greedy tokens, with slots (None: stock): the logits, and the counters, trace and final
+    slot tables of the slot path."""
     lay = read_layout(path)
     with native.Model(path) as m:
-        cache = ExpertCache(m, lay, slots, policy=policy, miss="wait", lookahead=False, record=True,
-                            native=use_native)
-        assert cache.native == use_native and (cache.hooks is None) == use_native  # no Python on the path
+        cache = None
+        if slots is not None:
+            cache = ExpertCache(m, lay, slots, policy=policy, miss="wait", lookahead=False, record=True)
+            assert cache.native and cache.hooks is None  # no Python on the path
         with native.Context(m, n_threads=2) as ctx:
-            logits = ctx.decode(m.tokenize(PROMPT))
+            logits = [ctx.decode(m.tokenize(PROMPT))]
             for _ in range(n):
-                logits = ctx.decode([int(logits.argmax())])
-                cache.check()
+                logits.append(ctx.decode([int(logits[-1].argmax())]))
+                if cache is not None:
+                    cache.check()
+        if cache is None:
+            return np.array(logits), {}, [], {}
         c = cache.counters()
         trace = list(cache.trace)
         resident = {il: st.where for il, st in cache.layers.items()}
         cache.close()
-    return c, trace, resident
+    return np.array(logits), c, trace, resident
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "prev-token"])
-def test_native_decides_as_python_does(policy: str) -> None:
-    """With misses waited for on the RAM tier (no reads in the background, no lookahead) both paths are
-    deterministic: the same routing trace, the same misses and uploads, the same slot tables at the end."""
+def test_native_decisions_are_exact_and_deterministic(policy: str) -> None:
+    """With misses waited for on the RAM tier (no reads in the background, no lookahead) the engine's decisions
+    cannot race: two runs give the same routing trace, misses, uploads and final slot tables, and the logits
+    are stock's."""
     path = build_tiny("tiny-qwen3moe")
     k = TINY_MODELS["tiny-qwen3moe"].n_expert_used
-    c_nat, t_nat, w_nat = _decode(path, k + 2, policy, True)
-    c_py, t_py, w_py = _decode(path, k + 2, policy, False)
-    assert t_nat == t_py and len(t_nat) > 0
+    ref, _, _, _ = _decode(path, None, policy)
+    l_a, c_a, t_a, w_a = _decode(path, k + 2, policy)
+    l_b, c_b, t_b, w_b = _decode(path, k + 2, policy)
+    assert np.abs(l_a - ref).max() == 0.0 and np.abs(l_b - ref).max() == 0.0
+    assert t_a == t_b and len(t_a) > 0
     for key in ("needed", "resident_at_need", "uploads", "hit_rows", "miss_rows"):
-        assert c_nat[key] == c_py[key], key
-    assert w_nat == w_py
+        assert c_a[key] == c_b[key], key
+    assert c_a["needed"] > c_a["resident_at_need"] > 0 and c_a["uploads"] > 0
+    assert w_a == w_b
 
 
 def _prompt_on_disk(name: str, prepare: Callable[[ExpertCache], None]) -> tuple[float, dict]:
@@ -88,7 +98,7 @@ def _prompt_on_disk(name: str, prepare: Callable[[ExpertCache], None]) -> tuple[
         ref = ctx.decode(stock.tokenize(PROMPT), logits_all=True)
     lay = read_layout(path)
     with native.Model(path) as m:
-        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=make_tier("disk"), native=True)
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="wait", tier=make_tier("disk"))
         try:
             prepare(cache)
             with native.Context(m, n_threads=2) as ctx:
@@ -130,14 +140,25 @@ def test_failed_native_reads_leave_experts_to_the_host() -> None:
     assert c["failed_uploads"] > 0 and c["slot_row_rate"] == 0.0
 
 
-def test_what_stays_in_python_is_named() -> None:
-    assert native_reason("lru", "cpu", RamTier()) == ""
-    assert native_reason("predicted", "wait", RamTier()) == ""  # a learned predictor runs in C whole
-    assert "surrogate" in native_reason("lru", "surrogate", RamTier())
+def test_every_policy_and_miss_mode_runs_in_c() -> None:
+    """One engine: every policy and miss mode the CLI accepts is decided in C, with no routing hook; only static
+    residency (hook=False) runs none, and it holds no draft's slots."""
+    from pyspecter.models.calibration import select_neurons
+    from pyspecter.surrogate import Surrogates
+
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
-    with native.Model(path) as m, pytest.raises(Exception, match="held slots .* need native residency"):
-        ExpertCache(m, lay, lay.n_expert_used + 2, held=1, native=False)
+    sur = Surrogates(lay, select_neurons(path, 0.5, n_calib=64, progress=False))
+    for policy in POLICIES:
+        for miss in MISS_MODES:
+            for tier in ("ram", "disk"):
+                with native.Model(path) as m:
+                    cache = ExpertCache(m, lay, 2 * lay.n_expert_used, policy=policy, miss=miss, tier=make_tier(tier),
+                                        surrogates=sur if miss == "surrogate" else None)
+                    assert cache.native and cache.hooks is None, (policy, miss, tier)
+                    cache.close()
+    with native.Model(path) as m, pytest.raises(Exception, match="held slots .* need the residency engine"):
+        ExpertCache(m, lay, lay.n_expert_used + 2, held=1, hook=False)
 
 
 @pytest.mark.parametrize(("tier", "ordered"), [("ram", False), ("disk", True)])
@@ -170,7 +191,7 @@ def test_held_slots_are_native_and_released_in_c(tier: str, ordered: bool) -> No
                     owners.append(max(s for st in cache.layers.values() for s, e in enumerate(st.owner) if e >= 0))
             c, trace = (cache.counters(), list(cache.trace)) if cache else ({}, [])
             if cache is not None:
-                assert cache.stats.hook_calls == 0 and cache.api.stats(m.ptr).hook_ns == 0  # no Python in a layer
+                assert cache.hooks is None and cache.api.stats(m.ptr).hook_ns == 0  # no Python in a layer
                 cache.close()
         return np.array(out), c, trace, owners
 
@@ -199,7 +220,7 @@ def test_the_replay_reads_what_native_residency_reads(policy: str) -> None:
     for slots in (spec.n_expert_used + 1, spec.n_expert // 2):
         uploads = 0
         with native.Model(path) as m:
-            cache = ExpertCache(m, lay, slots, policy=policy, miss="wait", lookahead=False, native=True)
+            cache = ExpertCache(m, lay, slots, policy=policy, miss="wait", lookahead=False)
             with native.Context(m, n_threads=2, n_ctx=max(map(len, prompts)) + 16) as ctx:
                 for prompt in prompts:
                     ctx.clear()

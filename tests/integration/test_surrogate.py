@@ -15,14 +15,16 @@ from pyspecter.models.calibration import select_neurons
 from pyspecter.models.tiny import build_tiny
 from pyspecter.native import Context, Model
 from pyspecter.surrogate import Surrogates
+from pyspecter.tiers import make_tier
 
 ARCHS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-mixtral"]
 
 
-def _run(path, slots: int, surrogates=None, n: int = 12):
+def _run(path, slots: int, surrogates=None, n: int = 12, tier: str = "ram"):
     lay = read_layout(path)
-    with Model(path) as m:
-        cache = ExpertCache(m, lay, slots, miss="surrogate" if surrogates else "wait", surrogates=surrogates)
+    with Model(path, lazy_experts=tier == "disk") as m:
+        cache = ExpertCache(m, lay, slots, miss="surrogate" if surrogates else "wait", surrogates=surrogates,
+                            tier=make_tier(tier))
         with Context(m, n_threads=2) as ctx:
             toks, logits = greedy(ctx, m.tokenize("surrogate experts, please"), n)
             cache.check()
@@ -31,13 +33,16 @@ def _run(path, slots: int, surrogates=None, n: int = 12):
     return toks, logits, c
 
 
+@pytest.mark.parametrize("tier", ["ram", "disk"])
 @pytest.mark.parametrize("name", ARCHS)
-def test_full_width_surrogate_is_exact(name: str) -> None:
+def test_full_width_surrogate_is_exact(name: str, tier: str) -> None:
+    """C expands the kept bytes (csrc/surrogate.cpp): with every neuron kept, the expansion is the expert itself,
+    whichever tier the full experts are read from in the background."""
     path = build_tiny(name)
     lay = read_layout(path)
     sur = Surrogates(lay, select_neurons(path, 1.0, n_calib=64, progress=False))
     ref, ref_logits, _ = _run(path, lay.n_expert)
-    got, got_logits, c = _run(path, 2 * lay.n_expert_used, sur)
+    got, got_logits, c = _run(path, 2 * lay.n_expert_used, sur, tier=tier)
     assert c["surrogate_uses"] > 0
     assert got == ref
     assert np.abs(got_logits - ref_logits).max() == 0.0
@@ -54,6 +59,24 @@ def test_narrow_surrogate_is_used_and_approximate(name: str) -> None:
     assert c["surrogate_uses"] > 0
     assert np.isfinite(got_logits).all()
     assert np.abs(got_logits[1:] - ref_logits[1:len(got_logits)]).max() > 0  # decode steps used surrogates
+
+
+def test_surrogates_that_do_not_fit_their_slots_are_refused() -> None:
+    """C checks what it is handed: reserved slots among the usable ones, or neuron groups out of range, are a
+    one-line SpecterError, never a write outside a slot."""
+    path = build_tiny("tiny-mixtral")
+    lay = read_layout(path)
+    groups = select_neurons(path, 0.5, n_calib=64, progress=False)
+    with Model(path) as m:
+        cache = ExpertCache(m, lay, 2 * lay.n_expert_used, miss="wait")
+        il = lay.layers[0].index
+        with pytest.raises(SpecterError, match="do not fit"):  # would overwrite slots eviction hands out
+            Surrogates(lay, groups).install(cache.api, m.ptr, il, 0, lay.n_expert_used)
+        sur = Surrogates(lay, groups)
+        sur.groups = {k: g + 10**6 for k, g in groups.items()}  # neuron groups the experts do not have
+        with pytest.raises(SpecterError, match="do not fit"):
+            sur.install(cache.api, m.ptr, il, cache.usable(il), lay.n_expert_used)
+        cache.close()
 
 
 def test_surrogate_mode_needs_room() -> None:

@@ -1,5 +1,6 @@
 """The control plane's decisions, without llama.cpp: the K governor, speculative sampling, budgets, eviction
-policies, the ghost LRU, and the slot table's handling of uploads that fail."""
+policy names. The slot table's rules (failed reads, reads in flight, protected experts) are C's:
+tests/integration/test_faults.py, test_slots.py and test_native_residency.py hold them."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from pyspecter.budget import MemoryPlan, check_slots, parse_budget, slots_for_bu
 from pyspecter.errors import SpecterError
 from pyspecter.governor import OFF, KGovernor
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
-from pyspecter.policies import LFU, LRU, Predicted, make_policy
-from pyspecter.residency import Residency
+from pyspecter.policies import check_policy
 from pyspecter.sampling import Sampler, SamplingParams
 
 
@@ -162,97 +162,13 @@ def test_a_budget_too_small_names_the_smallest_that_works() -> None:
         check_slots(lay, 3, reserved=2)
 
 
-def test_policies_rank() -> None:
-    st = _residency(4)[0].layers[0]
-    st.owner[:], st.last_use[:] = [0, 1, 2, 3], [5, 6, 1, 2]
-    st.freq[:4] = [100, 0, 1, 2]
-    assert make_policy("lru").rank(st, 0) < LRU().rank(st, 1)
-    assert LFU().rank(st, 2) < LFU().rank(st, 3) < LFU().rank(st, 0) and LFU().rank(st, 1) < LFU().rank(st, 2)
-    with pytest.raises(SpecterError):
-        make_policy("fifo")
+def test_only_the_policies_c_runs_are_accepted() -> None:
+    for name in ("lru", "lfu", "prev-token", "predicted"):
+        check_policy(name)
+    with pytest.raises(SpecterError, match="unknown policy 'fifo'"):
+        check_policy("fifo")
 
 
-def test_predicted_evicts_the_lowest_score_and_lru_among_equals_or_without_scores() -> None:
-    res = Residency(model=type("M", (), {"ptr": 1})(), layout=_layout(), n_slots=3, n_usable=3, policy=Predicted(),
-                    api=_Api())
-    for slot, e in enumerate((1, 2, 3)):
-        res.assign(0, e, slot)
-    res.layers[0].last_use[:] = [5, 1, 3]
-    assert res.victim(0, protected={7}) == 1  # no scores: LRU (expert 2)
-    res.set_scores(0, [0.0, 0.1, 0.9, 0.5, 0, 0, 0, 0])  # the next tokens need expert 2, not expert 1
-    assert res.victim(0, protected={7}) == 0
-    res.set_scores(0, [0.0, 0.9, 0.9, 0.2, 0, 0, 0, 0])
-    assert res.victim(0, protected={7}) == 2
-    res.set_scores(0, [0.0] * 8)  # all equal: LRU
-    assert res.victim(0, protected={7}) == 1
-    res.set_scores(5, [1.0] * 8)  # not a MoE layer: nothing to rank
-
-
-class _Api:
-    """Stands in for the C slot functions: records the remap mirror the routing op would read."""
-
-    def __init__(self) -> None:
-        self.remap: dict[tuple[int, int], int] = {}
-
-    def set_slot(self, _model, il: int, expert: int, slot: int) -> int:
-        self.remap[il, expert] = slot
-        return 0
-
-
-class _Upload:
-    def __init__(self, ok: bool, done: bool = True) -> None:
-        self._ok, self._done, self.waited = ok, done, False
-
-    def done(self) -> bool:
-        return self._done
-
-    def ok(self) -> bool:
-        return self._done and self._ok
-
-    def wait(self) -> bool:
-        self.waited, self._done = True, True
-        return self._ok
-
-
-def _residency(n_slots: int = 3) -> tuple[Residency, _Api]:
-    api = _Api()
-    model = type("M", (), {"ptr": 1})()  # only its pointer is passed on, to the stand-in
-    return Residency(model=model, layout=_layout(), n_slots=n_slots, n_usable=n_slots, policy=LRU(), api=api), api
-
-
-def test_a_failed_upload_never_maps_its_slot() -> None:
-    res, api = _residency()
-    res.assign(0, 5, 0)
-    res.evict(0, 0)  # slot 0 now receives expert 6, whose read fails
-    res.start_upload(0, 6, 0, _Upload(ok=False))
-    res.start_upload(0, 7, 1, _Upload(ok=True))
-    res.reap(0)
-    st = res.layers[0]
-    assert st.where[6] == -1 and st.owner[0] == -1 and api.remap.get((0, 6), -1) == -1
-    assert st.where[7] == 1 and api.remap[0, 7] == 1
-    assert res.failed_uploads == 1 and not st.pending
-    assert res.victim(0, set()) == 0  # the slot is free again, not lost
-
-
-def test_pending_slots_are_never_victims_and_blocking_waits() -> None:
-    res, _ = _residency(2)
-    landing = _Upload(ok=True, done=False)
-    res.start_upload(0, 3, 0, landing)
-    res.assign(0, 4, 1)
-    assert res.victim(0, set()) == 1 and res.victim(0, {4}) == -1
-    res.reap(0)
-    assert res.layers[0].pending and not landing.waited
-    res.reap(0, block_for={3})
-    assert landing.waited and res.layers[0].where[3] == 0
-
-
-def test_protected_experts_yield_only_to_a_need() -> None:
-    res, _ = _residency(2)
-    res.assign(0, 1, 0)
-    res.assign(0, 2, 1)
-    res.layers[0].protected.update({1, 2})
-    assert res.victim(0, set()) == -1
-    assert res.victim(0, set(), need=True) in (0, 1)
 
 
 def test_filters_keep_what_llama_cpp_keeps() -> None:
@@ -329,17 +245,3 @@ def test_fitting_a_model_to_the_memory_available() -> None:
     assert MemoryPlan.for_budget(lay, fit.budget).slots == budget // slot_row >= 2
     with pytest.raises(SpecterError, match="does not fit"):
         fit_to_memory(lay, RUNTIME_HEADROOM + 300 * 2**20)
-
-
-def test_a_retired_table_keeps_its_counts_and_no_copy_of_the_slots() -> None:
-    """Under native residency C's table is the only one: the Python one keeps the slot counts, and a read of its
-    slots fails instead of answering from a stale copy."""
-    res, _ = _residency()
-    res.start_upload(0, 4, 1, _Upload(ok=True, done=False))
-    with pytest.raises(SpecterError, match="drain"):
-        res.retire()
-    res.drain()
-    res.retire()
-    assert res.usable(0) == res.n_usable == 3
-    with pytest.raises(IndexError):
-        res.victim(0, set())

@@ -12,8 +12,6 @@ from pyspecter.budget import CURVE_MIN_GAIN, MemoryPlan, allocate_slots, slot_by
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
-from pyspecter.policies import LRU
-from pyspecter.residency import Residency
 
 MB = 10**6
 
@@ -229,73 +227,6 @@ def test_plan_spread_with_surrogates_keeps_reserved_uniform() -> None:
     with pytest.raises(SpecterError, match=r"too small: .* = 4 slots per layer \(top-2 for full experts, as many "
                                            r"for surrogates\)"):
         MemoryPlan.for_budget(lay, "1500", surrogate_bytes=50, spread=True)
-
-
-# --- Residency with per-layer counts ----------------------------------------------------------------------------
-
-class _Api:
-    def __init__(self) -> None:
-        self.mapped: dict[tuple[int, int], int] = {}
-
-    def set_slot(self, _model, il: int, expert: int, slot: int) -> int:
-        if slot < 0:
-            self.mapped.pop((il, expert), None)
-        else:
-            self.mapped[(il, expert)] = slot
-        return 0
-
-
-_MODEL = type("M", (), {"ptr": 1})()
-
-
-def _fill(res: Residency, il: int, experts) -> None:
-    """Route each expert once through layer il as the wait path does: a victim, evicted, assigned."""
-    for e in experts:
-        res.begin_call(il)
-        st = res.layers[il]
-        if st.where[e] >= 0:
-            continue
-        slot = res.victim(il, {e}, need=True)
-        assert slot >= 0
-        res.evict(il, slot)
-        res.assign(il, e, slot)
-
-
-def test_each_layer_hands_out_its_own_count() -> None:
-    lay = _layout([100] * 3, n_expert=16, k=2)
-    api = _Api()
-    res = Residency(_MODEL, lay, 9, 3, LRU(), api=api, extra={1: 2, 2: 6})
-    assert [res.usable(il) for il in range(3)] == [3, 5, 9]
-    assert res.n_usable == 3
-    rng = random.Random(5)
-    for il in range(3):
-        _fill(res, il, [rng.randrange(16) for _ in range(200)])
-        st = res.layers[il]
-        mapped = [s for s, e in enumerate(st.owner) if e >= 0]
-        assert len(mapped) == res.usable(il) and max(mapped) < res.usable(il)
-        assert sum(1 for (l2, _), _s in api.mapped.items() if l2 == il) == res.usable(il)
-
-
-def test_held_and_reserved_stay_uniform_beside_the_extra() -> None:
-    lay = _layout([100] * 2, n_expert=16, k=2)
-    # 8 allocated = 2 usable + 2 held + at most 4 extra; reserved (surrogates) follow each layer's regular ones
-    res = Residency(_MODEL, lay, 8, 2, LRU(), api=_Api(), held=2, extra={1: 4})
-    assert [res.usable(il) for il in range(2)] == [2, 6]
-    assert res.reserved(0, 2) == range(4, 6) and res.reserved(1, 2) == range(8, 10)
-    _fill(res, 0, range(10))
-    assert all(e < 0 for e in res.layers[0].owner[2:])  # held slots are not handed out before release
-    res.release_held()
-    assert [res.usable(il) for il in range(2)] == [4, 8] and res.n_usable == 4
-    _fill(res, 0, range(6, 16))
-    assert sum(e >= 0 for e in res.layers[0].owner) == 4
-
-
-def test_residency_refuses_extra_that_does_not_fit() -> None:
-    lay = _layout([100] * 2, n_expert=16, k=2)
-    with pytest.raises(SpecterError, match="do not fit"):
-        Residency(_MODEL, lay, 6, 4, LRU(), api=_Api(), extra={1: 3})
-    with pytest.raises(SpecterError, match="not MoE layers"):
-        Residency(_MODEL, lay, 6, 4, LRU(), api=_Api(), extra={7: 1})
 
 
 def test_cache_checks_extra_and_keeps_a_device_uniform() -> None:

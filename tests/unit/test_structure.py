@@ -140,7 +140,6 @@ LONG_MODULES = {
     "engine.py": "the speculative step, the draft's prefetch feed and its drop are one state machine over one window",
     "models/smol.py": "one builder end to end: fetch the wheel, calibration tokens, the upcycling, its quality report",
     "native/lib.py": "the C API's one declaration, a typed stub per function of the header, checked against it",
-    "cache.py": "one class serves both residency paths behind the same methods (issue 43 retires the Python one)",
     "session.py": "placement and the build of every part, in the order each needs the others, read top to bottom",
     "study/analyze.py": "every analysis reads the same trace arrays into one result",
 }
