@@ -221,24 +221,22 @@ def test_reuse_maps_in_c_read_what_the_replay_of_their_scores_reads(fitted, duel
         prompt = m.tokenize("The reuse maps read each layer's router input and say which experts come back soon.")
     calls, _ = record_calls(path, [prompt], n, n_threads=1, inputs=True)
     recency = {il: Recency(E) for il in pred.layers}
-    judge = EvictionDuel(dict.fromkeys(pred.layers, n_slots), start_learned=pred.blend is not None) if duel else None
+    judge = (EvictionDuel(dict.fromkeys(pred.layers, n_slots), E, start_learned=pred.blend is not None)
+             if duel else None)
     done: list[tuple] = []  # the previous call: it joins the past before the next call is scored (C's order)
 
-    def scores(L, c) -> np.ndarray | None:
+    def scores(c) -> np.ndarray | None:
         if done:
             il, needed, s, count = done.pop()
             if judge is not None and s is not None:
                 judge.observe(il, needed, s, count=count)
             recency[il].observe(needed)
-        s = pred.reuse(L.il, c.x, recency[L.il])
-        done.append((L.il, sorted({int(e) for e in c.ids.ravel()}), s, len(c.ids) == 1))
+        s = pred.reuse(c.il, c.x, recency[c.il])
+        done.append((c.il, sorted({int(e) for e in c.ids.ravel()}), s, len(c.ids) == 1))
         return s if judge is None or judge.use_learned else None
 
-    def by_score(L, s, e, clock) -> tuple:
-        return (float(L.scores[e]) if L.scores is not None else 0.0, L.last_use[s])
-
     slots = {L.index: n_slots for L in lay.layers}
-    want = replay(calls, slots, E, by_score, lookahead=False, scores=scores)
+    want = replay(calls, slots, E, "score", lookahead=False, scores=scores)
     lru = replay(calls, slots, E, "lru", lookahead=False)
     with native.Model(path) as m:
         cache = ExpertCache(m, lay, n_slots, policy="predicted", miss="wait", lookahead=False, reuse=pred,
