@@ -200,6 +200,21 @@ class NativeResidency:
         then higher priority), into the queue the native planner fills too; how many reads were queued."""
         return sum(self.api.schedule(self.model.ptr, il, e, priority, deadline) == 1 for e in experts)
 
+    def handover(self, draft: native.Model | None, min_conf: float = 0.0, per_pass: int = 1,
+                 n_tokens: int = 0) -> None:
+        """One draft step to the native planner, in one call (``llama_pyspecter_draft_handover``): the previous
+        window is scored and closed, and the draft's next ``n_tokens`` tokens become prefetches as its routing op
+        routes them, due where the verification pass (``per_pass`` tokens a pass) needs them. draft None: only
+        close the window."""
+        rc = self.api.draft_handover(self.model.ptr, draft.ptr if draft is not None else None, min_conf, per_pass,
+                                     n_tokens)
+        self._check(rc, "could not hand the draft's routing over")
+
+    def draft_stats(self) -> native.DraftStats:
+        out = native.DraftStats()
+        self._check(self.api.get_draft_stats(self.model.ptr, ctypes.byref(out)), "no draft counters")
+        return out
+
     def protect(self, il: int, experts) -> None:
         ids = list(experts)
         self._check(self.api.set_protected(self.model.ptr, il, (ctypes.c_int32 * len(ids))(*ids), len(ids)),
@@ -327,6 +342,21 @@ class NativeResidency:
             # the native planner: maps applied, prefetches they queued, predictions left to the miss path
             "ahead_maps": c.ahead_maps, "ahead_prefetches": c.ahead_prefetches, "ahead_late": c.ahead_late,
             "ahead_refused": c.ahead_refused,
+            **self.draft_counters(),
+        }
+
+    def draft_counters(self) -> dict:
+        """The draft's handovers since residency went native (none: zeros): its prefetches' precision over closed
+        windows, and over the target's needs in those windows the share resident (coverage), named by the draft
+        (recall), and resident under plain LRU with the same slots on the same calls (a ghost: LRU's hit rate)."""
+        d = self.draft_stats()
+        return {
+            "draft_handovers": d.handovers, "draft_predicted": d.predicted, "draft_prefetches": d.prefetches,
+            "draft_refused": d.refused, "draft_scored": d.scored, "draft_used": d.used, "draft_stale": d.stale,
+            "draft_precision": d.used / d.scored if d.scored else None,
+            "draft_coverage": d.hits / d.needed if d.needed else None,
+            "draft_recall": d.recalled / d.needed if d.needed else None,
+            "draft_lru_hit_rate": d.lru_hits / d.needed if d.needed else None,
         }
 
     def link_gbps(self) -> float | None:

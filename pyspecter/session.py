@@ -252,8 +252,8 @@ class Session:
     def _build(self, dlay: ModelLayout | None) -> None:
         cfg = self.cfg
         if not self.stock and (self.layer_plan is None or self.layer_plan.has_slots):
-            # the routing calls are recorded only to score a routing draft's prefetches (until they are cut off)
-            self._build_cache(record=dlay is not None and dlay.is_moe)
+            # (a routing draft's prefetches are scored in C: csrc/draft.cpp)
+            self._build_cache(record=False)
         elif cfg.profile is not None:  # nothing to warm with every expert resident, but a wrong file is refused
             from pyspecter.predict import routing_profile
 
@@ -299,7 +299,6 @@ class Session:
         self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held,
                                  policy="predicted" if fitted else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
-                                 # the routing calls, to score a draft's prefetches by (engine.SpeculativeDecoder)
                                  record=record,
                                  held_extra=self.held_extra, extra=self.plan.extra,
                                  native=True if learned else cfg.native,

@@ -9,6 +9,7 @@ from pyspecter.native.device_api import (
     device_stats,
     read_table,
 )
+from pyspecter.native.draft_api import DraftStats
 from pyspecter.native.lib import (
     ERR_IO,
     INPUT_CB,
@@ -43,7 +44,8 @@ __all__ = [
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "device_stats", "graph_splits", "read_table",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
-    "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "recent_log_errors",
+    "Context", "DraftStats", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs",
+    "recent_log_errors",
     "slots", "status_name",
     "HIST_NS", "layer_cpu_hist",
 ]
