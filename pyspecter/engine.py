@@ -448,4 +448,4 @@ class SpeculativeDecoder:
         s.k_hist[k] = s.k_hist.get(k, 0) + 1
         s.draft_s += t_draft
         s.verify_s += t_verify
-        self.governor.observe(k, accepted, t_draft, t_verify)
+        self.governor.observe(k, accepted, t_draft, t_verify, io)
