@@ -4,10 +4,13 @@
 // for the next step's tokens. From then on the draft's routing op (route.cpp, the op every MoE arch goes through)
 // turns each drafted token's selected experts, at router weight >= min_conf (the confidence), into prefetches on
 // the target as it routes them: due at the routing call where the verification pass needs them (token i of the
-// window at MoE layer L), queued behind every demand read through the native planner's prefetch rule
-// (residency.cpp: a slot is taken only from an expert the window rates less likely). The reads so run while the
-// draft is still drafting, and the queue serves them by deadline, whatever order they came in. Nothing runs in
-// Python per layer or per expert.
+// window at MoE layer L), the most confident first among equals, queued behind every demand read through the
+// native planner's prefetch rule (residency.cpp: a slot is taken only from an expert less likely to be needed).
+// What the rule weighs a prediction by is the chance that the target uses it: the draft's precision measured over
+// the windows so far (a router weight is no such chance: the top-2 weights of 16 experts sum to one whatever the
+// draft's accuracy), so a draft whose predictions are used less often than an expert the layer just used stops
+// evicting it. The reads so run while the draft is still drafting, and the queue serves them by deadline, whatever
+// order they came in. Nothing runs in Python per layer or per expert.
 //
 // The target's routing op scores the window: which prefetches its verification pass used (precision), how many
 // of its needs the draft named (recall) and found resident (coverage), and what plain LRU with the layer's usable
@@ -32,7 +35,7 @@ struct pyspecter_draft {
     bool scoring = false; // a handover was made to this model
     bool open = false;
     std::vector<std::vector<uint8_t>> pf, pred;
-    std::vector<std::vector<float>> conf; // the window's confidence (what the prefetch rule reads; 0: not named)
+    std::vector<std::vector<float>> prob; // the chance the target uses an expert the window named (0: not named)
     std::vector<int32_t> pos;             // layer -> forward position among the slot layers (-1: none)
     int32_t n_moe = 0;
     int64_t needed0 = 0, resident0 = 0; // the target's counters when the window opened
@@ -54,7 +57,7 @@ static pyspecter_draft * draft_state(llama_pyspecter_slots * s) {
         d->tokens.assign(n, 0);
         d->pf.resize(n);
         d->pred.resize(n);
-        d->conf.resize(n);
+        d->prob.resize(n);
         d->ghost.resize(n);
         d->ghost_n.assign(n, 0);
         d->pos.assign(n, -1);
@@ -62,7 +65,7 @@ static pyspecter_draft * draft_state(llama_pyspecter_slots * s) {
             if (s->layers[il]) {
                 d->pf[il].assign(E, 0);
                 d->pred[il].assign(E, 0);
-                d->conf[il].assign(E, 0.0f);
+                d->prob[il].assign(E, 0.0f);
                 d->ghost[il].assign(E, -1);
                 d->pos[il] = d->n_moe++; // a pass reaches the layer at forward position p in p + 1 routing calls
             }
@@ -114,14 +117,16 @@ static void plan_rows(llama_pyspecter_slots * s, int32_t il, int32_t per_pass, c
     if (!d->open) {
         return;
     }
-    auto & conf = d->conf[il];
+    // the draft's precision so far, one used prediction granted (1 before any window is scored)
+    const float p = (float) (d->st.used + 1) / (float) (d->st.scored + 1);
+    auto & prob = d->prob[il];
     for (const auto & r : rows) { // first the window's view of the layer: every row of this call named
         d->st.picks++;
         if (!d->pred[il][r.e]) {
             d->pred[il][r.e] = 1;
             d->st.predicted++;
         }
-        conf[r.e] = std::max(conf[r.e], r.w);
+        prob[r.e] = p;
         L->prot[r.e] = 1; // eviction spares the window's predictions unless a need wants the slot
     }
     for (const auto & r : rows) {
@@ -134,7 +139,7 @@ static void plan_rows(llama_pyspecter_slots * s, int32_t il, int32_t per_pass, c
         }
         const int32_t h = r.tok / per_pass * d->n_moe + d->pos[il] + 1; // the verification call that needs it
         const int64_t refused = s->counters.ahead_refused.load();
-        if (pyspecter_native_prefetch(L, r.e, conf[r.e], h, conf.data())) {
+        if (pyspecter_native_prefetch(L, r.e, p, h, prob.data())) {
             d->pf[il][r.e] = 1;
             d->st.prefetches++;
         } else if (s->counters.ahead_refused.load() != refused) {
@@ -196,7 +201,8 @@ void pyspecter_draft_observe(llama_pyspecter_layer * L, const int32_t * ids, con
         }
     }
     if (target && !rows.empty()) {
-        // most confident first within the call: they take the free slots first (the queue orders by deadline)
+        // most confident first within the call: they take the free slots first, and the queue serves equal
+        // deadlines in the order they came
         std::stable_sort(rows.begin(), rows.end(), [](const draft_row & a, const draft_row & b) {
             return a.tok != b.tok ? a.tok < b.tok : a.w > b.w;
         });
@@ -227,7 +233,7 @@ static void close_window(llama_pyspecter_slots * s, pyspecter_draft * d) {
         }
         std::fill(d->pf[il].begin(), d->pf[il].end(), 0);
         std::fill(d->pred[il].begin(), d->pred[il].end(), 0);
-        std::fill(d->conf[il].begin(), d->conf[il].end(), 0.0f);
+        std::fill(d->prob[il].begin(), d->prob[il].end(), 0.0f);
     }
     // (a stats reset inside the window: counted from the reset)
     const int64_t needed = s->counters.needed.load(), resident = s->counters.resident_at_need.load();

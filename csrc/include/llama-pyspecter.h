@@ -294,7 +294,8 @@ LLAMA_API int32_t llama_pyspecter_ahead_probs(struct llama_model * model, int32_
 // draft (its slots enabled, so that its MoE layers have the routing op) for its next n_tokens tokens: as its routing
 // op routes them, each selected expert at router weight >= min_conf (the confidence) is protected for the window
 // and, where not resident, prefetched into the target as the native planner prefetches (behind every demand read;
-// a slot is taken only from an expert the window rates less likely), due at the verification call that needs it:
+// a slot is taken only from an expert less likely to be needed than the draft's measured precision so far), due at
+// the verification call that needs it (the most confident first among equals):
 // token i of the window, verified per_pass tokens a pass, reaches the MoE layer at forward position p at routing call
 // (i / per_pass) * n_moe_layers + p + 1 from now. A window's prefetches still queued when it closes are taken back.
 // draft = null only closes the window (a step without the draft). Target: native residency on. 0, or a negative

@@ -90,8 +90,8 @@ def test_one_handover_a_draft_step_and_no_call_per_layer_or_expert(draft: Path, 
 
 
 def test_a_demand_takes_back_the_drafts_queued_prefetches(draft: Path) -> None:
-    """Handed over, the draft's routing of one token queues prefetches behind a slow link (1 MB/s: 24 ms an
-    expert) and two readers (the first reads start at once, the rest wait in the queue); when the target then
+    """Handed over, the draft's routing of one token queues prefetches behind a slow link (250 KB/s: 96 ms
+    an expert), two readers, and earlier prefetches of other experts that keep them busy; when the target then
     routes that token it needs what the draft named, finds those still queued and takes them back whole, to read
     them as demand reads. The target's logits stay stock's."""
     model = build_tiny("tiny-qwen3moe")
@@ -99,7 +99,8 @@ def test_a_demand_takes_back_the_drafts_queued_prefetches(draft: Path) -> None:
     with native.Model(model) as m:
         toks = m.tokenize(TEXT)[:3]
     with native.Model(model) as stock, native.Context(stock, n_threads=2) as ctx:
-        ctx.decode(toks[:2])
+        for t in toks[:2]:
+            ctx.decode([t])
         ref = ctx.decode([toks[2]])
     with native.Model(model) as tm, native.Model(draft) as dm:
         cache = ExpertCache(tm, lay, lay.n_expert // 2, miss="wait", tier=DiskTier(queue_depth=1, read_chunk=4096),
@@ -107,11 +108,17 @@ def test_a_demand_takes_back_the_drafts_queued_prefetches(draft: Path) -> None:
         routing = DraftRouting(dm, read_layout(draft))
         try:
             with native.Context(tm, n_threads=2) as tctx, native.Context(dm, n_threads=2) as dctx:
-                tctx.decode(toks[:2])
-                dctx.decode(toks[:2])
+                for t in toks[:2]:  # one token at a time: the next decode's graph is built already
+                    tctx.decode([t])
+                    dctx.decode([t])
                 cache.drain()
                 before = cache.counters()
-                native.slots().set_link_gbps(tm.ptr, 0.001)
+                native.slots().set_link_gbps(tm.ptr, 0.00025)
+                # the readers kept busy first, whatever the machine's load: prefetches due now (deadline 0, ahead
+                # of every draft prediction) of the last layer's experts not resident
+                last = lay.layers[-1].index
+                busy = [e for e, s in enumerate(cache.nat.layers()[last].where) if s < 0]
+                assert cache.prefetch(last, busy, deadline=0) > 4
                 cache.nat.handover(dm, 0.0, 1, 1)
                 dctx.decode([toks[2]], logits=False)  # its routing op queues the target's prefetches, in C
                 queued = cache.nat.draft_stats().prefetches

@@ -324,7 +324,8 @@ def test_nothing_of_a_dropped_draft_stays_on_the_path(useless_draft: Path, count
         assert s.draft is None and s.dctx is None and s.routing is None and s.decoder.draft is None
         assert not s.cache.recording and s.cache.take_calls() == []
         drafted = s.cache.nat.draft_stats()
-        assert drafted.handovers == st.handovers == st.k_hist[3] == 3  # one call per drafting step
+        # one call per drafting step, until its prefetches are cut off
+        assert 0 < drafted.handovers == st.handovers <= st.k_hist[3] == 3
         assert drafted.scored == drafted.prefetches  # every window closed: nothing of the draft left to score
         assert all(s.cache.nat.held(il) == 0 for il in s.cache.layer_pos)
         observed = s.decoder.governor.steps
