@@ -40,6 +40,23 @@ def native_reason(policy: str, miss: str, tier: Tier, *, hook: bool = True, surr
     return ""
 
 
+# the draft's rates, read from its counts (``NativeResidency.draft_counters``, summed or not)
+DRAFT_RATES = ("draft_precision", "draft_coverage", "draft_recall", "draft_lru_hit_rate")
+
+
+def draft_rates(c: Mapping[str, int]) -> dict[str, float | None]:
+    """A draft's prefetches' precision (used / scored, over closed windows), and over the target's needs in its
+    windows: coverage (resident at need), recall (named by the draft), and the hit rate plain LRU with the same
+    slots would have had on the same calls (a ghost in C): side by side, from one run. None where nothing counted."""
+    scored, needed = c.get("draft_scored", 0), c.get("draft_needed", 0)
+    return {
+        "draft_precision": c["draft_used"] / scored if scored else None,
+        "draft_coverage": c["draft_hits"] / needed if needed else None,
+        "draft_recall": c["draft_recalled"] / needed if needed else None,
+        "draft_lru_hit_rate": c["draft_lru_hits"] / needed if needed else None,
+    }
+
+
 class NativeLayer:
     """One layer's residency as C holds it, read on each access (never on the hot path)."""
 
@@ -125,6 +142,7 @@ class NativeResidency:
             self._set_ahead_maps(ahead, min_prob)
         self.trace_list = trace
         self.base = native.Stats()  # counters from before the last reset
+        self._draft_base = native.DraftStats()  # ... and the draft's
         self.usable = dict(usable)
         self.n_held = {il: (held or {}).get(il, 0) for il in usable}
 
@@ -293,6 +311,7 @@ class NativeResidency:
         return getattr(self.base, name) + getattr(self.stats(), name)
 
     def reset(self) -> None:
+        self._draft_base = self.draft_stats()
         c = self.stats()
         for name, _ in native.Stats._fields_:
             setattr(self.base, name, getattr(self.base, name) + getattr(c, name))
@@ -342,22 +361,13 @@ class NativeResidency:
             # the native planner: maps applied, prefetches they queued, predictions left to the miss path
             "ahead_maps": c.ahead_maps, "ahead_prefetches": c.ahead_prefetches, "ahead_late": c.ahead_late,
             "ahead_refused": c.ahead_refused,
-            **self.draft_counters(),
+            **(d := self.draft_counters()), **draft_rates(d),
         }
 
     def draft_counters(self) -> dict:
-        """The draft's handovers since residency went native (none: zeros): its prefetches' precision over closed
-        windows, and over the target's needs in those windows the share resident (coverage), named by the draft
-        (recall), and resident under plain LRU with the same slots on the same calls (a ghost: LRU's hit rate)."""
-        d = self.draft_stats()
-        return {
-            "draft_handovers": d.handovers, "draft_predicted": d.predicted, "draft_prefetches": d.prefetches,
-            "draft_refused": d.refused, "draft_scored": d.scored, "draft_used": d.used, "draft_stale": d.stale,
-            "draft_precision": d.used / d.scored if d.scored else None,
-            "draft_coverage": d.hits / d.needed if d.needed else None,
-            "draft_recall": d.recalled / d.needed if d.needed else None,
-            "draft_lru_hit_rate": d.lru_hits / d.needed if d.needed else None,
-        }
+        """The draft's handovers since the last reset (none: zeros), as counts (``draft_rates`` reads them)."""
+        d, base = self.draft_stats(), self._draft_base
+        return {f"draft_{name}": getattr(d, name) - getattr(base, name) for name, _ in native.DraftStats._fields_}
 
     def link_gbps(self) -> float | None:
         c = self.stats()

@@ -26,6 +26,7 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import LearnedPredictor
 from pyspecter.misses import default_miss
 from pyspecter.native.devices import Device, open_device
+from pyspecter.native_residency import DRAFT_RATES
 from pyspecter.placement import (
     IN_PLACE,
     NO_SLOTS,
@@ -465,6 +466,8 @@ class Session:
                        draft_prefetches=s.prefetches, draft_prefetches_used=s.prefetches_used,
                        draft_prefetch_precision=s.prefetch_precision, draft_prefetch_mib=s.prefetch_bytes / 2**20,
                        draft_prefetch_stopped_at=s.prefetch_stopped_at)
+            # C's measures of the draft's windows, beside what plain LRU would have hit on the same calls
+            out.update({k: c[k] for k in DRAFT_RATES if k in c})
         return out
 
     def reset_stats(self) -> None:

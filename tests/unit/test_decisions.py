@@ -425,3 +425,21 @@ def test_governor_adapts_k_to_the_measured_union(share: float, speculates: bool)
             picks.append(k)
     assert g.union()[1] == pytest.approx(1.0 + share)
     assert (min(picks) > 0) == speculates and (max(picks) == 0) == (not speculates), picks
+
+
+def test_the_drafts_rates_are_read_from_counts_and_merge_from_summed_counts() -> None:
+    """A bench sums the counters of its prompts: the draft's counts add up and its rates are read again from the
+    sums (a prompt with nothing scored has None rates, which must not be summed)."""
+    from pyspecter.native_residency import draft_rates
+    from pyspecter.study.bench_runs import merge_counters
+
+    counts = {"draft_scored": 10, "draft_used": 9, "draft_needed": 40, "draft_hits": 30, "draft_recalled": 36,
+              "draft_lru_hits": 12}
+    a = {**counts, **draft_rates(counts)}
+    assert (a["draft_precision"], a["draft_coverage"], a["draft_recall"], a["draft_lru_hit_rate"]) == (
+        0.9, 0.75, 0.9, 0.3)
+    empty = dict.fromkeys(counts, 0)
+    b = {**empty, **draft_rates(empty)}
+    assert b["draft_precision"] is None and b["draft_coverage"] is None
+    out = merge_counters([a, b, a])
+    assert out["draft_scored"] == 20 and out["draft_precision"] == 0.9 and out["draft_lru_hit_rate"] == 0.3
