@@ -5,16 +5,15 @@ the KV caches consistent whenever the caller stops reading.
 
 One speculative step: the draft (in step with the target's accepted tokens) drafts K tokens; one call before it
 does (``_hand_over``) arms its routing op to turn each drafted token's confident experts into prefetches on the
-target, in C as it routes them (csrc/draft.cpp: protected, queued into the target's one prefetch queue, priority
-the confidence, due when the verification pass reaches their layer); the target then verifies the current token
-plus the K drafts; the
-accepted prefix plus one token from the target is emitted, and both KV caches are rolled back past the rejected
-drafts. Until the measured acceptance shows that drafting pays, the target verifies one token at a time instead
-and never decodes a rejected draft (``_verify``). Greedy output equals the target's own greedy output; with a
-temperature, standard speculative sampling keeps the target's distribution.
+target, in C as it routes them (csrc/draft.cpp: protected, queued into the target's one prefetch queue, due when
+the verification pass reaches their layer, the most confident first); the target then verifies the current token
+plus the K drafts; the accepted prefix plus one token from the target is emitted, and both KV caches are rolled
+back past the rejected drafts. Until the measured acceptance shows that drafting pays, the target verifies one
+token at a time instead and never decodes a rejected draft (``_verify``). Greedy output equals the target's own
+greedy output; with a temperature, standard speculative sampling keeps the target's distribution.
 
 Why this module is long: the speculative step, the draft's prefetch feed and the draft's drop are one state
-machine over the same window (what was issued, protected and used); split, that state would cross modules.
+machine over the same window (handed over, scored, closed); split, that state would cross modules.
 """
 
 from __future__ import annotations
