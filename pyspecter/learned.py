@@ -2,7 +2,7 @@
 
 A predictor holds, for each MoE layer j and horizon h = 1..H, a linear map from layer j's router (FFN) input x_j
 to layer j+h's router logits, fitted offline on calibration text (``pyspecter fit-predictor``, code in
-study/predictor_fit.py). All horizons of one source layer share one matrix, so a prediction is one matmul per
+models/predictor_fit.py). All horizons of one source layer share one matrix, so a prediction is one matmul per
 layer: ``x @ A_j + b_j`` gives the logits of layers j+1..j+H side by side. Horizons count MoE layers, as the
 routing hook sees them, not transformer blocks. A reduced-rank predictor (``fit-predictor --rank r``) stores each
 source's matrix as two factors [n_embd, r] and [r, H * n_expert]: two smaller matmuls, fewer bytes.

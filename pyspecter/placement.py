@@ -21,6 +21,9 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.tiers import make_tier
 from pyspecter.units import fmt_bytes
 
+# llama.cpp's default: one thread per physical core (every session's and command's, unless given)
+DEFAULT_THREADS = max(1, psutil.cpu_count(logical=False) or 1)
+
 
 @dataclass(frozen=True)
 class Placement:

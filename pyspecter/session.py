@@ -27,6 +27,7 @@ from pyspecter.learned import LearnedPredictor
 from pyspecter.misses import default_miss
 from pyspecter.native.devices import Device, open_device
 from pyspecter.placement import (
+    DEFAULT_THREADS,
     IN_PLACE,
     NO_SLOTS,
     Placement,
@@ -70,7 +71,7 @@ class SessionConfig:
     repeat_penalty: float | None = None
     seed: int = 0
     n_ctx: int = 2048
-    n_threads: int = 2
+    n_threads: int = DEFAULT_THREADS  # one per physical core, as llama.cpp (and every command)
     min_confidence: float = 0.0
     draft_counts_in_budget: bool = True  # equal total fast memory: the draft's bytes come out of the slot budget
     profile: Path | None = None  # a trace (pyspecter trace): warm the slots with its hottest experts
@@ -129,6 +130,10 @@ class Session:
     def __init__(self, cfg: SessionConfig, placement: Placement | None = None) -> None:
         """``placement``: where the experts live, when the caller already chose it (``placement.place``, which
         the session calls itself otherwise)."""
+        # what pyspecter.load says about the session (its notify lines), and an approximate mode's measured cost
+        # (quality.perplexity_delta): set by load, which opens every session a user asks for
+        self.notes: list[str] = []
+        self.quality: dict | None = None
         self.layout = read_layout(cfg.model).require_moe()
         self.placement = placement or place(self.layout, tier=cfg.tier, budget=cfg.budget, device=cfg.device,
                                             force=cfg.force)
@@ -147,7 +152,8 @@ class Session:
             from pyspecter.surrogate import Surrogates
 
             if cfg.surrogate_groups is None:
-                raise SpecterError("miss mode 'surrogate' needs the surrogates' neuron groups")
+                raise SpecterError("miss mode 'surrogate' needs the surrogates' neuron groups: open the session with "
+                                   "pyspecter.load(miss='surrogate'), which builds them")
             self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
         # miss mode host moves nothing: no prefetch to plan, no eviction to rank

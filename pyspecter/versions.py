@@ -5,21 +5,12 @@ backend (tools/pip_backend.py) records them in ``pyspecter/_native.json``, which
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from pyspecter.native.install import installed_build
 from pyspecter.native.lib import PATCH_SERIES_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
-NATIVE_JSON = Path(__file__).resolve().parent / "_native.json"
-
-
-def installed_build() -> dict:
-    """What `pip install` built and linked (tools/pip_backend.py's record); empty in a checkout."""
-    try:
-        return json.loads(NATIVE_JSON.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def llama_cpp_versions() -> tuple[str, str]:

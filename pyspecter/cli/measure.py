@@ -37,7 +37,8 @@ def surrogate(
 ) -> None:
     """Measure what --miss surrogate costs in quality: perplexity on held-out text, exact misses vs surrogate
     misses, at the slots a budget leaves once the surrogates are paid for."""
-    from pyspecter.study.quality import describe, measure
+    from pyspecter.quality import describe
+    from pyspecter.study.quality import measure
 
     if not 0 < width <= 1:
         raise SpecterError(f"--width must be in (0, 1], got {width}")

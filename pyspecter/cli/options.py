@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import psutil
 import typer
 
+from pyspecter.placement import DEFAULT_THREADS
 from pyspecter.units import fmt_bytes
 
-__all__ = ["fmt_bytes"]
+__all__ = ["DEFAULT_THREADS", "fmt_bytes"]
 
 DEFAULT_MODEL = "smol-moe"  # the embedded model: every command that takes a model defaults to it
 ModelArg = Annotated[str, typer.Argument(help="GGUF path, or a built-in name (`pyspecter models list`)")]
@@ -49,8 +49,6 @@ PromptsOpt = Annotated[Path | None, typer.Option(help="your prompts: a text file
                                                       "(objects with \"prompt\", \"text\" or \"messages\", or JSON "
                                                       "strings; chosen per file); each is sent as a user message "
                                                       "through the model's chat template", show_default=False)]
-# llama.cpp's default: one thread per physical core
-DEFAULT_THREADS = max(1, psutil.cpu_count(logical=False) or 1)
 THREADS_HELP = "llama.cpp threads: one per physical core unless given, as llama.cpp"
 ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", help=THREADS_HELP)]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context length in tokens (prompt + answer; chat "

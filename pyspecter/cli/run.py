@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -32,7 +31,9 @@ from pyspecter.cli.options import (
     native_errors_exit,
 )
 from pyspecter.errors import SpecterError
-from pyspecter.models.catalog import resolve_model
+
+if TYPE_CHECKING:
+    from pyspecter.session import Session
 
 NPredictHelp = "max tokens to generate; 0: none (llama.cpp's 0); -1: until the context is full (llama.cpp's -1)"
 
@@ -42,75 +43,15 @@ def check_n_predict(n: int) -> None:
         raise SpecterError(f"-n must be >= 0, or -1 for \"until the context is full\"; got {n}")
 
 
-def open_session(model: str, *, draft: str | None = None, budget: str | None = None, tier: str | None = None,
-                 miss: str | None = None, k: int = 4, temp: float = 0.0, seed: int = 0,
-                 threads: int = DEFAULT_THREADS, adaptive: bool = True, profile: Path | None = None,
-                 surrogate_width: float = 0.25, n_ctx: int = 2048, sampling: dict | None = None,
-                 force: bool = False, device: str | None = None, layer_plan: str | None = None):
-    """Bad input refused first (one line, nothing else printed), then the library's placement and its one line,
-    then the session. The surrogates' neuron groups are a model builder's work, which the runtime never imports:
-    they are made here and handed over."""
-    from pyspecter.placement import is_host, place
-    from pyspecter.sampling import SamplingParams
-    from pyspecter.session import Session, SessionConfig
+def open_session(model: str, *, device: str | None = None, **options: Any) -> Session:
+    """``pyspecter.load`` with the session's lines (placement, layer plan, predictor hint, an approximate mode's
+    measured cost) printed on stderr as they are decided; bad input is its one-line error."""
+    from pyspecter.api import load
+    from pyspecter.placement import is_host
 
-    given = {k: v for k, v in (sampling or {}).items() if v is not None}
-    SamplingParams(temperature=temp, **given).check()
-    if not 0 < surrogate_width <= 1:
-        raise SpecterError(f"--surrogate-width must be in (0, 1], got {surrogate_width}")
-    if profile is not None and not profile.exists():
-        raise SpecterError(f"{profile}: no such file")
-    if n_ctx < 1:
-        raise SpecterError(f"--ctx-size must be at least 1, got {n_ctx}")
-    from pyspecter.misses import MISS_MODES
-
-    if miss is not None and miss not in MISS_MODES:
-        raise SpecterError(f"unknown miss mode {miss!r}: use one of {', '.join(MISS_MODES)}")
-    path = resolve_model(model)
-    dpath = resolve_model(draft) if draft else None
     if not is_host(device):
-        native_errors_exit()
-    elif layer_plan is not None:
-        raise SpecterError("--layer-plan needs --device: on the CPU every layer's experts are in RAM already")
-    if layer_plan is not None:
-        from pyspecter.placement import parse_layer_plan
-
-        parse_layer_plan(layer_plan)
-    where = place(path, tier=tier, budget=budget, device=device, force=force)
-    if where.why:
-        print(f"pyspecter: {where.why}", file=sys.stderr)
-    groups = None
-    if miss == "surrogate":
-        from pyspecter.models.calibration import select_neurons
-
-        groups = select_neurons(path, surrogate_width)
-    s = Session(SessionConfig(model=path, draft=dpath, budget=where.budget, tier=where.tier, miss=miss, k=k,
-                              adaptive=adaptive, temperature=temp, seed=seed, n_threads=threads,
-                              profile=profile, surrogate_groups=groups, n_ctx=n_ctx, device=where.device,
-                              layer_plan=layer_plan, **(sampling or {})), placement=where)
-    if s.layer_plan is not None:
-        print(f"pyspecter: {s.layer_plan.why}", file=sys.stderr)
-    elif s.predictor is None and dpath is None and s.n_slots < s.layout.n_expert and s.miss != "host":
-        _hint_predictor(s, model)
-    if s.miss == "surrogate":  # approximate: say what it costs, measured, before the first token
-        from pyspecter.study.quality import describe, perplexity_delta
-
-        print(describe(perplexity_delta(path, surrogate_width, s.n_slots, where.tier)), file=sys.stderr)
-    return s
-
-
-def _hint_predictor(s, name: str) -> None:
-    """Once per model file: a session that would prefetch with a learned predictor says how to get one."""
-    from pyspecter.predictor_hint import fit_seconds_estimate, predictor_hint
-    from pyspecter.prompts import has_chat_template
-
-    lay = s.layout
-    active = lay.nonexpert_bytes + lay.n_expert_used * sum(L.expert_bytes for L in lay.layers)
-    n_embd = lay.layers[0].tensors["up"].shape[2]  # (experts, n_ff, n_embd)
-    est = fit_seconds_estimate(len(lay.layers), active, n_embd, lay.n_expert, has_chat_template(s.target))
-    line = predictor_hint(s.cfg.model, name, est)
-    if line:
-        print(f"pyspecter: {line}", file=sys.stderr)
+        native_errors_exit()  # an RPC server gone mid-answer: one line and exit code 2, not a core dump
+    return load(model, device=device, notify=lambda line: print(f"pyspecter: {line}", file=sys.stderr), **options)
 
 
 @app.command()
@@ -147,10 +88,10 @@ def generate(
     from pyspecter.prompts import has_chat_template, render_prompt
 
     check_n_predict(n)
-    s = open_session(model, draft=draft, budget=budget, tier=tier, miss=miss, k=k, temp=temp, seed=seed,
-                     threads=threads, adaptive=not fixed_k, profile=profile, surrogate_width=surrogate_width,
-                     n_ctx=ctx_size, device=device, force=force, layer_plan=layer_plan,
-                     sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
+    s = open_session(model, draft=draft, budget=budget, tier=tier, device=device, layer_plan=layer_plan, miss=miss,
+                     surrogate_width=surrogate_width, k=k, adaptive=not fixed_k, temperature=temp, top_k=top_k,
+                     top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, n_threads=threads,
+                     n_ctx=ctx_size, profile=profile, force=force)
     try:
         if raw or not has_chat_template(s.target):
             toks = s.tokenize(prompt)
@@ -222,10 +163,10 @@ def chat(
     from pyspecter.chat import repl
 
     check_n_predict(n)
-    s = open_session(model, draft=draft, budget=budget, tier=tier, miss=miss, k=k, temp=temp, seed=seed,
-                     threads=threads, profile=profile, surrogate_width=surrogate_width, n_ctx=ctx_size,
-                     device=device, force=force, layer_plan=layer_plan,
-                     sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty))
+    s = open_session(model, draft=draft, budget=budget, tier=tier, device=device, layer_plan=layer_plan, miss=miss,
+                     surrogate_width=surrogate_width, k=k, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                     repeat_penalty=repeat_penalty, seed=seed, n_threads=threads, n_ctx=ctx_size, profile=profile,
+                     force=force)
     try:
         repl(s, n=ctx_size if n == -1 else n, system=system, stats_line=stats_line)
     finally:

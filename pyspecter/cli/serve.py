@@ -72,8 +72,8 @@ def serve(
         raise SpecterError("--api-key must not be empty")
     sock = bind(host, port)  # before the model loads: a port in use costs no load
     try:
-        s = open_session(model, draft=draft, budget=budget, tier=tier, miss=miss, threads=threads, n_ctx=ctx_size,
-                         force=force, device=device, layer_plan=layer_plan)
+        s = open_session(model, draft=draft, budget=budget, tier=tier, device=device, layer_plan=layer_plan,
+                         miss=miss, n_threads=threads, n_ctx=ctx_size, force=force)
     except BaseException:
         sock.close()
         raise

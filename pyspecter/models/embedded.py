@@ -1,5 +1,5 @@
 """The embedded model ships with its predictor: ``smol-moe`` resolves to its GGUF and the learned routing predictor
-fitted for that file (``pyspecter fit-predictor``'s work, study/predictor_fit.py), fitted on first use and cached
+fitted for that file (models/predictor_fit.py, the fit ``pyspecter fit-predictor`` runs), fitted on first use and cached
 as the model's sidecar, which is keyed by the file's content (``learned.sidecar_path``), so a fresh machine's
 ``generate smol-moe`` prefetches as the engine is meant to.
 
@@ -47,7 +47,7 @@ def ensure_predictor(model_path: Path, *, progress: bool = True) -> Path:
     with _lock(predictors_dir() / f".{side.stem}.lock"):
         if LearnedPredictor.for_model(model_path) is not None:  # another process fitted it while we waited
             return side
-        from pyspecter.study.predictor_fit import fit_model
+        from pyspecter.models.predictor_fit import fit_model
 
         if progress:
             print(f"{model_path.stem}: fitting its learned routing predictor on {EMBEDDED_FIT_TOKENS} tokens "

@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 ROOT = Path(__file__).resolve().parents[2]
+NATIVE_JSON = ROOT / "pyspecter" / "_native.json"  # tools/pip_backend.py writes it into an installed package
 # the llama-cpp-python loader's own words when the library file is missing or does not load
 _LOADER_ERRORS = ("Shared library with base name", "Failed to load shared library")
 
@@ -30,6 +31,14 @@ def install_source() -> str | None:
     if url is None or url.scheme != "file":
         return None
     return unquote(url.path)
+
+
+def installed_build() -> dict:
+    """What `pip install` built and linked (tools/pip_backend.py's record); empty in a checkout."""
+    try:
+        return json.loads(NATIVE_JSON.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def fix_command() -> str:
@@ -53,8 +62,6 @@ def missing_native(e: BaseException) -> str | None:
         why = f"not loadable ({e})"
     else:
         return None
-    from pyspecter.versions import installed_build
-
     root = installed_build().get("root")
     if root and not Path(root).is_dir():
         why = f"gone: this install used the build in {root}, which was removed"

@@ -296,7 +296,7 @@ def _learned(tr: Trace, rows: _Rows, lookaheads: list[int], predictor) -> tuple[
         detail["per_layer"][key] = {"recall": sc["per_layer_recall"], "exact": per_exact}
     if predictor.has_reuse:
         # eviction by the reuse maps on the scored rows, one cache per layer, beside LRU and Belady's MIN
-        from pyspecter.study.reuse_fit import evaluate_reuse
+        from pyspecter.study.predictor_fit import evaluate_reuse
 
         k = tr.n_used
         slots = sorted({max(k, E // 2), max(k, round(0.3 * E))})

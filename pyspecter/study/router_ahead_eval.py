@@ -3,7 +3,7 @@ on the held-out text, against a fitted predictor where the model has one.
 
     python -m pyspecter.study.router_ahead_eval MODEL [-n TOKENS] [--horizons H] [--predictor P.npz]
 
-Every MoE layer's router input and llama.cpp's routing are recorded (study/predictor_data's recorder) over the
+Every MoE layer's router input and llama.cpp's routing are recorded (models/predictor_data's recorder) over the
 first TOKENS tokens of the held-out text, fed as one sequence (every row an output, so every layer reports it).
 Per horizon h, pooled over source layers: top-k precision (= recall: both sets have k experts), the share at each
 predicted rank (what the calibration table holds), and the precision and recall of what the planner would
@@ -19,15 +19,15 @@ import sys
 import numpy as np
 
 from pyspecter.learned import selection_scores, top_ids
-from pyspecter.study.predictor_fit import set_match
+from pyspecter.models.predictor_fit import set_match
 
 
 def record_forced(model_path: str, n_tokens: int, n_threads: int = 2) -> tuple[list[np.ndarray], np.ndarray]:
     """(X: per MoE layer [n, n_embd], ids [n, L, k]) over the held-out text's first n_tokens tokens."""
     from pyspecter import native
     from pyspecter.layout import read_layout
+    from pyspecter.models.predictor_data import _Recorder
     from pyspecter.study.forced import heldout_text
-    from pyspecter.study.predictor_data import _Recorder
 
     lay = read_layout(model_path).require_moe()
     with native.Model(model_path) as model:

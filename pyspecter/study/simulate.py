@@ -1,6 +1,6 @@
 """The reference cache simulator: what an expert cache of some size would miss on a routing stream, under LRU,
 LFU, Belady's MIN, eviction by predicted-reuse scores, or knowing the next k tokens exactly. Every study
-(``analyze``, ``reuse_fit``, ``bench``) and every test that needs such a figure computes it here.
+(``analyze``, ``predictor_fit``, ``bench``) and every test that needs such a figure computes it here.
 
 A stream is one MoE layer's routing calls in order, ``steps`` [T, U]: each step the experts needed at once (-1:
 none). A step's experts must all be resident together, so a miss never evicts an expert the same step needs.
@@ -25,6 +25,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+# the set-LRU stack and the engine's eviction step: the predictor fit (a model builder's work, which imports no
+# study code) judges its maps by them, so they live beside it; here they are the same functions, re-exported
+from pyspecter.models.reuse_fit import eviction_misses as eviction_misses
+from pyspecter.models.reuse_fit import ghost_step
+from pyspecter.models.reuse_fit import lru_miss_curve as lru_miss_curve
+from pyspecter.models.reuse_fit import lru_stack_positions as lru_stack_positions
 from pyspecter.policies import Scores
 
 Trace = Sequence[tuple[int, Sequence[int]]]  # [(layer, experts needed at one routing call)]
@@ -36,36 +42,6 @@ def per_layer(trace: Trace) -> dict[int, list[Sequence[int]]]:
     for il, needed in trace:
         out.setdefault(il, []).append(needed)
     return out
-
-
-def lru_stack_positions(steps: np.ndarray) -> np.ndarray:
-    """For a stream of expert sets [T, U] (one layer), each access's position in the LRU stack before its step
-    (-1: first touch). A cache of s slots that keeps each step's set resident (set-LRU) holds exactly the top s of
-    this stack, so an access hits with s slots iff 0 <= position < s: one pass gives every slot count."""
-    stack: list[int] = []  # most recent first
-    pos = np.full(steps.shape, -1, np.int64)
-    for s, row in enumerate(steps):
-        need = [int(e) for e in row if e >= 0]
-        where = {e: i for i, e in enumerate(stack)}
-        for u, e in enumerate(row):
-            if e >= 0 and int(e) in where:
-                pos[s, u] = where[int(e)]
-        # the step's experts move to the front in router order (ties need a rule; any that ignores cache size
-        # keeps the one-stack property)
-        gone = set(need)
-        stack = need + [e for e in stack if e not in gone]
-    return pos
-
-
-def lru_miss_curve(ids: np.ndarray, n_expert: int) -> np.ndarray:
-    """Misses per token of an LRU cache of s = 0..E slots on one layer's routing ids [n, k], from one
-    stack-distance pass (``lru_stack_positions``: a hit with s slots is a hit with more). Below k slots every
-    access misses."""
-    n, k = ids.shape
-    pos = lru_stack_positions(ids)[ids >= 0]
-    misses = np.array([np.sum((pos < 0) | (pos >= s)) for s in range(n_expert + 1)], np.float64)
-    misses[:k] = len(pos)
-    return (misses / max(n, 1)).astype(np.float32)
 
 
 POLICIES = ("lru", "lfu", "belady")
@@ -127,31 +103,6 @@ def simulate_cache(steps, slots: int, policy: str) -> int:
     return hits
 
 
-def ghost_step(resident: dict[int, int], needed, capacity: int, clock: int, scores: Scores | None) -> int:
-    """One routing call of a cache simulated in bookkeeping (expert -> last use): its misses. Victims: the least
-    recently used, or (``scores``) the lowest score, LRU among equals; what does not fit stays out (the host
-    path), as in the real cache."""
-    misses = 0
-    for e in needed:
-        if e in resident:
-            continue
-        misses += 1
-        if len(resident) >= capacity:
-            cands = [v for v in resident if v not in needed]
-            if not cands:
-                continue
-            if scores is None:
-                victim = min(cands, key=resident.__getitem__)
-            else:
-                victim = min(cands, key=lambda v: (scores[v], resident[v]))
-            del resident[victim]
-        resident[e] = clock
-    for e in needed:
-        if e in resident:
-            resident[e] = clock
-    return misses
-
-
 class EvictionDuel:
     """The reference of the duel C runs (csrc/residency.cpp, ``duel_observe``): set dueling, as CPU caches choose
     between replacement policies. Every MoE layer's cache is simulated in bookkeeping twice, under LRU and under
@@ -202,18 +153,6 @@ class EvictionDuel:
         if use != self.use_learned:
             self.use_learned = use
             self.switches += 1
-
-
-def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = None) -> int:
-    """Misses of one layer's cache of ``slots`` over routing ids [n, k]: LRU, or (scores [n, E], each row's
-    prediction made at that row) evicting the resident expert with the lowest predicted reuse, LRU among equals
-    (the engine's own bookkeeping step, ``ghost_step``)."""
-    resident: dict[int, int] = {}  # expert -> last use
-    misses = 0
-    for t, row in enumerate(ids):
-        need = {int(e) for e in row if e >= 0}
-        misses += ghost_step(resident, need, slots, t, None if scores is None else scores[t])
-    return misses
 
 
 def oracle_scores(ids: np.ndarray, n_expert: int, k: int) -> np.ndarray:

@@ -17,11 +17,11 @@ from pyspecter.cache import ExpertCache
 from pyspecter.engine import greedy
 from pyspecter.layout import read_layout
 from pyspecter.learned import LearnedPredictor
+from pyspecter.models.predictor_fit import fit_model
 from pyspecter.models.tiny import build_tiny
 from pyspecter.session import Session, SessionConfig
 from pyspecter.study.bench import run_bench
 from pyspecter.study.bench_runs import run_specter
-from pyspecter.study.predictor_fit import fit_model
 from pyspecter.tiers import make_tier
 
 TEXT = "the planner prefetches the next layers of this token, and never changes the output"

@@ -77,15 +77,16 @@ def test_a_wheel_records_the_build_with_valid_hashes(tmp_path: Path) -> None:
 
 def test_version_outside_a_checkout_reads_the_install_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pyspecter import versions
+    from pyspecter.native import install
 
     rec = {"root": str(tmp_path), "key": "k", "cuda": False, "patches": ["0001-a.patch", "0002-b.patch"],
            "llama_cpp_python": "9.9.9", "llama_cpp_commit": "abc1234"}
     (tmp_path / "_native.json").write_text(json.dumps(rec))
-    monkeypatch.setattr(versions, "NATIVE_JSON", tmp_path / "_native.json")
+    monkeypatch.setattr(install, "NATIVE_JSON", tmp_path / "_native.json")
     monkeypatch.setattr(versions, "ROOT", tmp_path / "site-packages")  # no checkout: no pin, no patches/
     text = versions.describe()
     assert ", 2 patches\n" in text and "llama.cpp: abc1234 (llama-cpp-python 9.9.9)" in text
-    monkeypatch.setattr(versions, "NATIVE_JSON", tmp_path / "absent.json")  # neither: says so, no crash
+    monkeypatch.setattr(install, "NATIVE_JSON", tmp_path / "absent.json")  # neither: says so, no crash
     assert "llama.cpp: unknown" in versions.describe()
 
 
@@ -124,14 +125,12 @@ def test_an_installed_copy_is_told_to_reinstall_from_where_it_came(tmp_path: Pat
     assert "-m pip install --force-reinstall --no-deps --no-cache-dir /src/pyspecter" in cmd
     monkeypatch.setattr(install, "install_source", lambda: None)
     assert install.fix_command().endswith(" pyspecter")
-    from pyspecter import versions
-
     gone = tmp_path / "_native.json"  # the install's record names a build folder the cache no longer has
     gone.write_text(json.dumps({"root": str(tmp_path / "cleared")}))
-    monkeypatch.setattr(versions, "NATIVE_JSON", gone)
+    monkeypatch.setattr(install, "NATIVE_JSON", gone)
     no_module = ModuleNotFoundError("No module named 'llama_cpp'", name="llama_cpp")
     assert f"gone: this install used the build in {tmp_path / 'cleared'}" in install.missing_native(no_module)
-    monkeypatch.setattr(versions, "NATIVE_JSON", tmp_path / "absent.json")
+    monkeypatch.setattr(install, "NATIVE_JSON", tmp_path / "absent.json")
     err = FileNotFoundError("Shared library with base name 'llama' not found")
     assert "not loadable" in install.missing_native(err)
     assert install.missing_native(FileNotFoundError("model.gguf")) is None

@@ -1,5 +1,5 @@
-"""Learned routing predictors on synthetic data: the fitting math (study/predictor_fit.py) and the runtime object
-(learned.py), with no llama.cpp.
+"""Learned routing predictors on synthetic data: the fitting math (models/predictor_fit.py, models/reuse_fit.py)
+and the runtime object (learned.py), with no llama.cpp.
 
 The synthetic model: router inputs x_0 random; x_{j+1} = tanh(x_j M_j) + noise (a residual-stream-like chain);
 routers random. Layer j+h's routing is then a noisy function of x_j, predictable but not exactly."""
@@ -14,8 +14,8 @@ import pytest
 from pyspecter import learned, predictor_hint
 from pyspecter.errors import SpecterError
 from pyspecter.learned import LearnedPredictor, model_key, selection_scores, sidecar_path
-from pyspecter.study import predictor_fit as pf
-from pyspecter.study import reuse_fit as rf
+from pyspecter.models import predictor_fit as pf
+from pyspecter.models import reuse_fit as rf
 from pyspecter.study import simulate as sim
 
 

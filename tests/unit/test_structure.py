@@ -39,6 +39,30 @@ def test_runtime_never_imports_study_or_model_builders() -> None:
     assert not bad, sorted(bad)
 
 
+def _imports_study(path: Path) -> bool:
+    """Whether a module imports study code in any spelling, ``from pyspecter import study`` included."""
+    return any(m.startswith("pyspecter.study") for m in _imports(path)) or any(
+        isinstance(node, ast.ImportFrom) and node.module == "pyspecter" and any(a.name == "study" for a in node.names)
+        for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_nothing_below_study_imports_it() -> None:
+    """Study code may use the runtime and the model builders, never the other way round: not the runtime, not the
+    Python API, not models/ (the embedded model's predictor fit is a builder's, models/predictor_fit.py)."""
+    below = [*_runtime_modules(), *(PKG / n for n in ENTRY_POINTS), *(PKG / "models").glob("*.py")]
+    bad = sorted(str(p.relative_to(PKG)) for p in below if _imports_study(p))
+    assert not bad, bad
+
+
+def test_the_study_rule_sees_every_spelling(tmp_path: Path) -> None:
+    for i, line in enumerate(("from pyspecter import study", "import pyspecter.study.simulate",
+                              "def f():\n    from pyspecter.study.quality import describe")):
+        (tmp_path / f"m{i}.py").write_text(line + "\n")
+        assert _imports_study(tmp_path / f"m{i}.py"), line
+    (tmp_path / "ok.py").write_text("from pyspecter import models\n")
+    assert not _imports_study(tmp_path / "ok.py")
+
+
 def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
     p = tmp_path / "m.py"
     p.write_text("def f():\n    from pyspecter.study.trace import record_trace\n")

@@ -1,17 +1,21 @@
-"""Reuse maps for eviction, fitted beside the learned routing predictors (study/predictor_fit.py) on the same
+"""Reuse maps for eviction, fitted beside the learned routing predictors (models/predictor_fit.py) on the same
 recorded router inputs and routing: ridge from x_j to which experts of layer j the next REUSE_HORIZON tokens of
-the same sequence use (multi-hot), the penalty chosen by validation error. Held-out, an eviction simulation
-compares them with LRU and Belady's MIN at the same slots (``simulate.py``). Also each layer's LRU miss curve
-(``simulate.lru_miss_curve``), which the budget's slot allocation reads (budget.allocate_slots).
+the same sequence use (multi-hot), the penalty chosen by the misses of the engine's own eviction step on the
+validation rows (``eviction_misses``). Also each layer's LRU miss curve (``lru_miss_curve``), which the budget's
+slot allocation reads (budget.allocate_slots).
+
+The eviction step and the LRU stack live here because the fit needs them, and the fit is a model builder's work
+that never imports the study tooling; study/simulate.py, the reference simulator, uses these same functions.
+Held-out, the study compares the maps with LRU and Belady's MIN (study/predictor_fit.py ``evaluate_reuse``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pyspecter.learned import LearnedPredictor, Recency
-from pyspecter.study.predictor_fit import Ridge
-from pyspecter.study.simulate import eviction_misses, oracle_scores, simulate_cache
+from pyspecter.learned import Recency
+from pyspecter.models.predictor_fit import Ridge
+from pyspecter.policies import Scores
 
 # Tokens ahead whose use keeps an expert, and how much a later use counts: the target of expert e is
 # decay^(h-1) for its soonest use h within the horizon (0 if none), so the score orders experts by how soon they
@@ -95,29 +99,70 @@ def _fit_blend(scores: np.ndarray, recency: np.ndarray, Y: np.ndarray) -> np.nda
     return np.linalg.solve(A.T @ A + 1e-3 * np.eye(6), A.T @ Y.reshape(-1))
 
 
-# Lookaheads of the exact-future eviction rows in ``evaluate_reuse``: a draft drafts about 4 tokens
-ORACLE_LOOKAHEADS = (1, 2, 4, 8, 16)
+# --- the engine's eviction step and the LRU stack, simulated in bookkeeping ------------------------------------
+
+def ghost_step(resident: dict[int, int], needed, capacity: int, clock: int, scores: Scores | None) -> int:
+    """One routing call of a cache simulated in bookkeeping (expert -> last use): its misses. Victims: the least
+    recently used, or (``scores``) the lowest score, LRU among equals; what does not fit stays out (the host
+    path), as in the real cache."""
+    misses = 0
+    for e in needed:
+        if e in resident:
+            continue
+        misses += 1
+        if len(resident) >= capacity:
+            cands = [v for v in resident if v not in needed]
+            if not cands:
+                continue
+            if scores is None:
+                victim = min(cands, key=resident.__getitem__)
+            else:
+                victim = min(cands, key=lambda v: (scores[v], resident[v]))
+            del resident[victim]
+        resident[e] = clock
+    for e in needed:
+        if e in resident:
+            resident[e] = clock
+    return misses
 
 
-def evaluate_reuse(pred: LearnedPredictor, X: list[np.ndarray], ids: np.ndarray, slots: list[int]) -> dict:
-    """Held-out eviction per slot count: misses per token of LRU, of eviction by the reuse maps, of eviction
-    knowing the next k tokens' routing exactly (``oracle``: k -> misses, the bound on any predictor of k tokens)
-    and of Belady's MIN (the optimum, which knows the whole future), each layer's cache on its own. The rows are
-    prompts back to back; the exact-future rows see across a prompt's end, as MIN does."""
-    n, L, _ = ids.shape
-    E = pred.n_expert
-    tot = {s: {"lru": 0, "learned": 0, "belady": 0, "oracle": dict.fromkeys(ORACLE_LOOKAHEADS, 0)} for s in slots}
-    for j in range(L):  # what a layer's scores are does not depend on the slot count: once per layer
-        lay = ids[:, j]
-        sc = pred.reuse_rows(j, X[j], Recency.features_of(lay, E))
-        distinct = sum(len({int(e) for e in row if e >= 0}) for row in lay)
-        known = {k: oracle_scores(lay, E, k) for k in ORACLE_LOOKAHEADS}
-        for s in slots:
-            t = tot[s]
-            t["lru"] += eviction_misses(lay, s)
-            t["learned"] += eviction_misses(lay, s, sc)
-            t["belady"] += distinct - simulate_cache(lay, s, "belady")
-            for k, ks in known.items():
-                t["oracle"][k] += eviction_misses(lay, s, ks)
-    return {str(s): {"lru": t["lru"] / n, "learned": t["learned"] / n, "belady": t["belady"] / n,
-                     "oracle": {str(k): v / n for k, v in t["oracle"].items()}} for s, t in tot.items()}
+def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = None) -> int:
+    """Misses of one layer's cache of ``slots`` over routing ids [n, k]: LRU, or (scores [n, E], each row's
+    prediction made at that row) evicting the resident expert with the lowest predicted reuse, LRU among equals
+    (the engine's own bookkeeping step, ``ghost_step``)."""
+    resident: dict[int, int] = {}  # expert -> last use
+    misses = 0
+    for t, row in enumerate(ids):
+        need = {int(e) for e in row if e >= 0}
+        misses += ghost_step(resident, need, slots, t, None if scores is None else scores[t])
+    return misses
+
+
+def lru_stack_positions(steps: np.ndarray) -> np.ndarray:
+    """For a stream of expert sets [T, U] (one layer), each access's position in the LRU stack before its step
+    (-1: first touch). A cache of s slots that keeps each step's set resident (set-LRU) holds exactly the top s of
+    this stack, so an access hits with s slots iff 0 <= position < s: one pass gives every slot count."""
+    stack: list[int] = []  # most recent first
+    pos = np.full(steps.shape, -1, np.int64)
+    for s, row in enumerate(steps):
+        need = [int(e) for e in row if e >= 0]
+        where = {e: i for i, e in enumerate(stack)}
+        for u, e in enumerate(row):
+            if e >= 0 and int(e) in where:
+                pos[s, u] = where[int(e)]
+        # the step's experts move to the front in router order (ties need a rule; any that ignores cache size
+        # keeps the one-stack property)
+        gone = set(need)
+        stack = need + [e for e in stack if e not in gone]
+    return pos
+
+
+def lru_miss_curve(ids: np.ndarray, n_expert: int) -> np.ndarray:
+    """Misses per token of an LRU cache of s = 0..E slots on one layer's routing ids [n, k], from one
+    stack-distance pass (``lru_stack_positions``: a hit with s slots is a hit with more). Below k slots every
+    access misses."""
+    n, k = ids.shape
+    pos = lru_stack_positions(ids)[ids >= 0]
+    misses = np.array([np.sum((pos < 0) | (pos >= s)) for s in range(n_expert + 1)], np.float64)
+    misses[:k] = len(pos)
+    return (misses / max(n, 1)).astype(np.float32)
