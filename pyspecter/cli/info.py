@@ -155,15 +155,18 @@ def draft_report(target: ModelLayout, draft_path: Path, budget_bytes: int | None
     prefix = spec["mean_accepted_prefix"]
     out["acceptance"] = prefix / k if prefix is not None else None
     out["routing_recall_same_token"] = res["predictors"]["draft-same-tokens"]["recall_at"]["1"]
-    out["routing_recall_own_tokens"] = res["predictors"]["draft-own-tokens"]["recall_at"]
+    out["routing_recall_own_tokens"] = {h: v for h, v in res["predictors"]["draft-own-tokens"]["recall_at"].items()
+                                        if int(h) <= k}  # analyze scores a fixed range of lookaheads
     out["rows"] = res["trace"]["n_scored_rows"]
     return out
 
 
 def draft_lines(r: dict) -> str:
     """inspect --draft's report, a few lines."""
-    budget = (f", {100 * r['file_share_of_budget']:.1f}% of the budget ({fmt_bytes(r['budget_bytes'])}), which it "
-              "comes out of" if r["file_share_of_budget"] is not None else " (give --budget for its share of one)")
+    share = r["file_share_of_budget"]
+    budget = " (give --budget for its share of one)" if share is None else \
+        (f", {100 * share:.1f}% of the budget ({fmt_bytes(r['budget_bytes'])}), which it "
+         + ("comes out of" if share < 1 else "does not fit: a session refuses it"))
     own = ", ".join("n/a" if v is None else f"{100 * v:.1f}%" for v in r["routing_recall_own_tokens"].values())
     acc = ", ".join("n/a" if v is None else f"{100 * v:.0f}%" for v in r["acceptance_at"].values())
     return "\n".join([
