@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import statistics
 import time
 
 import pytest
@@ -49,8 +50,9 @@ def _generate_tok_s() -> tuple[float, dict]:
 
 def test_generate_and_bench_agree_on_decode_speed() -> None:
     """generate's tok/s and bench's decode tok/s on the same model and settings (no flags: what each places,
-    here stock llama.cpp) within 10%, in one process, interleaved. The machine is shared: a neighbour only ever
-    slows a run down, so each side's fastest of three is compared."""
+    here stock llama.cpp) within 10%, in one process, interleaved. The machine is shared and a single run moves
+    either way (CI saw one bench run at 87.8 tok/s beside 71.5 and 74.6, and generate's 71.6-74.2: fastest-of-three
+    read 0.84), so each side's median of three is compared."""
     from pyspecter.study.bench import run_bench
 
     path = resolve_model("smol-moe")
@@ -69,7 +71,7 @@ def test_generate_and_bench_agree_on_decode_speed() -> None:
     if spread > 1.25:  # the same run three times moved by more than the tolerance: the machine is too busy
         pytest.skip(f"speeds moved {spread:.2f}x between repeats (generate {gen}, bench {bench}): too noisy to "
                     "compare within 10%; test_session_decode_time_is_the_time_between_tokens holds the definition")
-    ratio = max(gen) / max(bench)
+    ratio = statistics.median(gen) / statistics.median(bench)
     assert 0.9 <= ratio <= 1.1, (gen, bench)
 
 
