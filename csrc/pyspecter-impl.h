@@ -29,6 +29,7 @@ struct llama_pyspecter_layer;
 struct llama_pyspecter_slots;
 struct pyspecter_read;
 struct pyspecter_residency;
+struct pyspecter_draft;
 
 // One learned layer-ahead map (planner.cpp, llama_pyspecter_set_ahead_map): from a layer's router input to the
 // routing of layer dst, h MoE layers later, and the calibration that turns its ranking into probabilities.
@@ -258,6 +259,9 @@ struct llama_pyspecter_slots {
     // free it without calling into residency.
     using residency_free = void (*)(pyspecter_residency *) noexcept;
     std::unique_ptr<pyspecter_residency, residency_free> res{ nullptr, nullptr };
+    // a draft's recorder, or the target's draft window (draft.cpp, whose type is private to it: freed the same way)
+    using draft_free = void (*)(pyspecter_draft *) noexcept;
+    std::unique_ptr<pyspecter_draft, draft_free> draft{ nullptr, nullptr };
     // Last member: its thread copies into bufs and reads the model's host copy, so it must be stopped first
     // (the destructor does that explicitly before freeing anything).
     llama_pyspecter_uploads uploads;
@@ -408,10 +412,19 @@ void pyspecter_set_native_plan(llama_pyspecter_slots * s, pyspecter_plan_fn plan
 bool pyspecter_native_room(const llama_pyspecter_layer * D);
 bool pyspecter_native_in_time(llama_pyspecter_layer * D, int32_t h);
 bool pyspecter_native_prefetch(llama_pyspecter_layer * D, int32_t e, float p, int32_t h, const float * probs);
+// A queued prefetch of e into L taken back whole (none of it read yet; R->mu held): its slot is free again. False
+// where there is none, or it has started.
+bool pyspecter_native_take_back_prefetch(llama_pyspecter_layer * D, int32_t e);
 float pyspecter_native_min_prob(const llama_pyspecter_slots * s); // < 0: the planner is off
 bool pyspecter_native_late(const llama_pyspecter_slots * s); // ordered misses: graphs get the late path
 bool pyspecter_native_io_uring(const llama_pyspecter_slots * s); // file reads go through io_uring
 void pyspecter_native_wait(llama_pyspecter_layer * L);       // the wait op: L's late reads have landed on return
+
+// A draft's handover (draft.cpp): the routing op's selected experts ids [n_tokens][n_used] and router weights w
+// ([1, n_used, n_tokens], or null), before any remap: recorded on a draft while it drafts a step, scored against
+// the window in flight on a target. Costs a pointer test where no handover or recording was ever set up.
+void pyspecter_draft_observe(llama_pyspecter_layer * L, const int32_t * ids, const ggml_tensor * w, int32_t n_tokens,
+                             int32_t n_used);
 
 // the model layer's expert tensors by kind (null where the layer has none)
 void pyspecter_host_experts(const llama_model * model, int32_t il, ggml_tensor * out[LLAMA_PYSPECTER_N_KINDS]);

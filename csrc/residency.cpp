@@ -563,6 +563,16 @@ void pyspecter_set_native_plan(llama_pyspecter_slots * s, pyspecter_plan_fn plan
     }
 }
 
+bool pyspecter_native_take_back_prefetch(llama_pyspecter_layer * D, int32_t e) {
+    pyspecter_read * r = inflight(D, e);
+    if (!r || r->cls != CLS_PREFETCH || !D->parent->res->cancel(r)) {
+        return false;
+    }
+    D->pending[r->slot].reset(); // its slot was evicted when the read was scheduled: free again
+    D->parent->counters.uploads--;
+    return true;
+}
+
 float pyspecter_native_min_prob(const llama_pyspecter_slots * s) {
     return s && s->res && s->res->planner ? s->res->min_prob : -1.0f;
 }

@@ -110,6 +110,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     // the lock also covers the remap below: the tables the matmuls read are one snapshot
     std::unique_lock<std::mutex> native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, with_late);
+    pyspecter_draft_observe(L, host_ids, w, n_tokens, n_used); // a draft's step, or the window it handed over
     if (s->route_cb) {
         // with native residency the hook only observes (traces, predictors): the decision is made
         // router weights, packed the same way (slot_ids is scratch until the remap below)
@@ -179,6 +180,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     // native residency decides for the next ubatches (this one's slot path ran from the table already): what
     // lands reaches the device at the next fence, an eviction at once only where the layer may still run
     const bool native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, false).owns_lock(); // released at once
+    pyspecter_draft_observe(L, host_ids, w, n_tokens, n_used); // a draft's step, or the window it handed over
     if (s->route_cb) {
         thread_local std::vector<float> wts;
         if (w) {

@@ -3,17 +3,17 @@
 Both are generators (mlx-lm's ``generate_step`` is the model): they yield tokens as they are decided, and leave
 the KV caches consistent whenever the caller stops reading.
 
-One speculative step: the draft (in step with the target's accepted tokens) drafts K tokens; while it does, its
-per-layer routing drives expert prefetch on the target (``SpeculativeDecoder._on_draft_layer``: each confident
-expert protected and scheduled into the target's one prefetch queue, priority its confidence, due when the
-verification pass reaches its layer); the target then verifies the current token plus the K drafts; the
-accepted prefix plus one token from the target is emitted, and both KV caches are rolled back past the rejected
-drafts. Until the measured acceptance shows that drafting pays, the target verifies one token at a time instead
-and never decodes a rejected draft (``_verify``). Greedy output equals the target's own greedy output; with a
-temperature, standard speculative sampling keeps the target's distribution.
+One speculative step: the draft (in step with the target's accepted tokens) drafts K tokens; one call before it
+does (``_hand_over``) arms its routing op to turn each drafted token's confident experts into prefetches on the
+target, in C as it routes them (csrc/draft.cpp: protected, queued into the target's one prefetch queue, due when
+the verification pass reaches their layer, the most confident first); the target then verifies the current token
+plus the K drafts; the accepted prefix plus one token from the target is emitted, and both KV caches are rolled
+back past the rejected drafts. Until the measured acceptance shows that drafting pays, the target verifies one
+token at a time instead and never decodes a rejected draft (``_verify``). Greedy output equals the target's own
+greedy output; with a temperature, standard speculative sampling keeps the target's distribution.
 
 Why this module is long: the speculative step, the draft's prefetch feed and the draft's drop are one state
-machine over the same window (what was issued, protected and used); split, that state would cross modules.
+machine over the same window (handed over, scored, closed); split, that state would cross modules.
 """
 
 from __future__ import annotations
@@ -72,15 +72,17 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     dropped_at: int | None = None  # the step at which the draft was dropped (its memory given to slots)
-    # the draft's routing as a prefetch signal: prefetches it queued, how many of them the verification pass they
-    # were made for then used (their precision), the bytes each side stands for, and the step it was cut off at
+    # the draft's routing as a prefetch signal (C's counters, csrc/draft.cpp): prefetches it queued, how many of
+    # them the verification pass they were made for then used (their precision), the bytes each side stands for
+    # (counted at the mean expert size), and the step it was cut off at
     prefetches: int = 0
-    prefetches_scored: int = 0  # ... of which checked against their pass (where the slots record routing)
+    prefetches_scored: int = 0  # ... of which checked against their pass (windows closed)
     prefetches_used: int = 0
     prefetch_bytes: int = 0
     prefetch_used_bytes: int = 0
     prefetch_stopped_at: int | None = None
     serial_verifies: int = 0  # steps with drafts whose window the target verified one token at a time
+    handovers: int = 0  # draft steps handed to the target's planner (one call each)
 
     @property
     def acceptance(self) -> float:
@@ -130,8 +132,8 @@ class SpeculativeDecoder:
 
     # The draft's prefetches stop for good once MIN_PREFETCHES of them are measured and fewer than MIN_PRECISION
     # of them were used by the verification pass they were made for: below an even chance a prefetch costs a
-    # link-bound tier more than it saves (the native planner's min_prob, for the same reason). Their precision
-    # needs the slots to record the target's routing calls (ExpertCache(record=True)).
+    # link-bound tier more than it saves (the native planner's min_prob, for the same reason). C scores them
+    # (csrc/draft.cpp), under native residency, the only place the handover runs.
     MIN_PREFETCHES = 16
     MIN_PRECISION = 0.5
 
@@ -149,8 +151,6 @@ class SpeculativeDecoder:
         # fills the slots (not all experts resident); with nothing to prefetch, K=0 is plain target decoding
         self.predict_at_k0 = predict_at_k0 and routing is not None and slots is not None
         self.governor = KGovernor(k_max=k_max, k=k, draft_at_k0=self.predict_at_k0)
-        if routing is not None and slots is not None:
-            routing.on_layer = self._on_draft_layer
         self.sampler = Sampler(temperature, seed)
         # Stock CPU kernels give different bits for 1 and for K+1 rows (llamafile's sgemm tiles them differently:
         # max |dlogit| 0.98 on smol-moe), so a batched pass could flip a near-tie that token-by-token decoding
@@ -170,10 +170,12 @@ class SpeculativeDecoder:
         # ... and where its memory was not the slots', the owner still frees it on a drop (its model and context)
         self.close_draft = close_draft
         self._off = _OffWatch()
-        # the draft's prefetches of the window in flight, (layer, expert), and whether they are still fed
-        self._issued: set[tuple[int, int]] = set()
-        self._feeding = routing is not None and slots is not None
-        self._scoring = self._feeding and slots.recording
+        # the draft's routing still feeds the target's planner (native residency: C takes it over); a window is open
+        self._feeding = routing is not None and slots is not None and slots.native
+        self._window = False
+        if self._feeding:
+            lay = slots.layout
+            self._expert_bytes = sum(L.expert_bytes for L in lay.layers) / max(len(lay.layers), 1)
         self.check: Callable[[], None] = lambda: None  # the owner's hook-error check, run after every step
 
     @property
@@ -226,6 +228,8 @@ class SpeculativeDecoder:
                 cur = new[-1]
         finally:
             self._keep(len(prompt) + n_out - 1)
+            if self._feeding:  # the last window is scored (its queued prefetches taken back: nothing verifies it)
+                self._close_window()
 
     def generate(self, prompt: list[int], n: int, *, stop_at_eog: bool = True,
                  on_token: Callable[[int], None] | None = None, reuse: bool = False) -> list[int]:
@@ -260,10 +264,7 @@ class SpeculativeDecoder:
 
     def _routing_pays(self) -> bool:
         """Whether the draft's routing is worth its cost as a prefetch signal: still fed, and at least
-        MIN_PRECISION of its prefetches used so far (none measured: it has saved nothing yet). Slots that do not
-        record routing cannot tell: there the routing is given the benefit of the doubt (draft_idle judges it)."""
-        if not self._scoring:
-            return self._feeding
+        MIN_PRECISION of its prefetches used so far (none measured: it has saved nothing yet)."""
         p = self.stats.prefetch_precision
         return self._feeding and p is not None and p >= self.MIN_PRECISION
 
@@ -282,81 +283,93 @@ class SpeculativeDecoder:
         self.governor.pin(OFF)
         self.stats.dropped_at = self.stats.steps
 
-    def _on_draft_layer(self, il: int, experts: dict[int, float]) -> None:
-        """The draft has routed layer il of a drafted token: its confident experts are protected for the window and
-        scheduled into the target's prefetch queue, the one the native planner fills too (priority: the draft's
-        confidence; deadline: the layer's position in the verification pass, in routing calls from now). The
-        queue serves them behind every demand read, and a demand takes back a queued one."""
-        keep = sorted(((w, e) for e, w in experts.items() if w >= self.min_confidence), reverse=True)
-        if not keep or self.slots is None or not self._feeding:
-            return
-        self.slots.protect(il, [e for _, e in keep])
-        due = self.slots.layer_pos.get(il, 0)
-        for w, e in keep:
-            if self.slots.prefetch(il, [e], priority=float(w), deadline=due):
-                self._issued.add((il, e))
-                self.stats.prefetches += 1
-                self.stats.prefetch_bytes += self.slots.expert_bytes.get(il, 0)
+    def _hand_over(self, n_tokens: int, per_pass: int) -> None:
+        """The step's one call into the target's planner: the previous window is scored and closed, and the draft's
+        next n_tokens tokens (the current one and each draft it reads) become prefetches as its routing op routes
+        them, due where the verification pass (per_pass tokens a pass) needs them. Nothing per layer or expert."""
+        self.slots.nat.handover(self.draft.model, self.min_confidence, per_pass, n_tokens)
+        self._window = True
+        self.stats.handovers += 1
 
-    def _score_prefetches(self, calls) -> None:
-        """The window's prefetches against the routing calls of its verification pass: used or not. Cuts them off
-        once they are measured to miss (MIN_PRECISION)."""
-        s = self.stats
-        used = {(il, e) for il, es in calls for e in es} & self._issued
-        s.prefetches_scored += len(self._issued)
-        s.prefetches_used += len(used)
-        s.prefetch_used_bytes += sum(self.slots.expert_bytes.get(il, 0) for il, _ in used)
-        self._issued = set()
+    def _close_window(self) -> None:
+        """A step without the draft: the window in flight is scored and closed, its queued prefetches taken back."""
+        if self._window:
+            self.slots.nat.handover(None)
+            self._window = False
+        self._score_prefetches()
+
+    def _score_prefetches(self) -> None:
+        """The closed windows' prefetches as C scored them against their verification pass. Cuts them off once
+        they are measured to miss (MIN_PRECISION)."""
+        if not self._feeding:
+            return
+        d, s = self.slots.nat.draft_stats(), self.stats
+        s.prefetches, s.prefetches_scored, s.prefetches_used = d.prefetches, d.scored, d.used
+        s.prefetch_bytes = round(d.prefetches * self._expert_bytes)
+        s.prefetch_used_bytes = round(d.used * self._expert_bytes)
         if s.prefetches_scored >= self.MIN_PREFETCHES and s.prefetches_used < self.MIN_PRECISION * s.prefetches_scored:
             self._stop_prefetch()
 
     def _stop_prefetch(self) -> None:
-        """No more draft prefetches or protections; K=0 no longer runs the draft (its routing was all it did)."""
+        """No more draft prefetches or protections (the window closed, its queued prefetches taken back); K=0 no
+        longer runs the draft (its routing was all it did)."""
         if self._feeding:
             self.stats.prefetch_stopped_at = self.stats.steps
+            if self._window:
+                self.slots.nat.handover(None)
+                self._window = False
+            self.routing.stop()
+            self.slots.unprotect_all()
         self._feeding = False
         self.predict_at_k0 = False
-        self._issued = set()
-        if self.slots is not None:
-            self.slots.unprotect_all()
-            if self._scoring:  # the scoring was the calls' only reader
-                self.slots.stop_recording()
-            self._scoring = False
 
     def _step(self, cur: int, k: int) -> list[int]:
         """One step: draft k tokens (k = 0: the draft only predicts; OFF: no draft), verify, roll back."""
         if self._limit is not None:
             k = min(k, self._limit)
         base = self.target.n_past
+        io0 = self._io()
         t0 = time.perf_counter()
+        # one pass over the window once drafting pays (_verify); the planner's deadlines follow the same choice
+        batched = k > 0 and self.batch_verify and self.governor.tokens_pay()
         if k > 0 or (k == 0 and self.predict_at_k0):
             t0 = self._catch_up_draft(t0)
+            if self._feeding:
+                # the draft reads the current token and each draft but the last: k + 1 tokens, verification
+                # positions 0..k
+                self._hand_over(k + 1, k + 1 if batched else 1)
+                self._score_prefetches()
             drafts, qs = self._draft(cur, k)
         else:
             drafts, qs = [], []
             if self.draft is not None:
                 self._draft_lag.append(cur)
-            if self.slots is not None:  # no window in flight: nothing may stay pinned in the slots
+            if self._feeding:
+                self._close_window()
+            elif self.slots is not None:  # no window in flight: nothing may stay pinned in the slots
                 self.slots.unprotect_all()
         t1 = time.perf_counter()
         watch = k == OFF and self.draft is not None and self.drop_draft is not None and self.slots is not None
         if watch:
             tot = self.slots.totals
             before = (tot.hook_ns, tot.misses, tot.ghost_misses)
-        score = self._scoring and self._feeding and bool(self._issued)
-        if score:
-            self.slots.take_calls()  # routing before this pass (the prompt, steps without the draft): not its
-        accepted, bonus = self._verify(cur, drafts, qs)
+        accepted, bonus = self._verify(cur, drafts, qs, batched)
         t2 = time.perf_counter()
-        if score:
-            self._score_prefetches(self.slots.take_calls())
-        elif self._scoring and self._feeding:
-            self.slots.take_calls()
         if watch:
             self._off.add(t2 - t0, before, tot)
         self._keep(base + 1 + accepted)  # roll both caches back to the accepted prefix: cur + accepted drafts
-        self._record(k, accepted, t1 - t0, t2 - t1)
+        io1 = self._io() if io0 is not None else None
+        self._record(k, accepted, t1 - t0, t2 - t1,
+                     None if io1 is None else (io1[0] - io0[0], (io1[1] - io0[1]) / 1e9))
         return [*drafts[:accepted], bonus]
+
+    def _io(self) -> tuple[int, int] | None:
+        """(bytes moved into the target's slots, ns its routing ops waited for them) so far, under native
+        residency (None otherwise): what a step's union of experts costs, for the K rule."""
+        if self.slots is None or not self.slots.native:
+            return None
+        c = self.slots.nat.stats()
+        return c.read_bytes + c.upload_bytes, c.wait_ns
 
     def _plain_step(self, cur: int) -> int:
         """A step once the draft is dropped: the target decodes one token as plain decoding does (the same sampler
@@ -381,11 +394,7 @@ class SpeculativeDecoder:
 
     def _draft(self, cur: int, k: int) -> tuple[list[int], list[np.ndarray]]:
         """K draft tokens (and, when sampling, the distributions they were drawn from), with the draft's routing
-        driving the target's prefetch as it goes."""
-        if self.routing is not None:
-            self.routing.start()
-        if self.slots is not None:  # a new window: what the last one protected may go
-            self.slots.unprotect_all()
+        driving the target's prefetch as it goes (armed by ``_hand_over``)."""
         drafts: list[int] = []
         qs: list[np.ndarray] = []
         # The draft's last token of a step is run for its routing only (it predicts the last verified position):
@@ -400,21 +409,19 @@ class SpeculativeDecoder:
             if q is not None:
                 qs.append(q)
             logits = self.draft.decode([d], logits=i < k - 1)
-        if self.routing is not None:
-            self.routing.stop()
         return drafts, qs
 
-    def _verify(self, cur: int, drafts: list[int], qs: list[np.ndarray]) -> tuple[int, int]:
-        """(drafts accepted, the target's token after them). One batched pass over the window only once the
-        measured acceptance shows that drafting pays (KGovernor.tokens_pay): the pass needs the union of its K+1
-        tokens' experts (and, being a multi-token ubatch, sets off the prefill lookahead), which for drafts that
+    def _verify(self, cur: int, drafts: list[int], qs: list[np.ndarray], batched: bool) -> tuple[int, int]:
+        """(drafts accepted, the target's token after them). One batched pass over the window (``batched``) only
+        once the measured acceptance shows that drafting pays (KGovernor.tokens_pay): the pass needs the union of
+        its K+1 tokens' experts (and, being a multi-token ubatch, sets off the prefill lookahead), which for drafts that
         get rejected are reads a plain decode would not make. Until then (the probe steps, a draft whose tokens
         miss) the target decodes one token at a time and stops at the first rejection, so a step with nothing
         accepted reads what a plain decode reads. Sampling takes the same path: the same draws in the same order
         on the same logits (batched rows are batch-invariant), so the same tokens."""
         if not drafts:  # one token: stock's own decode, bit for bit what the batch-invariant kernels would give
             return self.sampler.verify(self.target.decode([cur], logits_all=True), drafts, qs, self._recent)
-        if self.batch_verify and self.governor.tokens_pay():
+        if batched:
             with batch_invariant():
                 rows = self.target.decode([cur, *drafts], logits_all=True)
             return self.sampler.verify(rows, drafts, qs, self._recent)
@@ -430,7 +437,8 @@ class SpeculativeDecoder:
                 return accepted, tok
             accepted += 1
 
-    def _record(self, k: int, accepted: int, t_draft: float, t_verify: float) -> None:
+    def _record(self, k: int, accepted: int, t_draft: float, t_verify: float,
+                io: tuple[int, float] | None = None) -> None:
         s = self.stats
         s.steps += 1
         s.drafted += max(k, 0)
@@ -439,4 +447,4 @@ class SpeculativeDecoder:
         s.k_hist[k] = s.k_hist.get(k, 0) + 1
         s.draft_s += t_draft
         s.verify_s += t_verify
-        self.governor.observe(k, accepted, t_draft, t_verify)
+        self.governor.observe(k, accepted, t_draft, t_verify, io)

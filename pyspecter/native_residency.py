@@ -18,6 +18,23 @@ from pyspecter.tiers import DiskTier, Tier
 Trace = list[tuple[int, tuple[int, ...]]]
 
 
+# the draft's rates, read from its counts (``NativeResidency.draft_counters``, summed or not)
+DRAFT_RATES = ("draft_precision", "draft_coverage", "draft_recall", "draft_lru_hit_rate")
+
+
+def draft_rates(c: Mapping[str, int]) -> dict[str, float | None]:
+    """A draft's prefetches' precision (used / scored, over closed windows), and over the target's needs in its
+    windows: coverage (resident at need), recall (named by the draft), and the hit rate plain LRU with the same
+    slots would have had on the same calls (a ghost in C): side by side, from one run. None where nothing counted."""
+    scored, needed = c.get("draft_scored", 0), c.get("draft_needed", 0)
+    return {
+        "draft_precision": c["draft_used"] / scored if scored else None,
+        "draft_coverage": c["draft_hits"] / needed if needed else None,
+        "draft_recall": c["draft_recalled"] / needed if needed else None,
+        "draft_lru_hit_rate": c["draft_lru_hits"] / needed if needed else None,
+    }
+
+
 class NativeLayer:
     """One layer's residency as C holds it, read on each access (never on the hot path)."""
 
@@ -106,6 +123,7 @@ class NativeResidency:
         self.trace_list = trace
         self.base = native.Stats()  # counters from before the last reset
         self.surrogate_base = 0  # surrogate uses before the last reset (C counts them since init)
+        self._draft_base = native.DraftStats()  # ... and the draft's
         self.usable = dict(usable)
         self.n_held = {il: (held or {}).get(il, 0) for il in usable}
 
@@ -180,6 +198,21 @@ class NativeResidency:
         """Prefetch experts of layer il behind every demand read, due in ``deadline`` routing calls (lower first,
         then higher priority), into the queue the native planner fills too; how many reads were queued."""
         return sum(self.api.schedule(self.model.ptr, il, e, priority, deadline) == 1 for e in experts)
+
+    def handover(self, draft: native.Model | None, min_conf: float = 0.0, per_pass: int = 1,
+                 n_tokens: int = 0) -> None:
+        """One draft step to the native planner, in one call (``llama_pyspecter_draft_handover``): the previous
+        window is scored and closed, and the draft's next ``n_tokens`` tokens become prefetches as its routing op
+        routes them, due where the verification pass (``per_pass`` tokens a pass) needs them. draft None: only
+        close the window."""
+        rc = self.api.draft_handover(self.model.ptr, draft.ptr if draft is not None else None, min_conf, per_pass,
+                                     n_tokens)
+        self._check(rc, "could not hand the draft's routing over")
+
+    def draft_stats(self) -> native.DraftStats:
+        out = native.DraftStats()
+        self._check(self.api.get_draft_stats(self.model.ptr, ctypes.byref(out)), "no draft counters")
+        return out
 
     def protect(self, il: int, experts) -> None:
         ids = list(experts)
@@ -264,6 +297,7 @@ class NativeResidency:
 
     def reset(self) -> None:
         self.surrogate_base = max(self.api.surrogate_uses(self.model.ptr), 0)
+        self._draft_base = self.draft_stats()
         c = self.stats()
         for name, _ in native.Stats._fields_:
             setattr(self.base, name, getattr(self.base, name) + getattr(c, name))
@@ -313,7 +347,13 @@ class NativeResidency:
             # the native planner: maps applied, prefetches they queued, predictions left to the miss path
             "ahead_maps": c.ahead_maps, "ahead_prefetches": c.ahead_prefetches, "ahead_late": c.ahead_late,
             "ahead_refused": c.ahead_refused,
+            **(d := self.draft_counters()), **draft_rates(d),
         }
+
+    def draft_counters(self) -> dict:
+        """The draft's handovers since the last reset (none: zeros), as counts (``draft_rates`` reads them)."""
+        d, base = self.draft_stats(), self._draft_base
+        return {f"draft_{name}": getattr(d, name) - getattr(base, name) for name, _ in native.DraftStats._fields_}
 
     def link_gbps(self) -> float | None:
         c = self.stats()

@@ -1,63 +1,45 @@
 """Predicting which experts the target will need.
 
 The main predictor is the draft itself (Specter): a small quantized copy of the target with the same layers and
-experts routes each token almost as the target will, one step earlier. We read its routing with the same
-per-layer hook the target's slots use; with every expert on the host path that hook changes nothing about the
-draft's numbers.
+experts routes each token almost as the target will, one step earlier. Once per step the engine hands the step to
+the target's planner in one call (``NativeResidency.handover``); the draft's routing op (csrc/route.cpp, the one
+every MoE arch goes through) then turns each drafted token's experts and router weights into the target's
+prefetches in C (csrc/draft.cpp). Nothing of it runs in Python inside a layer. The draft's slots exist only so
+that its layers have the routing op: every expert stays on the host path, which is stock llama.cpp's computation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from pyspecter import native
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout
-from pyspecter.native.hooks import Hooks
-
-# on_layer(il, {expert: confidence}) is called as soon as the draft has routed a layer
-LayerSink = Callable[[int, dict[int, float]], None]
 
 
 class DraftRouting:
-    """Watches the draft model's routing. Attach before the draft's Context is created."""
+    """The draft model's routing op, ready to feed a target (``NativeResidency.handover``). Attach before the
+    draft's Context is created."""
 
-    def __init__(self, draft: native.Model, draft_layout: ModelLayout, on_layer: LayerSink | None = None) -> None:
+    def __init__(self, draft: native.Model, draft_layout: ModelLayout) -> None:
         draft_layout.require_moe()
         self.layout = draft_layout
-        self.on_layer = on_layer
-        self.window: dict[int, dict[int, float]] = {}
-        self.recording = False
-        # every expert stays on the host path: only the hook matters here (no slot memory: n_slots is per layer,
-        # allocated once, and we never upload into them, so keep it at top-k, the minimum)
-        self.hooks = Hooks(draft, self._on_route, n_slots=draft_layout.n_expert_used)
+        self.model = draft
+        self.api = native.slots()
+        # n_slots is per layer, allocated once, and never uploaded into: top-k, the minimum the op is built on
+        rc = self.api.slots_init(draft.ptr, draft_layout.n_expert_used)
+        if rc != 0:
+            raise SpecterError(f"{draft.path}: could not enable the draft's routing op (slots_init returned {rc})")
 
-    def _on_route(self, il, n_tokens, n_used, ids_p, w_p) -> None:
-        if not self.recording:
-            return
-        n = n_tokens * n_used
-        ids, ws = ids_p[:n], w_p[:n]
-        got = self.window.setdefault(il, {})
-        fresh: dict[int, float] = {}
-        for e, w in zip(ids, ws, strict=True):
-            if w > got.get(e, -1.0):
-                got[e] = w
-                fresh[e] = w
-        if self.on_layer is not None and fresh:
-            self.on_layer(il, fresh)
-
-    def start(self) -> None:
-        self.window = {}
-        self.recording = True
-
-    def stop(self) -> dict[int, dict[int, float]]:
-        self.recording = False
-        self.hooks.check()
-        return self.window
+    def stop(self) -> None:
+        """The draft's routing goes to no target from here on (the engine arms it per step: its ``handover``)."""
+        if self.model.ptr:
+            rc = self.api.draft_unlink(self.model.ptr)
+            if rc != 0:
+                raise SpecterError(f"could not stop the draft's routing ({native.status_name(rc)})")
 
     def close(self) -> None:
-        self.hooks.close()
+        self.stop()
 
 
 def routing_profile(trace_path: str | Path, layout: ModelLayout) -> dict[int, list[int]]:

@@ -26,6 +26,7 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import LearnedPredictor
 from pyspecter.misses import default_miss
 from pyspecter.native.devices import Device, open_device
+from pyspecter.native_residency import DRAFT_RATES
 from pyspecter.placement import (
     DEFAULT_THREADS,
     IN_PLACE,
@@ -82,11 +83,10 @@ class SessionConfig:
 
 
 def check_draft(target: ModelLayout, draft: ModelLayout) -> None:
-    """A draft must route like the target: same arch, MoE layers and experts (its routing indexes the target's
-    slots). Checked before anything is loaded."""
+    """A draft must route like the target: same MoE layers and experts (its routing indexes the target's slots).
+    Its arch may differ: smol-moe's self-draft is a granitemoe file routing with the target's llama routers
+    (models/smol_draft.py); the vocabularies are compared once both are loaded. Checked before anything is loaded."""
     where = f"{draft.path}: draft"
-    if draft.arch != target.arch:
-        raise SpecterError(f"{where} arch {draft.arch} differs from the target's ({target.arch})")
     if draft.is_moe and ([L.index for L in draft.layers] != [L.index for L in target.layers]
                          or draft.n_expert != target.n_expert):
         raise SpecterError(f"{where} has {draft.n_expert} experts in {len(draft.layers)} MoE layers, the target "
@@ -249,8 +249,8 @@ class Session:
     def _build(self, dlay: ModelLayout | None) -> None:
         cfg = self.cfg
         if not self.stock and (self.layer_plan is None or self.layer_plan.has_slots):
-            # the routing calls are recorded only to score a routing draft's prefetches (until they are cut off)
-            self._build_cache(record=dlay is not None and dlay.is_moe)
+            # (a routing draft's prefetches are scored in C: csrc/draft.cpp)
+            self._build_cache(record=False)
         elif cfg.profile is not None:  # nothing to warm with every expert resident, but a wrong file is refused
             from pyspecter.predict import routing_profile
 
@@ -296,7 +296,6 @@ class Session:
         self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held,
                                  policy="predicted" if fitted else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
-                                 # the routing calls, to score a draft's prefetches by (engine.SpeculativeDecoder)
                                  record=record,
                                  held_extra=self.held_extra, extra=self.plan.extra,
                                  kinds=self.layer_plan.plan.native_kinds() if self.layer_plan else None,
@@ -464,6 +463,8 @@ class Session:
                        draft_prefetches=s.prefetches, draft_prefetches_used=s.prefetches_used,
                        draft_prefetch_precision=s.prefetch_precision, draft_prefetch_mib=s.prefetch_bytes / 2**20,
                        draft_prefetch_stopped_at=s.prefetch_stopped_at)
+            # C's measures of the draft's windows, beside what plain LRU would have hit on the same calls
+            out.update({k: c[k] for k in DRAFT_RATES if k in c})
         return out
 
     def reset_stats(self) -> None:

@@ -362,6 +362,37 @@ LLAMA_API int32_t llama_pyspecter_set_read_faults(struct llama_model * model,
                                                   const struct llama_pyspecter_read_faults * faults);
 // reads failed by injection since residency_init, or a negative status
 LLAMA_API int64_t llama_pyspecter_read_faults_injected(const struct llama_model * model);
+// A draft's routing in the target's planner, handed over once per draft step (draft.cpp). Between decodes,
+// draft_handover(target, draft, min_conf, per_pass, n_tokens) closes the target's previous window and arms the
+// draft (its slots enabled, so that its MoE layers have the routing op) for its next n_tokens tokens: as its routing
+// op routes them, each selected expert at router weight >= min_conf (the confidence) is protected for the window
+// and, where not resident, prefetched into the target as the native planner prefetches (behind every demand read;
+// a slot is taken only from an expert less likely to be needed than the draft's measured precision so far), due at
+// the verification call that needs it (the most confident first among equals):
+// token i of the window, verified per_pass tokens a pass, reaches the MoE layer at forward position p at routing call
+// (i / per_pass) * n_moe_layers + p + 1 from now. A window's prefetches still queued when it closes are taken back.
+// draft = null only closes the window (a step without the draft). Target: native residency on. 0, or a negative
+// status. draft_unlink: the draft's routing goes nowhere from here on (before its target goes, or the draft is done).
+LLAMA_API int32_t llama_pyspecter_draft_handover(struct llama_model * target, struct llama_model * draft,
+                                                 float min_conf, int32_t per_pass, int32_t n_tokens);
+LLAMA_API int32_t llama_pyspecter_draft_unlink(struct llama_model * draft);
+// Counters of the handovers made to a target, over closed windows where it says so.
+struct llama_pyspecter_draft_stats {
+    int64_t handovers;  // draft steps handed over
+    int64_t picks;      // (token, layer, expert) rows the draft routed in them at min_conf or more
+    int64_t predicted;  // distinct (layer, expert) of a window at min_conf or more
+    int64_t resident;   // ... resident already at the handover
+    int64_t prefetches; // ... queued as prefetches
+    int64_t refused;    // ... refused: no slot held an expert predicted less likely
+    int64_t scored;     // prefetches of closed windows
+    int64_t used;       // ... that the target needed at their layer within their window (precision: used / scored)
+    int64_t stale;      // ... unused and still queued when their window closed: taken back
+    int64_t needed;     // the target's needs in windows (distinct experts per routing call)
+    int64_t hits;       // ... resident at need (coverage: hits / needed)
+    int64_t recalled;   // ... that the draft predicted (recall: recalled / needed)
+    int64_t lru_hits;   // ... that plain LRU over the layer's usable slots would have had resident (a ghost)
+};
+LLAMA_API int32_t llama_pyspecter_get_draft_stats(struct llama_model * target, struct llama_pyspecter_draft_stats * out);
 // wait for every read in flight and map what landed (between decodes)
 LLAMA_API int32_t llama_pyspecter_drain(struct llama_model * model);
 // The routing trace (record): flat int32 [il, n, e_1 .. e_n] per routing call, the distinct experts ascending.

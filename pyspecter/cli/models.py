@@ -16,8 +16,11 @@ from pyspecter.models.catalog import builtin_names, is_builtin, resolve_model
 
 @models_app.command("build")
 def models_build(
-    name: Annotated[str, typer.Argument(help="smol-moe, smol-moe-draft (or e.g. smol-moe-draft-Q4_0-w0.25: "
-                                             "experts Q4_0, narrowed to a quarter), tiny-qwen3moe, tiny-qwen2moe, "
+    name: Annotated[str, typer.Argument(help="smol-moe, smol-moe-self-draft (smol-moe's FFN once per layer at "
+                                             "low bits with its routers; -Q2_K, -Q3_K, -Q4_0, -IQ4_NL, -Q4_1 or "
+                                             "-Q5_0 for another type than Q4_K), smol-moe-draft (or e.g. "
+                                             "smol-moe-draft-Q4_0-w0.25: experts Q4_0, narrowed to a quarter), "
+                                             "tiny-qwen3moe, tiny-qwen2moe, "
                                              "tiny-mixtral, tiny-gptoss, bench-qwen3moe, or big-qwen3moe / "
                                              "big-qwen3moe-q4 (Qwen3-30B-A3B's shapes, random weights, Q8_0 / "
                                              "Q4_0 experts: 33 / 18 GB, bigger than most machines' RAM)")],
@@ -76,7 +79,8 @@ def draft(
 ) -> None:
     """Make a hybrid-precision draft: experts at low bits (and optionally narrowed),
     attention/router/norms/embeddings/shared experts kept, through llama.cpp's own quantizer with per-tensor type
-    overrides."""
+    overrides. `pyspecter inspect MODEL --draft OUT` then measures whether it pays: its share of the budget, its
+    acceptance and how much of the target's routing it predicts."""
     from pyspecter.layout import read_layout
     from pyspecter.models.draft import make_draft
 
@@ -92,3 +96,4 @@ def draft(
     print(f"{path}: {path.stat().st_size / 2**20:.1f} MiB; experts {', '.join(types)} "
           f"{d.expert_total_bytes / 2**20:.1f} MiB ({100 * d.expert_total_bytes / tgt.expert_total_bytes:.0f}% of "
           f"the target's {tgt.expert_total_bytes / 2**20:.1f} MiB)")
+    print(f"measure it: pyspecter inspect {model} --draft {path}")

@@ -70,8 +70,9 @@ class RouterInputTap:
         self.pos = {L.index: j for j, L in enumerate(layout.layers)}
         self.active = False
         self.error: str | None = None
-        self.x: dict[int, np.ndarray] = {}  # MoE layer position -> [n_tokens, n_embd] router input
-        self.logits: dict[int, np.ndarray] = {}
+        # MoE layer position -> [n_tokens, n_embd] router inputs, [n_tokens, n_expert] logits, one per ubatch
+        self.x: dict[int, list[np.ndarray]] = {}
+        self.logits: dict[int, list[np.ndarray]] = {}
         self.router_names: dict[int, str] = {}
         self._lib = _ggml_lib()
         self._checked = False
@@ -103,16 +104,18 @@ class RouterInputTap:
                 return True
             j = self.pos.get(int(name[len(_LOGITS_PREFIX):]))
             if j is not None:
-                self.x[j] = self._read(t.src[1])
-                self.logits[j] = self._read(addr)
+                self.x.setdefault(j, []).append(self._read(t.src[1]))
+                self.logits.setdefault(j, []).append(self._read(addr))
                 self.router_names[j] = _GgmlTensor.from_address(t.src[0]).name.decode()
         except BaseException as e:  # noqa: BLE001  (must not unwind into C)
             self.error = f"{type(e).__name__}: {e}"
         return True
 
     def take(self) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-        """Router inputs and llama.cpp's router logits by MoE layer position, since the last take."""
-        x, logits = self.x, self.logits
+        """Router inputs and llama.cpp's router logits by MoE layer position, since the last take (the rows of
+        every ubatch, in order)."""
+        x = {j: np.concatenate(v) for j, v in self.x.items()}
+        logits = {j: np.concatenate(v) for j, v in self.logits.items()}
         self.x, self.logits = {}, {}
         return x, logits
 

@@ -10,17 +10,19 @@ from pyspecter.errors import SpecterError
 from pyspecter.paths import cache_dir, models_dir
 
 DRAFT_NAME = re.compile(r"smol-moe-draft(?:-(Q\w+))?(?:-w([0-9.]+))?")  # smol-moe-draft[-TYPE][-wWIDTH]
+SELF_DRAFT_NAME = re.compile(r"smol-moe-self-draft(?:-(\w+))?")  # smol-moe-self-draft[-TYPE]
 
 
 def builtin_names() -> list[str]:
     from pyspecter.models import big, tiny
 
-    return ["smol-moe", "smol-moe-draft", "smol-moe-draft-TYPE-wKEEP", *tiny.TINY_MODELS, *tiny.BENCH_MODELS,
-            *big.BIG_MODELS]
+    return ["smol-moe", "smol-moe-self-draft", "smol-moe-self-draft-TYPE", "smol-moe-draft",
+            "smol-moe-draft-TYPE-wKEEP", *tiny.TINY_MODELS, *tiny.BENCH_MODELS, *big.BIG_MODELS]
 
 
 def is_builtin(name: str) -> bool:
-    return name in builtin_names() or DRAFT_NAME.fullmatch(name) is not None
+    return (name in builtin_names() or DRAFT_NAME.fullmatch(name) is not None
+            or SELF_DRAFT_NAME.fullmatch(name) is not None)
 
 
 def resolve_model(spec: str, *, predictor: bool = True) -> Path:
@@ -47,6 +49,11 @@ def resolve_model(spec: str, *, predictor: bool = True) -> Path:
 
             ensure_predictor(path)
         return path
+    m = SELF_DRAFT_NAME.fullmatch(spec)
+    if m:  # smol-moe's self-draft: its FFN once per layer at low bits, the target's routers (models/smol_draft.py)
+        from pyspecter.models.smol_draft import DEFAULT_FFN_TYPE, build_smol_moe_self_draft
+
+        return build_smol_moe_self_draft(m.group(1) or DEFAULT_FFN_TYPE)
     m = DRAFT_NAME.fullmatch(spec)
     if m:  # smol-moe-draft, or e.g. smol-moe-draft-Q4_0-w0.25: experts Q4_0, narrowed to a quarter
         from pyspecter.models.draft import build_smol_moe_draft
@@ -82,6 +89,8 @@ def builtins() -> list[Builtin]:
 
     out = [_smol_moe()]
     draft = _draft(out[0].nbytes)
+    out += [_self_draft(out[0].nbytes), Builtin("smol-moe-self-draft-TYPE", out[0].nbytes, "at most", None, None,
+                                                "a name pattern")]
     out += [draft, Builtin("smol-moe-draft-TYPE-wKEEP", out[0].nbytes, "at most", None, None, "a name pattern")]
     for name, spec in (tiny.TINY_MODELS | tiny.BENCH_MODELS | big.BIG_MODELS).items():
         # tiny's planner sizes every expert type (big's refuses those it cannot make from random bytes), and
@@ -127,3 +136,15 @@ def _draft(target_bytes: int) -> Builtin:
     except ImportError:
         path = None
     return _found(Builtin("smol-moe-draft", target_bytes, "at most", None, path, _NO_KEY))
+
+
+def _self_draft(target_bytes: int) -> Builtin:
+    """smol-moe's self-draft: a bound until built (its size depends on the quantizer's type choices; the staged
+    copy it quantizes holds one FFN per layer, so a sixteenth of the experts plus the rest, under the target)."""
+    from pyspecter.models import smol_draft
+
+    try:
+        path = smol_draft.smol_moe_self_draft_path()
+    except ImportError:
+        path = None
+    return _found(Builtin("smol-moe-self-draft", target_bytes, "at most", None, path, _NO_KEY))

@@ -28,8 +28,8 @@ from pyspecter.models.progress import done as progress_done
 from pyspecter.models.progress import step as progress_step
 from pyspecter.paths import build_lock, check_free, content_key, models_dir
 
-__all__ = ["EXPERT_PATTERN", "build_smol_moe_draft", "make_draft", "routing_agreement", "routing_trace",
-           "smol_moe_draft_path"]
+__all__ = ["EXPERT_PATTERN", "build_smol_moe_draft", "make_draft", "quantize_overrides", "routing_agreement",
+           "routing_trace", "shared_expert_bytes", "smol_moe_draft_path"]
 
 N_THREADS = 2
 # Every routed-expert matmul weight in llama.cpp's naming; shared experts (``*_shexp``) are not matched.
@@ -84,30 +84,51 @@ def make_draft(model: Path, out: Path, experts_type: str = "Q2_K", rest_type: st
 
 def _quantize_draft(model: Path, target: Path, out: Path, experts_type: str, exp_t: int, rest_t: int | None,
                     label: str, progress: bool) -> Path:
+    lay = read_layout(model).require_moe()
+    tgt = read_layout(target) if target != model else lay
+    # general.name holds at most 127 bytes here; the distinguishing part goes first in case the tail is cut
+    name = f"draft (experts {experts_type.upper()}{label}) of {tgt.name}"
+    if progress:
+        print(f"draft: quantizing experts of {model.name} to {experts_type.upper()} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    quantize_overrides(model, out, [(EXPERT_PATTERN, exp_t)], name=name, rest_type=rest_t)
+    if progress:
+        d = read_layout(out)
+        print(f"draft: wrote {out} ({out.stat().st_size / 2**20:.0f} MiB, expert bytes "
+              f"{d.expert_total_bytes / max(tgt.expert_total_bytes, 1):.0%} of the target's) "
+              f"in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+    return out
+
+
+def quantize_overrides(model: Path, out: Path, retype: list[tuple[str, int | str]], *, name: str,
+                       rest_type: int | None = None, progress: bool = False) -> Path:
+    """Write ``model`` to ``out`` through llama.cpp's quantizer: tensors whose names match a ``retype`` pattern
+    (first match wins) re-quantized to its type; every other tensor kept at its own type (or ``rest_type``).
+    ``name`` becomes general.name. Returns ``out``; the file appears whole or not at all."""
     import gguf
     import llama_cpp
 
     from pyspecter.native import llama_lib, quiet_logs
 
-    lay = read_layout(model).require_moe()
-    tgt = read_layout(target) if target != model else lay
-
+    model, out = Path(model), Path(out)
     reader = gguf.GGUFReader(model)
     ftype = reader.fields.get("general.file_type")
     # ftype must name a quantized default type, or llama.cpp never consults the overrides; the source's own ftype
-    # also keeps the draft's general.file_type describing its non-expert tensors.
+    # also keeps the output's general.file_type describing its untouched tensors.
     file_type = int(ftype.contents()) if ftype is not None else int(gguf.LlamaFileType.MOSTLY_Q8_0)
     if file_type in (int(gguf.LlamaFileType.ALL_F32), int(gguf.LlamaFileType.MOSTLY_F16),
                      int(gguf.LlamaFileType.MOSTLY_BF16)):
         file_type = int(gguf.LlamaFileType.MOSTLY_Q8_0)
 
-    # Overrides are tried in order, first match wins: experts first, then every other tensor pinned to its own
-    # type (exact names, so nothing is re-quantized or re-chosen by llama.cpp's mixture heuristics).
-    overrides: list[tuple[str, int]] = [(EXPERT_PATTERN, exp_t)]
+    # Overrides are tried in order, first match wins: the retyped patterns first, then every other tensor pinned
+    # to its own type (exact names, so nothing is re-quantized or re-chosen by llama.cpp's mixture heuristics).
+    overrides: list[tuple[str, int]] = [(pat, _ggml_type(typ) if isinstance(typ, str) else int(typ))
+                                        for pat, typ in retype]
+    matchers = [re.compile(pat) for pat, _ in retype]
     for t in reader.tensors:
-        if _EXPERT_RE.match(t.name):
+        if any(m.match(t.name) for m in matchers):
             continue
-        overrides.append(("^" + re.escape(t.name) + "$", rest_t if rest_t is not None else int(t.tensor_type)))
+        overrides.append(("^" + re.escape(t.name) + "$", rest_type if rest_type is not None else int(t.tensor_type)))
     del reader
 
     arr = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
@@ -122,40 +143,32 @@ def _quantize_draft(model: Path, target: Path, out: Path, experts_type: str, exp
     kv = (llama_cpp.llama_model_kv_override * 2)()
     kv[0].tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR
     kv[0].key = b"general.name"
-    # general.name holds at most 127 bytes here; the distinguishing part goes first in case the tail is cut
-    name = f"draft (experts {experts_type.upper()}{label}) of {tgt.name}".encode()[:127]
-    kv[0].value.val_str = name.decode("utf-8", errors="ignore").encode()
+    kv[0].value.val_str = name.encode()[:127].decode("utf-8", errors="ignore").encode()
     kv[1].key = b""  # terminator
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = N_THREADS
     params.ftype = file_type
-    params.allow_requantize = True  # the source experts are already quantized
+    params.allow_requantize = True  # the source tensors are already quantized
     params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
     params.kv_overrides = ctypes.cast(kv, ctypes.POINTER(llama_cpp.llama_model_kv_override))
 
     llama_lib()
     quiet_logs()
     out.parent.mkdir(parents=True, exist_ok=True)
-    check_free(out, model.stat().st_size)  # re-quantized experts: never bigger than the model's
+    check_free(out, model.stat().st_size)  # re-quantized tensors: never bigger than the source's
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=".gguf.tmp", dir=out.parent)
     os.close(fd)
     tmp = Path(tmp_name)
-    t0 = time.monotonic()
     if progress:
-        print(f"draft: quantizing experts of {model.name} to {experts_type.upper()} ...", file=sys.stderr, flush=True)
+        print(f"quantizing {model.name} ...", file=sys.stderr, flush=True)
     try:
         rc = llama_cpp.llama_model_quantize(str(model).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
-            raise SpecterError(f"{model}: llama.cpp could not quantize it to a {experts_type} draft (rc {rc})")
+            raise SpecterError(f"{model}: llama.cpp's quantizer failed on it (rc {rc})")
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    if progress:
-        d = read_layout(out)
-        print(f"draft: wrote {out} ({out.stat().st_size / 2**20:.0f} MiB, expert bytes "
-              f"{d.expert_total_bytes / max(tgt.expert_total_bytes, 1):.0%} of the target's) "
-              f"in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
     return out
 
 
@@ -296,6 +309,14 @@ def build_smol_moe_draft(experts_type: str = "Q2_K", ffn_keep: float = 1.0, prog
         if out.exists():
             return out
         return make_draft(target, out, experts_type=experts_type, ffn_keep=ffn_keep, progress=progress)
+
+
+def shared_expert_bytes(path: Path) -> int:
+    """Bytes of a GGUF's shared-expert tensors (``*_shexp``): FFN weights every token uses, outside the slots."""
+    import gguf
+
+    pat = re.compile(r"^blk\.\d+\.ffn_\w+_shexp\.weight$")
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if pat.match(t.name))
 
 
 # --- routing -------------------------------------------------------------------------------------------------------

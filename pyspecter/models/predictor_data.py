@@ -222,6 +222,63 @@ def record(model_path: str | os.PathLike, n_tokens: int, *, held_out: bool = Fal
             "arch": lay.arch}
 
 
+def record_sequences(model_path: str | os.PathLike, seqs: list[tuple[list[int], int]], *, n_threads: int = 2,
+                     progress: bool = True) -> dict:
+    """``record``'s result for given text: (tokens, prompt length) pairs, the rest of each sequence being the
+    model's own continuation. Each sequence is read in one batch (every row an output) by stock llama.cpp with the
+    eval callback observing each router (calibration.RouterInputTap: its input and logits, per ubatch), where
+    ``record`` decodes a token at a time through the hooks' host path; the experts are llama.cpp's logits ranked
+    by the router's rule (Routers.select). Rows whose whole prefix was already recorded (a shared system prompt)
+    are kept once."""
+    from pyspecter import native
+    from pyspecter.errors import SpecterError
+    from pyspecter.layout import read_layout
+    from pyspecter.models.calibration import RouterInputTap
+
+    lay = read_layout(model_path).require_moe()
+    routers = load_routers(model_path)
+    L = len(lay.layers)
+    X_parts: list[list[np.ndarray]] = [[] for _ in lay.layers]
+    ids_parts, gen_parts, lengths, seen = [], [], [], set()
+    n_ctx = -(-(max(len(t) for t, _ in seqs) + 8) // 256) * 256
+    bar = Progress("recording fit text", sum(len(t) for t, _ in seqs), "tokens") if progress else None
+    tap = RouterInputTap(lay)
+    done = 0
+    try:
+        with native.Model(model_path) as model, native.Context(model, n_ctx=n_ctx, n_batch=min(n_ctx, 512),
+                                                               n_threads=n_threads, cb_eval=tap.cb) as ctx:
+            for seq, n_prompt in seqs:
+                ctx.clear()
+                tap.active = True
+                ctx.decode(list(seq), logits_all=True)
+                tap.active = False
+                x, logits = tap.take()
+                if tap.error or len(x) != L or any(len(x[j]) != len(seq) for j in range(L)):
+                    raise SpecterError(f"{model_path}: the eval callback did not see every router's input "
+                                       f"({tap.error or f'{len(x)} of {L} layers'})")
+                keep = np.ones(len(seq), bool)
+                for t in range(len(seq)):
+                    pre = tuple(seq[: t + 1])
+                    keep[t] = pre not in seen
+                    seen.add(pre)
+                if keep.any():
+                    for j in range(L):
+                        X_parts[j].append(x[j][keep])
+                    ids_parts.append(np.stack([routers.select(j, logits[j][keep]) for j in range(L)], axis=1))
+                    gen_parts.append((np.arange(len(seq)) >= n_prompt - 1)[keep])
+                    lengths.append(int(keep.sum()))
+                done += len(seq)
+                if bar is not None:
+                    bar.update(done)
+    finally:
+        if bar is not None:
+            bar.close()
+    ids = np.concatenate(ids_parts).astype(np.int32)
+    return {"X": [np.concatenate(p) for p in X_parts], "ids": ids, "lengths": lengths,
+            "generated": np.concatenate(gen_parts), "layers": [L_.index for L_ in lay.layers],
+            "n_expert": lay.n_expert, "n_expert_used": lay.n_expert_used, "arch": lay.arch}
+
+
 def load_routers(model_path: str | os.PathLike) -> Routers:
     """The routers from the GGUF (dequantized where needed)."""
     from pyspecter.layout import read_layout

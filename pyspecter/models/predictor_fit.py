@@ -227,15 +227,17 @@ def validation_rows(seq_lengths: list[int], share: float = VAL_SHARE) -> np.ndar
 
 def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = None, *, horizons: int = 4,
               n_tokens: int = 12000, eval_tokens: int = 2048, n_threads: int = 1, progress: bool = True,
-              rank: int = 0, judge_eviction: EvictionJudge | None = None) -> dict:
+              rank: int = 0, judge_eviction: EvictionJudge | None = None,
+              sequences: list[tuple[list[int], int]] | None = None) -> dict:
     """Record, fit, score on held-out text, save (by default to the model's sidecar, which the runtime finds by
     the file's content key). Returns a JSON-able summary. ``judge_eviction``: how the held-out eviction is scored
     (misses per token by slot count, kept in the predictor's metadata), which is a study's simulation; None
-    scores only the prediction (recall)."""
+    scores only the prediction (recall). ``sequences``: fit on this text, (tokens, prompt length) pairs read in
+    batches (predictor_data.record_sequences), instead of generating ``n_tokens`` of it here."""
     from pyspecter import __version__
     from pyspecter.errors import SpecterError
     from pyspecter.layout import read_layout
-    from pyspecter.models.predictor_data import Progress, load_routers, record
+    from pyspecter.models.predictor_data import Progress, load_routers, record, record_sequences
 
     t0 = time.monotonic()
     path = Path(model_path)
@@ -252,7 +254,8 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
         raise SpecterError(f"{path}: one MoE layer has no later layer to predict")
     key = model_key(path)
     routers = load_routers(path)
-    fit = record(path, n_tokens, n_threads=n_threads, progress=progress)
+    fit = record(path, n_tokens, n_threads=n_threads, progress=progress) if sequences is None \
+        else record_sequences(path, sequences, n_threads=n_threads, progress=progress)
     reproduction = _reproduction(routers, fit["X"], fit["ids"])
     bar = Progress("fitting", L, "layers") if progress else None
     fitted = fit_maps(fit["X"], routers, H, validation_rows(fit["lengths"]),

@@ -11,6 +11,7 @@ from pyspecter.native.device_api import (
     read_table,
     sync_counts,
 )
+from pyspecter.native.draft_api import DraftStats
 from pyspecter.native.engine_api import ReadFaults
 from pyspecter.native.lib import (
     ERR_IO,
@@ -48,7 +49,8 @@ __all__ = [
     "read_table", "sync_counts",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
-    "Context", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs", "recent_log_errors",
+    "Context", "DraftStats", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs",
+    "recent_log_errors",
     "slots", "status_name",
     "HIST_NS", "layer_cpu_hist", "Replay",
 ]

@@ -25,7 +25,7 @@ from pyspecter.misses import computes_in_place
 from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model, graph_splits, sync_counts
 from pyspecter.native.devices import Device
-from pyspecter.native_residency import layer_cpu_p50_us
+from pyspecter.native_residency import DRAFT_RATES, draft_rates, layer_cpu_p50_us
 from pyspecter.policies import hot_experts
 from pyspecter.session import Session, SessionConfig
 from pyspecter.study.forced import FORCED, FREE, ForcedSampler, digest
@@ -85,7 +85,7 @@ _PER_CALL = ("route_us_per_call", "hook_us_per_call", "route_us_per_layer", "rou
              "wait_cpu_us_per_layer")
 # counters that are ratios: recomputed from the summed counts, never summed themselves
 _RATIOS = ("hit_rate", "slot_row_rate", *_PER_CALL, "reads_in_flight", "layer_cpu_hist", "route_cpu_us_p50_resident",
-           "route_cpu_us_p50_miss")
+           "route_cpu_us_p50_miss", *DRAFT_RATES)
 
 
 def merge_counters(parts: list[dict]) -> dict:
@@ -107,6 +107,8 @@ def merge_counters(parts: list[dict]) -> dict:
         out["layer_cpu_hist"] = tuple(np.sum([r[i] for r in rows], axis=0).tolist() for i in range(2))
         out["route_cpu_us_p50_resident"] = layer_cpu_p50_us(out["layer_cpu_hist"][0])
         out["route_cpu_us_p50_miss"] = layer_cpu_p50_us(out["layer_cpu_hist"][1])
+    if "draft_scored" in out:
+        out.update(draft_rates(out))
     if "io_uring" in out:  # a flag, not a count
         out["io_uring"] = max(p.get("io_uring", 0) for p in parts)
     wait = out.get("wait_ms", 0.0)

@@ -300,10 +300,11 @@ def test_a_probe_step_with_nothing_accepted_reads_what_a_plain_decode_reads(usel
 @pytest.mark.parametrize("count_draft", [True, False])
 def test_nothing_of_a_dropped_draft_stays_on_the_path(useless_draft: Path, count_draft: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once the early verdict drops the draft, decoding is plain: the routing op records no call (recording ends
-    with the prefetch scoring that read it), no speculative step runs (the governor observes nothing more), and
-    the draft's model and context are freed, also where its memory was not the slots' (drafted on top of the
-    budget: no held slots). Output stays the target's greedy output."""
+    """Once the early verdict drops the draft, decoding is plain: no handover (the draft's routing reaches C once
+    per drafting step, and no routing call is recorded for Python to score), no draft prefetch, nothing protected
+    or held, no speculative step (the governor observes nothing more), and the draft's model and context are
+    freed, also where its memory was not the slots' (drafted on top of the budget: no held slots). Output stays
+    the target's greedy output."""
     from pyspecter.session import Session, SessionConfig
 
     path = build_tiny("tiny-qwen3moe")
@@ -316,12 +317,17 @@ def test_nothing_of_a_dropped_draft_stays_on_the_path(useless_draft: Path, count
     s = Session(SessionConfig(model=path, draft=useless_draft, budget=budget, tier="disk", k=3,
                               draft_counts_in_budget=count_draft))
     try:
-        assert bool(s.held) == count_draft and s.cache.recording
+        assert bool(s.held) == count_draft and not s.cache.recording
         assert s.generate(toks, 24, stop_at_eog=False) == ref
         st = s.decoder.stats
         assert st.dropped_at == 3 and st.prefetch_stopped_at is not None
         assert s.draft is None and s.dctx is None and s.routing is None and s.decoder.draft is None
         assert not s.cache.recording and s.cache.take_calls() == []
+        drafted = s.cache.nat.draft_stats()
+        # one call per drafting step, until its prefetches are cut off
+        assert 0 < drafted.handovers == st.handovers <= st.k_hist[3] == 3
+        assert drafted.scored == drafted.prefetches  # every window closed: nothing of the draft left to score
+        assert all(s.cache.nat.held(il) == 0 for il in s.cache.layer_pos)
         observed = s.decoder.governor.steps
         steps = []
         monkeypatch.setattr(SpeculativeDecoder, "_step", lambda self, *a: steps.append(a))
@@ -329,6 +335,9 @@ def test_nothing_of_a_dropped_draft_stays_on_the_path(useless_draft: Path, count
         s.tctx.decode([ref[-1]])  # one more decode with no check after it: C would hold its calls if it recorded
         assert s.cache.api.trace_take(s.target.ptr, None, 0) == 0
         assert steps == [] and s.decoder.governor.steps == observed
+        after = s.cache.nat.draft_stats()
+        assert (after.handovers, after.prefetches, after.scored) == (drafted.handovers, drafted.prefetches,
+                                                                     drafted.scored)
         assert st.k_hist[-1] == st.steps - 3 and st.emitted == 2 * 23  # the first token of each: the prefill's
     finally:
         s.close()

@@ -172,6 +172,8 @@ def test_the_embedded_model_ships_with_its_predictor() -> None:
     path = Path(r.stdout.strip().splitlines()[-1])
     pred = LearnedPredictor.for_model(path)
     assert pred is not None and pred.meta["model_key"] == model_key(path) and pred.has_reuse
+    # fitted on the embedded fit text (~10k rows; models/embedded.py), not the earlier 1,000 recorded tokens
+    assert pred.meta["fit"]["tokens"] > 5000 and pred.meta["fit"]["held_out"]["1"]["recall"] >= 0.75
     # the disk tier: on the RAM tier the CPU computes misses from the home copy and nothing moves (miss mode host)
     r = run_cli("generate", "smol-moe", "--tier", "disk", "--budget", "50%", "-p", "Hi", "-n", "2", "--json",
                 timeout=600)
@@ -221,24 +223,22 @@ def test_reuse_maps_in_c_read_what_the_replay_of_their_scores_reads(fitted, duel
         prompt = m.tokenize("The reuse maps read each layer's router input and say which experts come back soon.")
     calls, _ = record_calls(path, [prompt], n, n_threads=1, inputs=True)
     recency = {il: Recency(E) for il in pred.layers}
-    judge = EvictionDuel(dict.fromkeys(pred.layers, n_slots), start_learned=pred.blend is not None) if duel else None
+    judge = (EvictionDuel(dict.fromkeys(pred.layers, n_slots), E, start_learned=pred.blend is not None)
+             if duel else None)
     done: list[tuple] = []  # the previous call: it joins the past before the next call is scored (C's order)
 
-    def scores(L, c) -> np.ndarray | None:
+    def scores(c) -> np.ndarray | None:
         if done:
             il, needed, s, count = done.pop()
             if judge is not None and s is not None:
                 judge.observe(il, needed, s, count=count)
             recency[il].observe(needed)
-        s = pred.reuse(L.il, c.x, recency[L.il])
-        done.append((L.il, sorted({int(e) for e in c.ids.ravel()}), s, len(c.ids) == 1))
+        s = pred.reuse(c.il, c.x, recency[c.il])
+        done.append((c.il, sorted({int(e) for e in c.ids.ravel()}), s, len(c.ids) == 1))
         return s if judge is None or judge.use_learned else None
 
-    def by_score(L, s, e, clock) -> tuple:
-        return (float(L.scores[e]) if L.scores is not None else 0.0, L.last_use[s])
-
     slots = {L.index: n_slots for L in lay.layers}
-    want = replay(calls, slots, E, by_score, lookahead=False, scores=scores)
+    want = replay(calls, slots, E, "score", lookahead=False, scores=scores)
     lru = replay(calls, slots, E, "lru", lookahead=False)
     with native.Model(path) as m:
         cache = ExpertCache(m, lay, n_slots, policy="predicted", miss="wait", lookahead=False, reuse=pred,
@@ -260,3 +260,21 @@ def test_reuse_maps_in_c_read_what_the_replay_of_their_scores_reads(fitted, duel
         assert state == (judge.use_learned, judge.switches)
     else:
         assert want != lru  # the scores decide something on this text
+
+
+def test_record_sequences_reads_given_text_in_batches() -> None:
+    """The embedded fit's recording: given sequences decoded in one batch each, rows deduplicated by prefix, the
+    numpy router on the recorded inputs picking llama.cpp's experts, generated rows flagged after the prompt."""
+    from pyspecter.models.predictor_data import load_routers, record_sequences
+    from pyspecter.models.predictor_fit import _reproduction
+
+    model = build_tiny("tiny-qwen3moe")
+    rng = np.random.default_rng(7)
+    with native.Model(model) as m:
+        n_vocab = m.n_vocab
+    a, b = ([int(t) for t in rng.integers(1, n_vocab, n)] for n in (40, 30))
+    r = record_sequences(model, [(a, 10), (a[:25] + b, 25), (a, 10)], n_threads=1, progress=False)
+    # the second shares a's first 25 tokens and the third is a again: only b's 30 rows are new
+    assert r["lengths"] == [40, 30] and len(r["ids"]) == 70 and all(len(x) == 70 for x in r["X"])
+    assert r["generated"][:40].tolist() == [False] * 9 + [True] * 31 and r["generated"][40:].all()
+    assert _reproduction(load_routers(model), r["X"], r["ids"]) >= 0.99

@@ -245,3 +245,89 @@ def test_fitting_a_model_to_the_memory_available() -> None:
     assert MemoryPlan.for_budget(lay, fit.budget).slots == budget // slot_row >= 2
     with pytest.raises(SpecterError, match="does not fit"):
         fit_to_memory(lay, RUNTIME_HEADROOM + 300 * 2**20)
+
+
+def _rates(a: float, td: float, c: float, stall: float, union, k_max: int) -> dict[int, float]:
+    """What best_k's docstring says a step of K emits per second, computed here by hand."""
+    from pyspecter.governor import expected_tokens
+
+    out = {0: 1 / (c + stall)}  # no draft at K=0 (draft_at_k0 off): plain decoding
+    for k in range(1, k_max + 1):
+        out[k] = expected_tokens(a, k) / ((k + 1) * td + c + stall * union(k))
+    return out
+
+
+@pytest.mark.parametrize("a,stall,union,pays", [
+    (0.7, 0.0, lambda k: 1.0 + k, True),  # compute-bound: the union costs nothing, speculation pays
+    (0.7, 0.03, lambda k: 1.0 + k, False),  # reads dominate and every draft brings a token's worth: the union loses
+    (0.7, 0.03, lambda k: 1.0 + 0.1 * k, True),  # ... the same with tokens sharing their experts: it pays again
+    (0.2, 0.0, lambda k: 1.0, False),  # drafts mostly rejected: nothing pays
+])
+def test_the_k_rule_weighs_acceptance_against_the_unions_bytes(a, stall, union, pays) -> None:
+    """best_k on synthetic inputs picks the K with the most tokens per second by its docstring's formula: E(K)
+    tokens for (K+1) draft tokens plus compute plus the one-token stall scaled by the union's bytes."""
+    from pyspecter.governor import best_k
+
+    k_max, td, c = 6, 0.002, 0.01
+    measured_union = {k: union(k) for k in range(1, k_max + 1)}
+    got = best_k(a, td, {0: c}, stall, measured_union, k_max)
+    want = _rates(a, td, c, stall, union, k_max)
+    assert got == max(want, key=lambda k: (want[k], -k))
+    assert (got > 0) == pays
+    # a K not measured is read on the line through those that were: one measured point gives the slope
+    assert best_k(a, td, {0: c}, stall, {1: union(1)}, k_max) == got
+    # ... and with none measured every draft is taken to bring a whole token's experts (the pessimistic slope 1)
+    assert best_k(a, td, {0: c}, stall, {}, k_max) == best_k(a, td, {0: c}, stall, measured_union | {
+        k: 1.0 + k for k in range(1, k_max + 1)}, k_max)
+
+
+def test_the_k_rule_trusts_a_measured_rate_and_offers_off_with_a_draft_at_k0() -> None:
+    from pyspecter.governor import best_k
+
+    # the model would speculate (everything accepted, compute-bound), but K >= 1 was measured slow
+    assert best_k(0.99, 0.001, {0: 0.01}, 0.0, {}, 4) == 4
+    assert best_k(0.99, 0.001, {0: 0.01}, 0.0, {}, 4, measured={k: 1.0 for k in range(1, 5)}) == 0
+    # K=0 with a draft costs a draft token for its routing only: by the model plain decoding (OFF) beats it; a
+    # measured K=0 faster than OFF (its prefetches paid) wins
+    assert best_k(0.0, 0.002, {0: 0.01}, 0.02, {}, 4, draft_at_k0=True) == OFF
+    assert best_k(0.0, 0.002, {0: 0.01}, 0.02, {}, 4, draft_at_k0=True, measured={0: 40.0, OFF: 33.0}) == 0
+
+
+@pytest.mark.parametrize("share,speculates", [(1.0, False), (0.1, True)])
+def test_governor_adapts_k_to_the_measured_union(share: float, speculates: bool) -> None:
+    """A simulated I/O-bound target (a one-token pass: 10 ms compute + 30 ms of reads for 30 MB) and a draft
+    accepted 70% of the time: where each draft brings a token's worth of new experts (share 1) the governor
+    settles on no speculation; where drafted tokens mostly share experts (share 0.1) it speculates."""
+    rng = np.random.default_rng(0)
+    g = KGovernor(k_max=6, k=3)
+    picks = []
+    for step in range(120):
+        k = g.choose()
+        accepted = 0
+        while accepted < k and rng.random() < 0.7:
+            accepted += 1
+        u = 1.0 + share * max(k, 0)
+        stall = 0.03 * u
+        g.observe(k, accepted, 0.002 * (k + 1) if k > 0 else 0.0, 0.01 + stall, (int(30e6 * u), stall))
+        if step >= 60 and step % 32:
+            picks.append(k)
+    assert g.union()[1] == pytest.approx(1.0 + share)
+    assert (min(picks) > 0) == speculates and (max(picks) == 0) == (not speculates), picks
+
+
+def test_the_drafts_rates_are_read_from_counts_and_merge_from_summed_counts() -> None:
+    """A bench sums the counters of its prompts: the draft's counts add up and its rates are read again from the
+    sums (a prompt with nothing scored has None rates, which must not be summed)."""
+    from pyspecter.native_residency import draft_rates
+    from pyspecter.study.bench_runs import merge_counters
+
+    counts = {"draft_scored": 10, "draft_used": 9, "draft_needed": 40, "draft_hits": 30, "draft_recalled": 36,
+              "draft_lru_hits": 12}
+    a = {**counts, **draft_rates(counts)}
+    assert (a["draft_precision"], a["draft_coverage"], a["draft_recall"], a["draft_lru_hit_rate"]) == (
+        0.9, 0.75, 0.9, 0.3)
+    empty = dict.fromkeys(counts, 0)
+    b = {**empty, **draft_rates(empty)}
+    assert b["draft_precision"] is None and b["draft_coverage"] is None
+    out = merge_counters([a, b, a])
+    assert out["draft_scored"] == 20 and out["draft_precision"] == 0.9 and out["draft_lru_hit_rate"] == 0.3
