@@ -270,6 +270,10 @@ void policy_set_held(llama_pyspecter_layer * L, int32_t n_held) {
     L->ghost_stamp = L->ghost_held_misses = 0;
 }
 
+void policy_protect(llama_pyspecter_layer * L, int32_t e, bool on) {
+    L->prot[e] = on ? 1 : 0;
+}
+
 void policy_release_held(llama_pyspecter_layer * L) {
     L->n_held = L->ghost_cap = 0;
     L->ghost_held.clear();

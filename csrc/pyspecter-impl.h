@@ -108,7 +108,7 @@ struct llama_pyspecter_layer {
 
     // owner: policy.cpp. Eviction: the scores, the predictions spared, the reuse map, the recency features and the
     // simulated caches (policy_layer_init, policy_call_begin/end, policy_take_scores, policy_set_held,
-    // policy_release_held, policy_map_init, and the observe functions of residency-impl.h).
+    // policy_release_held, policy_map_init, policy_protect, and the observe functions of residency-impl.h).
     std::vector<float> score;                              // expert -> eviction score (SCORE policy; higher: keep)
     std::vector<uint8_t> prot;                             // expert -> predicted for the window in flight
     // a draft's memory (set_held): slots [n_usable, n_usable + n_held) held back until release_held, and plain LRU
@@ -136,6 +136,10 @@ struct llama_pyspecter_layer {
     // owner: planner.cpp.
     std::vector<pyspecter_ahead_map> ahead;        // the planner's maps from this layer's router input
 };
+
+// policy.cpp: e is spared by eviction (on) unless a need wants its slot, or no longer (off): a draft's predictions
+// for the window in flight (draft.cpp)
+void policy_protect(llama_pyspecter_layer * L, int32_t e, bool on);
 
 
 // One remap table per device: [2 * n_expert * n_used, n_layer] I32 in a weights buffer of that device, and its host

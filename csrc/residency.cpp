@@ -772,18 +772,6 @@ int32_t llama_pyspecter_schedule(llama_model * model, int32_t il, int32_t expert
     }
 }
 
-int32_t llama_pyspecter_set_planner(llama_model * model, bool enabled, float min_prob, float max_stall) {
-    auto * R = residency_of(model);
-    if (!R || !(min_prob >= 0.0f && min_prob <= 1.0f) || !(max_stall >= 0.0f)) {
-        return R ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
-    }
-    std::lock_guard<std::mutex> lk(R->mu);
-    R->planner = enabled;
-    R->min_prob = min_prob;
-    R->max_stall = max_stall;
-    return LLAMA_PYSPECTER_OK;
-}
-
 int32_t llama_pyspecter_drain(llama_model * model) {
     auto * R = residency_of(model);
     if (!R) {
