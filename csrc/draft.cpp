@@ -127,7 +127,7 @@ static void plan_rows(llama_pyspecter_slots * s, int32_t il, int32_t per_pass, c
             d->st.predicted++;
         }
         prob[r.e] = p;
-        L->prot[r.e] = 1; // eviction spares the window's predictions unless a need wants the slot
+        policy_protect(L, r.e, true); // eviction spares the window's predictions unless a need wants the slot
     }
     for (const auto & r : rows) {
         if (L->remap[r.e] >= 0) {
@@ -228,7 +228,7 @@ static void close_window(llama_pyspecter_slots * s, pyspecter_draft * d) {
                 }
             }
             if (d->pred[il][e]) {
-                L->prot[e] = 0;
+                policy_protect(L, e, false);
             }
         }
         std::fill(d->pf[il].begin(), d->pf[il].end(), 0);

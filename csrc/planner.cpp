@@ -8,6 +8,7 @@
 // A wrong prediction costs reads, never correctness: residency never changes the output.
 
 #include "pyspecter-impl.h"
+#include "residency-impl.h" // the planner's settings are kept in native residency, read under its lock
 
 #include "llama-impl.h"
 
@@ -221,4 +222,16 @@ int32_t llama_pyspecter_ahead_probs(llama_model * model, int32_t il_src, int32_t
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
     }
+}
+
+int32_t llama_pyspecter_set_planner(llama_model * model, bool enabled, float min_prob, float max_stall) {
+    auto * R = residency_of(model);
+    if (!R || !(min_prob >= 0.0f && min_prob <= 1.0f) || !(max_stall >= 0.0f)) {
+        return R ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
+    }
+    std::lock_guard<std::mutex> lk(R->mu);
+    R->planner = enabled;
+    R->min_prob = min_prob;
+    R->max_stall = max_stall;
+    return LLAMA_PYSPECTER_OK;
 }

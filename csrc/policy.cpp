@@ -167,6 +167,7 @@ int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t>
         }
         g[oldest] = -1;
     }
+    L->ghost_held_misses += misses;
     return misses;
 }
 
@@ -231,6 +232,61 @@ int32_t victim(pyspecter_residency * R, llama_pyspecter_layer * L, const std::ve
 }
 
 //
+// the section's writes from other files (residency-impl.h)
+//
+
+void policy_layer_init(llama_pyspecter_layer * L) {
+    L->score.assign(L->remap.size(), 0.0f);
+    L->prot.assign(L->remap.size(), 0);
+}
+
+void policy_call_begin(llama_pyspecter_layer * L, const float * x, int32_t n_embd, const float * raw) {
+    L->x_cur = x && n_embd == L->reuse_embd ? x : nullptr;
+    L->raw_cur = L->x_cur ? raw : nullptr;
+    std::fill(L->score_fresh.begin(), L->score_fresh.end(), 0);
+}
+
+void policy_call_end(llama_pyspecter_layer * L) {
+    L->x_cur = nullptr;
+    L->raw_cur = nullptr;
+}
+
+// The scores stand for the layer's reuse map's, already computed for every expert (score_of reads them).
+void policy_take_scores(llama_pyspecter_layer * L, const float * scores) {
+    L->x_cur = scores ? L->score.data() : nullptr;
+    if (scores) {
+        if (L->reuse_R.empty()) {
+            L->reuse_R.assign(1, 0.0f); // the layer has a map from here on, as for set_reuse_map (scores_rule)
+        }
+        std::copy(scores, scores + L->remap.size(), L->score.begin());
+        std::fill(L->score_fresh.begin(), L->score_fresh.end(), 1);
+    }
+}
+
+void policy_set_held(llama_pyspecter_layer * L, int32_t n_held) {
+    L->n_held = n_held;
+    L->ghost_cap = L->n_usable + n_held;
+    L->ghost_held.assign(n_held ? L->remap.size() : 0, -1);
+    L->ghost_stamp = L->ghost_held_misses = 0;
+}
+
+void policy_protect(llama_pyspecter_layer * L, int32_t e, bool on) {
+    L->prot[e] = on ? 1 : 0;
+}
+
+void policy_release_held(llama_pyspecter_layer * L) {
+    L->n_held = L->ghost_cap = 0;
+    L->ghost_held.clear();
+    std::fill(L->prot.begin(), L->prot.end(), 0);
+}
+
+void policy_map_init(llama_pyspecter_layer * L) {
+    L->score_fresh.assign(L->remap.size(), 0);
+    L->ghost_lru.assign(L->remap.size(), -1);
+    L->ghost_score.assign(L->remap.size(), -1);
+}
+
+//
 // API
 //
 
@@ -245,10 +301,7 @@ int32_t llama_pyspecter_set_held(llama_model * model, int32_t il, int32_t n_held
         if (L->n_usable + n_held > (int32_t) L->owner.size()) {
             return LLAMA_PYSPECTER_ERR_ARG;
         }
-        L->n_held = n_held;
-        L->ghost_cap = L->n_usable + n_held;
-        L->ghost_held.assign(n_held ? L->remap.size() : 0, -1);
-        L->ghost_stamp = L->ghost_held_misses = 0;
+        policy_set_held(L, n_held);
         return LLAMA_PYSPECTER_OK;
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
@@ -324,15 +377,13 @@ int32_t llama_pyspecter_set_reuse_map(llama_model * model, int32_t il, const flo
             L->reuse_t = t;
         }
         ggml_backend_tensor_set(L->reuse_t, L->reuse_R.data(), 0, L->reuse_R.size() * sizeof(float));
-        L->score_fresh.assign(E, 0);
+        policy_map_init(L); // (no score fresh, the duel's caches empty)
         L->reuse_b.assign(rb, rb + E);
         L->blend.assign(blend ? blend : rb, blend ? blend + 6 : rb); // empty without a blend
         L->reuse_embd = n_embd;
         L->ring.assign(16 * E, 0);
         L->last_call_used.assign(E, -1);
         L->calls = 0;
-        L->ghost_lru.assign(E, -1);
-        L->ghost_score.assign(E, -1);
         return LLAMA_PYSPECTER_OK;
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;

@@ -60,7 +60,14 @@ struct pyspecter_upload_stream {
     ~pyspecter_upload_stream();
 };
 
+// One MoE layer's record. Each section below has one owner file (the "// owner:" line, which
+// tests/unit/test_structure.py reads): only that file assigns its fields; every other file changes them through the
+// owner's functions (declared beside the owner's other functions in this header or residency-impl.h). Reads stay
+// direct: the routing op, the victim scan and the readers read these fields on the hot path, and a getter per read
+// would buy nothing but a call.
 struct llama_pyspecter_layer {
+    // owner: slots.cpp. The slot table: where the layer's experts are, its device and table row
+    // (pyspecter_table_init, pyspecter_remap_set; the late path's pyspecter_late_*; pyspecter_mark_passed).
     int32_t il = -1;
     ggml_tensor * host[LLAMA_PYSPECTER_N_KINDS] = {}; // the model's own expert tensors (the host copy)
     ggml_tensor * slot[LLAMA_PYSPECTER_N_KINDS] = {}; // [.., .., n_slots + n_zero] on the layer's device
@@ -69,7 +76,6 @@ struct llama_pyspecter_layer {
     // every late expert of this ubatch is in its slot: the wait ops of the layer's other matmuls (one per kind)
     // have nothing to wait for (set by the first, cleared by the routing op)
     std::atomic<bool> late_settled{false};
-    bool route_missed = false;  // native residency's latest call of the layer found a needed expert not resident
     std::vector<int32_t> owner; // slot -> expert, -1 when free
     // Where non-resident rows point in the slot matmul: -1 on the CPU (its kernel skips negative ids), else the first
     // of n_zero all-zero slots after the real ones. A device kernel takes no negative id and no id twice in one
@@ -80,22 +86,36 @@ struct llama_pyspecter_layer {
     llama_pyspecter_slots * parent = nullptr;
     pyspecter_upload_stream * stream = nullptr; // its device's upload stream (null: synchronous copies)
     ggml_backend_dev_t dev = nullptr;           // the device its slots are on
+    // Device layers: the slot matmul reads its ids from a table on the device (get_rows over the router's ids), so
+    // it never waits for the host. table_row is this layer's row of tables[table]; the row holds remap as of the
+    // latest fence (the zero slot where not resident), except evictions, which reach it at once (see remap_set).
+    int32_t table = -1;
+    int32_t table_row = -1;
+    std::atomic<bool> passed{false}; // this ubatch's slot path of the layer has run (its route op has started)
 
-    // Native residency (residency.cpp), guarded by its mutex; empty until residency_init.
+    // owner: residency.cpp. Native residency's slot bookkeeping, guarded by its mutex; empty until residency_init
+    // (residency_layer_init, residency_append, residency_call_begin, residency_needed, residency_hits,
+    // residency_map, residency_pend, residency_land).
     std::vector<uint64_t> last_use, loaded;                // slot -> clock of its last hit / of its mapping
     std::vector<std::shared_ptr<pyspecter_read>> pending;  // slot -> the read filling it (null: none)
     std::vector<uint64_t> freq;                            // expert -> times selected
-    std::vector<float> score;                              // expert -> eviction score (SCORE policy; higher: keep)
-    std::vector<uint8_t> prot;                             // expert -> predicted for the window in flight
     std::vector<uint8_t> mark;                             // expert -> scratch of one routing call
     int32_t n_usable = 0;                                  // slots [0, n_usable) are handed out
+    uint64_t prev_call = 0, last_call = 0;                 // clock of the layer's previous and latest calls
+    bool route_missed = false;  // native residency's latest call of the layer found a needed expert not resident
+    bool host_touched = false; // disk tier: its host pages may have been faulted in since they were last released
+    llama_pyspecter_layer * next = nullptr;                // the next MoE layer in forward order
+
+    // owner: policy.cpp. Eviction: the scores, the predictions spared, the reuse map, the recency features and the
+    // simulated caches (policy_layer_init, policy_call_begin/end, policy_take_scores, policy_set_held,
+    // policy_release_held, policy_map_init, policy_protect, and the observe functions of residency-impl.h).
+    std::vector<float> score;                              // expert -> eviction score (SCORE policy; higher: keep)
+    std::vector<uint8_t> prot;                             // expert -> predicted for the window in flight
     // a draft's memory (set_held): slots [n_usable, n_usable + n_held) held back until release_held, and plain LRU
     // over both simulated in bookkeeping (expert -> stamp of its last use, -1: out; empty: no ghost)
     int32_t n_held = 0, ghost_cap = 0;
     std::vector<int64_t> ghost_held;
     int64_t ghost_stamp = 0, ghost_held_misses = 0;
-    uint64_t prev_call = 0, last_call = 0;                 // clock of the layer's previous and latest calls
-    int64_t file_off[LLAMA_PYSPECTER_N_KINDS] = { -1, -1, -1, -1 }; // where expert 0 of each kind is in the file
     // reuse map (SCORE policy from the router input) and what it blends with: the layer's own past calls
     std::vector<float> reuse_R, reuse_b, blend;  // [n_expert][n_embd] (an expert a row), [n_expert], [6] or empty
     int32_t reuse_embd = 0;
@@ -108,17 +128,19 @@ struct llama_pyspecter_layer {
     std::vector<uint8_t> ring;                     // [16][n_expert]: experts each of the last 16 calls used
     std::vector<int64_t> last_call_used;           // expert -> call index of its last use (-1: never)
     int64_t calls = 0;
-    bool host_touched = false; // disk tier: its host pages may have been faulted in since they were last released
     std::vector<int64_t> ghost_lru, ghost_score;   // duel: expert -> last use in each simulated cache (-1: out)
+
+    // owner: io.cpp. Where expert 0 of each kind is in the file (found at the layer's first file read).
+    int64_t file_off[LLAMA_PYSPECTER_N_KINDS] = { -1, -1, -1, -1 };
+
+    // owner: planner.cpp.
     std::vector<pyspecter_ahead_map> ahead;        // the planner's maps from this layer's router input
-    llama_pyspecter_layer * next = nullptr;                // the next MoE layer in forward order
-    // Device layers: the slot matmul reads its ids from a table on the device (get_rows over the router's ids), so
-    // it never waits for the host. table_row is this layer's row of tables[table]; the row holds remap as of the
-    // latest fence (the zero slot where not resident), except evictions, which reach it at once (see remap_set).
-    int32_t table = -1;
-    int32_t table_row = -1;
-    std::atomic<bool> passed{false}; // this ubatch's slot path of the layer has run (its route op has started)
 };
+
+// policy.cpp: e is spared by eviction (on) unless a need wants its slot, or no longer (off): a draft's predictions
+// for the window in flight (draft.cpp)
+void policy_protect(llama_pyspecter_layer * L, int32_t e, bool on);
+
 
 // One remap table per device: [2 * n_expert * n_used, n_layer] I32 in a weights buffer of that device, and its host
 // image. A layer's row holds a plane per row j of a token: (slot, expert) per expert, the layer's zero slot j where
@@ -278,6 +300,15 @@ inline bool pyspecter_is_zero_slot(const llama_pyspecter_layer * L, int32_t slot
 
 llama_pyspecter_slots * pyspecter_slots_of(const llama_model * model);
 llama_pyspecter_layer * pyspecter_layer_of(const llama_model * model, int32_t il);
+
+// The slot table's writes from other files (slots.cpp owns the record's first section).
+// A table with no expert resident: il, parent, remap and late for n_expert experts, owner for n_slots slots.
+void pyspecter_table_init(llama_pyspecter_layer * L, int32_t il, llama_pyspecter_slots * s, int32_t n_expert,
+                          int32_t n_slots);
+void pyspecter_late_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot); // expert lands in slot this ubatch
+void pyspecter_late_reset(llama_pyspecter_layer * L);   // the routing op: no expert late yet, nothing settled
+void pyspecter_late_settle(llama_pyspecter_layer * L, bool settled); // the wait op: every late expert is in (or not)
+void pyspecter_mark_passed(llama_pyspecter_layer * L);  // the layer's route op has started in this ubatch
 
 
 // Runs f (returning a status) so that no exception leaves a C entry point: out of memory and anything else thrown

@@ -24,11 +24,6 @@ struct llama_pyspecter_replay {
     std::vector<int32_t> needed, missing;
 };
 
-static void map_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
-    pyspecter_remap_set(L, expert, slot);
-    L->last_use[slot] = L->loaded[slot] = R->clock;
-}
-
 static bool on_its_way(const llama_pyspecter_layer * L, int32_t expert) {
     for (const auto & r : L->pending) {
         if (r && r->expert == expert) {
@@ -63,11 +58,7 @@ static int32_t read_ahead(llama_pyspecter_replay * rp, llama_pyspecter_layer * N
         if (N->owner[slot] >= 0) {
             pyspecter_remap_set(N, N->owner[slot], -1);
         }
-        auto r = std::make_shared<pyspecter_read>();
-        r->L = N;
-        r->expert = e;
-        r->slot = slot;
-        N->pending[slot] = r;
+        residency_pend(N, e, slot); // lands at N's next call (residency_land)
         rp->landing[N->il].push_back(slot);
         ++issued;
     }
@@ -79,50 +70,19 @@ static void replay_call(llama_pyspecter_replay * rp, llama_pyspecter_layer * L, 
     pyspecter_residency * R = rp->R;
     auto & st = rp->stats[L->il];
     R->clock++;
-    L->prev_call = L->last_call;
-    L->last_call = R->clock;
+    residency_call_begin(R, L);
     for (int32_t slot : rp->landing[L->il]) { // its read-ahead has landed (reap)
-        const auto r = L->pending[slot];
-        L->pending[slot].reset();
-        map_read(R, L, r->expert, slot);
+        residency_land(R, L, slot);
     }
     rp->landing[L->il].clear();
-    const int32_t E = (int32_t) L->remap.size();
-    std::fill(L->mark.begin(), L->mark.end(), 0);
     auto & needed = rp->needed;
-    needed.clear();
-    for (int32_t i = 0; i < n_tokens * n_used; ++i) {
-        const int32_t e = ids[i];
-        if (e >= 0 && e < E && !L->mark[e]) {
-            L->mark[e] = 1;
-            needed.push_back(e);
-        }
-    }
-    std::sort(needed.begin(), needed.end());
-    for (int32_t e : needed) {
-        L->freq[e]++;
-    }
-    // this call's scores stand for the layer's reuse map's, already computed for every expert (score_of reads them)
-    L->x_cur = scores ? L->score.data() : nullptr;
-    if (scores) {
-        if (L->reuse_R.empty()) {
-            L->reuse_R.assign(1, 0.0f); // the layer has a map from here on, as for set_reuse_map (scores_rule)
-        }
-        std::copy(scores, scores + E, L->score.begin());
-        std::fill(L->score_fresh.begin(), L->score_fresh.end(), 1);
-    }
+    residency_needed(L, ids, n_tokens * n_used, needed);
+    policy_take_scores(L, scores); // this call's scores stand for the layer's reuse map's
     if (!L->ghost_held.empty()) {
         st.held_ghost_misses += held_ghost_observe(L, needed);
     }
     auto & missing = rp->missing;
-    missing.clear();
-    for (int32_t e : needed) {
-        if (L->remap[e] >= 0) {
-            L->last_use[L->remap[e]] = R->clock;
-        } else {
-            missing.push_back(e);
-        }
-    }
+    residency_hits(R, L, needed, missing);
     if (n_tokens > 1 && rp->lookahead && L->next) {
         st.lookahead += read_ahead(rp, L->next, (int32_t) needed.size());
     }
@@ -137,7 +97,7 @@ static void replay_call(llama_pyspecter_replay * rp, llama_pyspecter_layer * L, 
         if (L->owner[slot] >= 0) {
             pyspecter_remap_set(L, L->owner[slot], -1);
         }
-        map_read(R, L, e, slot);
+        residency_map(R, L, e, slot);
         taken[slot] = 1;
         ++reads;
     }
@@ -148,7 +108,7 @@ static void replay_call(llama_pyspecter_replay * rp, llama_pyspecter_layer * L, 
             st.ghost_score_misses += ab.second;
         }
     }
-    L->x_cur = nullptr;
+    policy_call_end(L);
     if (!counted) {
         return;
     }
@@ -188,41 +148,21 @@ llama_pyspecter_replay * llama_pyspecter_replay_init(const llama_pyspecter_repla
         R->use_scores = R->trust_scores = !p->duel || p->start_learned; // set_duel's
         R->decay = p->decay;
         R->margin = p->margin;
-        const size_t E = (size_t) p->n_expert;
         s.layers.resize((size_t) p->n_layer);
-        llama_pyspecter_layer * prev = nullptr;
         for (int32_t il = 0; il < p->n_layer; ++il) {
             const int32_t n = p->slots[il];
             if (n == 0) {
                 continue; // not replayed: a dense layer, or one without slots
             }
             auto L = std::make_unique<llama_pyspecter_layer>();
-            L->il = il;
-            L->parent = &s;
-            L->remap.assign(E, -1);
-            L->late.assign(E, -1);
-            L->owner.assign((size_t) n + p->held, -1);
-            L->last_use.assign(L->owner.size(), 0); // residency_init's
-            L->loaded.assign(L->owner.size(), 0);
-            L->pending.assign(L->owner.size(), nullptr);
-            L->freq.assign(E, 0);
-            L->score.assign(E, 0.0f);
-            L->score_fresh.assign(E, 0);
-            L->prot.assign(E, 0);
-            L->mark.assign(E, 0);
-            L->n_usable = n;
-            if (p->held > 0) { // set_held's
-                L->n_held = p->held;
-                L->ghost_cap = n + p->held;
-                L->ghost_held.assign(E, -1);
+            pyspecter_table_init(L.get(), il, &s, p->n_expert, n + p->held);
+            residency_layer_init(L.get(), n); // residency_init's
+            policy_layer_init(L.get());
+            if (p->held > 0) {
+                policy_set_held(L.get(), p->held);
             }
-            L->ghost_lru.assign(E, -1); // set_reuse_map's: the duel's two simulated caches
-            L->ghost_score.assign(E, -1);
-            if (prev) {
-                prev->next = L.get();
-            }
-            prev = L.get();
-            R->order.push_back(L.get());
+            policy_map_init(L.get()); // set_reuse_map's: fresh flags, the duel's two simulated caches
+            residency_append(R, L.get());
             s.layers[il] = std::move(L);
         }
         rp->lookahead = p->lookahead;

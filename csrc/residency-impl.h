@@ -188,11 +188,38 @@ inline pyspecter_residency * residency_of(llama_model * model) {
     return s ? s->res.get() : nullptr;
 }
 
+// The record's residency section (residency.cpp, mu held), written from other files (replay.cpp's private table)
+// through these: a layer's bookkeeping with n_usable slots handed out; the next layer in forward order; a routing
+// call's stamps, its distinct needed experts (ascending, marked, counted), its hits (refreshed) and misses; a slot
+// mapped; a read pending in a slot (not queued: the caller pushes it, or lands it with residency_land).
+void residency_layer_init(llama_pyspecter_layer * L, int32_t n_usable);
+void residency_append(pyspecter_residency * R, llama_pyspecter_layer * L);
+void residency_call_begin(pyspecter_residency * R, llama_pyspecter_layer * L);
+void residency_needed(llama_pyspecter_layer * L, const int32_t * ids, int32_t n, std::vector<int32_t> & needed);
+void residency_hits(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & needed,
+                    std::vector<int32_t> & missing);
+void residency_map(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert, int32_t slot);
+std::shared_ptr<pyspecter_read> residency_pend(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
+void residency_land(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t slot);
+
+// The record's policy section (policy.cpp, mu held), written from other files through these: scores and
+// predictions at residency_init; a routing call's router input (x, or none unless n_embd is the reuse map's; raw:
+// map · x from the graph) and its end; a replayed call's scores standing for the reuse map's (null: none); the
+// held slots and their ghost (set_held), and their release; set_reuse_map's fresh flags and the duel's two
+// simulated caches, empty.
+void policy_layer_init(llama_pyspecter_layer * L);
+void policy_call_begin(llama_pyspecter_layer * L, const float * x, int32_t n_embd, const float * raw);
+void policy_call_end(llama_pyspecter_layer * L);
+void policy_take_scores(llama_pyspecter_layer * L, const float * scores);
+void policy_set_held(llama_pyspecter_layer * L, int32_t n_held);
+void policy_release_held(llama_pyspecter_layer * L);
+void policy_map_init(llama_pyspecter_layer * L);
+
 // eviction (policy.cpp, mu held): a slot to reuse, and what each routing call teaches the policies
 int32_t victim(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<uint8_t> & keep,
                const std::vector<uint8_t> * taken, bool need);
 void recency_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed);
-int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed);
+int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed); // its misses, counted
 // (the misses of the duel's two simulated caches on this call: LRU, scores)
 std::pair<int32_t, int32_t> duel_observe(pyspecter_residency * R, llama_pyspecter_layer * L,
                                          const std::vector<int32_t> & needed, bool count);

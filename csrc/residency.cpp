@@ -26,9 +26,79 @@
 
 // Through pyspecter_remap_set, like every residency change: on a device layer an eviction reaches the device's
 // table at once when the layer's slot path may still run in the ubatch in flight.
-static void map_slot(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
+void residency_map(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
     pyspecter_remap_set(L, expert, slot);
     L->last_use[slot] = L->loaded[slot] = R->clock;
+}
+
+void residency_layer_init(llama_pyspecter_layer * L, int32_t n_usable) {
+    const size_t n_slots = L->owner.size(), E = L->remap.size();
+    L->last_use.assign(n_slots, 0);
+    L->loaded.assign(n_slots, 0);
+    L->pending.assign(n_slots, nullptr);
+    L->freq.assign(E, 0);
+    L->mark.assign(E, 0);
+    L->n_usable = n_usable;
+}
+
+void residency_append(pyspecter_residency * R, llama_pyspecter_layer * L) {
+    if (!R->order.empty()) {
+        R->order.back()->next = L;
+    }
+    R->order.push_back(L);
+}
+
+void residency_call_begin(pyspecter_residency * R, llama_pyspecter_layer * L) {
+    L->prev_call = L->last_call;
+    L->last_call = R->clock;
+}
+
+// The call's distinct experts, in ascending order (misses are served in expert order: one answer for one routing),
+// marked in L->mark and counted in L->freq.
+void residency_needed(llama_pyspecter_layer * L, const int32_t * ids, int32_t n, std::vector<int32_t> & needed) {
+    const int32_t E = (int32_t) L->remap.size();
+    std::fill(L->mark.begin(), L->mark.end(), 0);
+    needed.clear();
+    for (int32_t i = 0; i < n; ++i) {
+        const int32_t e = ids[i];
+        if (e >= 0 && e < E && !L->mark[e]) {
+            L->mark[e] = 1;
+            needed.push_back(e);
+        }
+    }
+    std::sort(needed.begin(), needed.end());
+    for (int32_t e : needed) {
+        L->freq[e]++;
+    }
+}
+
+// Hits refresh their slot's last use; the rest are the call's misses.
+void residency_hits(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & needed,
+                   std::vector<int32_t> & missing) {
+    missing.clear();
+    for (int32_t e : needed) {
+        const int32_t slot = L->remap[e];
+        if (slot >= 0) {
+            L->last_use[slot] = R->clock;
+        } else {
+            missing.push_back(e);
+        }
+    }
+}
+
+std::shared_ptr<pyspecter_read> residency_pend(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
+    auto r = std::make_shared<pyspecter_read>();
+    r->L = L;
+    r->expert = expert;
+    r->slot = slot;
+    L->pending[slot] = r;
+    return r;
+}
+
+void residency_land(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t slot) {
+    const auto r = L->pending[slot];
+    L->pending[slot].reset();
+    residency_map(R, L, r->expert, slot);
 }
 
 static void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
@@ -44,7 +114,7 @@ static void reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
         auto & r = L->pending[slot];
         if (r && r->done) {
             if (!r->failed) {
-                map_slot(R, L, r->expert, slot);
+                residency_map(R, L, r->expert, slot);
             } else if (!r->dropped) {
                 L->parent->counters.upload_failures++;
             }
@@ -65,14 +135,10 @@ static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert
 static std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
                                                   int32_t slot, int32_t cls, float priority = 0.0f,
                                                   int64_t deadline = 0) {
-    auto r = std::make_shared<pyspecter_read>();
-    r->L = L;
-    r->expert = expert;
-    r->slot = slot;
+    auto r = residency_pend(L, expert, slot);
     r->cls = cls;
     r->priority = priority;
     r->deadline = deadline;
-    L->pending[slot] = r;
     L->parent->counters.uploads++;
     R->push(r);
     return r;
@@ -222,7 +288,7 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
                 return R->faults.apply(L, -1, slot, 0, 0, [&] { return pyspecter_load_one(L, e, slot); });
             });
             if (rc == LLAMA_PYSPECTER_OK) {
-                map_slot(R, L, e, slot);
+                residency_map(R, L, e, slot);
             }
         }
         c.wait_ns += pyspecter_now_ns() - t0;
@@ -267,7 +333,7 @@ static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, con
             start_read(R, L, e, slot, CLS_DEMAND);
         }
         taken[slot] = 1;
-        L->late[e] = slot;
+        pyspecter_late_set(L, e, slot);
         c.late++;
     }
 }
@@ -346,9 +412,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
             R->flush();
         }
     } batched(R);
-    L->x_cur = x && n_embd == L->reuse_embd ? x : nullptr;
-    L->raw_cur = L->x_cur ? raw : nullptr;
-    std::fill(L->score_fresh.begin(), L->score_fresh.end(), 0);
+    policy_call_begin(L, x, n_embd, raw);
     R->clock++;
     if (n_tokens == 1 && R->planner) {
         const int64_t now = pyspecter_now_ns(), gap = now - R->last_route_ns;
@@ -361,8 +425,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         R->last_route_ns = now;
         R->last_wait_ns = waited;
     }
-    L->prev_call = L->last_call;
-    L->last_call = R->clock;
+    residency_call_begin(R, L);
     if (n_tokens != R->prev_tokens) {
         if (n_tokens == 1 && R->prev_tokens > 1 && R->p.fd >= 0) {
             // on a reader: the page-cache drop over every layer's experts (smol-moe: 90 fadvise calls, tens of ms
@@ -385,30 +448,15 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         }
     }
     L->host_touched = true; // this call's host rows may fault its pages in
-    const int32_t E = (int32_t) L->remap.size();
-    std::fill(L->mark.begin(), L->mark.end(), 0);
     std::vector<int32_t> & needed = R->needed;
-    needed.clear();
-    for (int32_t i = 0; i < n_tokens * n_used; ++i) {
-        const int32_t e = ids[i];
-        if (e >= 0 && e < E && !L->mark[e]) {
-            L->mark[e] = 1;
-            needed.push_back(e);
-        }
-    }
-    std::sort(needed.begin(), needed.end()); // misses are served in expert order: one answer for one routing
+    residency_needed(L, ids, n_tokens * n_used, needed);
     if (R->p.record) {
         R->trace.push_back(L->il);
         R->trace.push_back((int32_t) needed.size());
         R->trace.insert(R->trace.end(), needed.begin(), needed.end());
     }
-    for (int32_t e : needed) {
-        L->freq[e]++;
-    }
     if (!L->ghost_held.empty()) {
-        const int32_t g = held_ghost_observe(L, needed);
-        L->ghost_held_misses += g;
-        c.ghost_misses += g;
+        c.ghost_misses += held_ghost_observe(L, needed);
     }
     if (!R->sur.empty() && R->sur[L->il]) {
         pyspecter_unmap_surrogates(R, L);
@@ -416,15 +464,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
     reap(R, L);
     drop_stale_lookahead(R, L);
     std::vector<int32_t> & missing = R->missing;
-    missing.clear();
-    for (int32_t e : needed) {
-        const int32_t slot = L->remap[e];
-        if (slot >= 0) {
-            L->last_use[slot] = R->clock;
-        } else {
-            missing.push_back(e);
-        }
-    }
+    residency_hits(R, L, needed, missing);
     c.needed += (int64_t) needed.size();
     c.resident_at_need += (int64_t) (needed.size() - missing.size());
     L->route_missed = !missing.empty();
@@ -451,8 +491,7 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         }
         recency_observe(L, needed);
     }
-    L->x_cur = nullptr;
-    L->raw_cur = nullptr;
+    policy_call_end(L);
     // Decoding: the next layers of this token. Not while the link is the bottleneck: when waits for reads take
     // more than max_stall of a layer-time the link has no idle time for prefetches to fill, and every wrong one
     // takes it from the misses the compute thread waits for (on smol-moe's disk tier at 50% prefetching raised
@@ -611,13 +650,13 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
             free(buf);
         }
         if (rc == LLAMA_PYSPECTER_OK) {
-            map_slot(R, L, e, slot);
+            residency_map(R, L, e, slot);
         } else {
             c.late_lost++;
             settled = false; // the next kind's wait op tries again
         }
     }
-    L->late_settled.store(settled, std::memory_order_release);
+    pyspecter_late_settle(L, settled);
 }
 
 //
@@ -647,25 +686,16 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
             if (!L) {
                 continue;
             }
-            const size_t n_slots = L->owner.size(), E = L->remap.size();
-            L->last_use.assign(n_slots, 0);
-            L->loaded.assign(n_slots, 0);
-            L->pending.assign(n_slots, nullptr);
-            L->freq.assign(E, 0);
-            L->score.assign(E, 0.0f);
-            L->prot.assign(E, 0);
-            L->mark.assign(E, 0);
-            L->n_usable = (int32_t) n_slots;
+            const size_t n_slots = L->owner.size();
+            residency_layer_init(L.get(), (int32_t) n_slots);
+            policy_layer_init(L.get());
             L->host_touched = true; // loading may have faulted its pages in (mmap pre-faults): a prompt frees them
             for (int32_t slot = 0; slot < (int32_t) n_slots; ++slot) {
                 if (L->owner[slot] >= 0) { // set_slot before: keep it (a warm start)
                     L->loaded[slot] = 0;
                 }
             }
-            if (!R->order.empty()) {
-                R->order.back()->next = L.get();
-            }
-            R->order.push_back(L.get());
+            residency_append(R.get(), L.get());
             for (auto * h : L->host) {
                 biggest = std::max(biggest, h ? (size_t) h->nb[2] : (size_t) 0);
             }
@@ -711,9 +741,7 @@ int32_t llama_pyspecter_release_held(llama_model * model) {
     for (auto * L : R->order) {
         released += L->n_held;
         L->n_usable += L->n_held;
-        L->n_held = L->ghost_cap = 0;
-        L->ghost_held.clear();
-        std::fill(L->prot.begin(), L->prot.end(), 0);
+        policy_release_held(L); // the draft's slots, its ghost and its predictions go
         // the dropped draft's predictions still queued were for windows already verified: what the next tokens
         // need is read on demand, ahead of nothing stale
         for (auto & r : L->pending) {
@@ -742,18 +770,6 @@ int32_t llama_pyspecter_schedule(llama_model * model, int32_t il, int32_t expert
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
     }
-}
-
-int32_t llama_pyspecter_set_planner(llama_model * model, bool enabled, float min_prob, float max_stall) {
-    auto * R = residency_of(model);
-    if (!R || !(min_prob >= 0.0f && min_prob <= 1.0f) || !(max_stall >= 0.0f)) {
-        return R ? LLAMA_PYSPECTER_ERR_ARG : LLAMA_PYSPECTER_ERR_NO_SLOTS;
-    }
-    std::lock_guard<std::mutex> lk(R->mu);
-    R->planner = enabled;
-    R->min_prob = min_prob;
-    R->max_stall = max_stall;
-    return LLAMA_PYSPECTER_OK;
 }
 
 int32_t llama_pyspecter_drain(llama_model * model) {

@@ -46,7 +46,7 @@ int32_t llama_pyspecter_set_late(llama_model * model, int32_t il, int32_t expert
             slot >= (int32_t) L->owner.size()) {
         return LLAMA_PYSPECTER_ERR_ARG;
     }
-    L->late[expert] = slot;
+    pyspecter_late_set(L, expert, slot);
     return LLAMA_PYSPECTER_OK;
 }
 
@@ -106,8 +106,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const bool with_late = dst->ne[2] > 2;
     int32_t * late_ids = with_late ? host_ids + (size_t) n_used * n_tokens : nullptr;
     if (with_late) {
-        std::fill(L->late.begin(), L->late.end(), -1);
-        L->late_settled.store(false, std::memory_order_relaxed);
+        pyspecter_late_reset(L);
     }
     // the lock also covers the remap below: the tables the matmuls read are one snapshot
     std::unique_lock<std::mutex> native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, with_late);
@@ -166,7 +165,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     }
     auto * L = (llama_pyspecter_layer *) userdata;
     auto * s = L->parent;
-    L->passed = true; // this CPU split began after the device finished the split before it: the slot path
+    pyspecter_mark_passed(L); // this CPU split began after the device finished the split before it: the slot path
     const ggml_tensor * pairs = dst->src[0]; // [2, n_used * n_tokens]
     const ggml_tensor * w     = dst->src[1]; // [1, n_used, n_tokens], or null (route weights off)
     const int32_t n_used   = (int32_t) dst->ne[0];

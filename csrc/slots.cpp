@@ -139,15 +139,11 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     s->ctxs.push_back(ctx);
 
     auto L = std::make_unique<llama_pyspecter_layer>();
-    L->il = il;
-    L->parent = s;
+    pyspecter_table_init(L.get(), il, s, s->n_expert, s->n_slots);
     L->miss_slot = on_cpu ? -1 : s->n_slots;
     L->n_zero = n_zero;
     L->stream = on_cpu ? nullptr : pyspecter_upload_stream_for(s, dev);
     L->dev = dev;
-    L->remap.assign(s->n_expert, -1);
-    L->late.assign(s->n_expert, -1);
-    L->owner.assign(s->n_slots, -1);
     for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
         ggml_tensor * h = host[k];
         if (!h) {
@@ -427,6 +423,32 @@ static void unmap_on_device(llama_pyspecter_layer * L, int32_t expert) {
     const size_t n = 2 * (size_t) (L->n_zero - 1) * s->n_expert + 1;
     ggml_backend_tensor_set(tab.t, &tab.image[first], first * sizeof(int32_t), n * sizeof(int32_t));
     s->counters.eviction_writes++;
+}
+
+void pyspecter_table_init(llama_pyspecter_layer * L, int32_t il, llama_pyspecter_slots * s, int32_t n_expert,
+                          int32_t n_slots) {
+    L->il = il;
+    L->parent = s;
+    L->remap.assign((size_t) n_expert, -1);
+    L->late.assign((size_t) n_expert, -1);
+    L->owner.assign((size_t) n_slots, -1);
+}
+
+void pyspecter_late_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
+    L->late[expert] = slot;
+}
+
+void pyspecter_late_reset(llama_pyspecter_layer * L) {
+    std::fill(L->late.begin(), L->late.end(), -1);
+    L->late_settled.store(false, std::memory_order_relaxed);
+}
+
+void pyspecter_late_settle(llama_pyspecter_layer * L, bool settled) {
+    L->late_settled.store(settled, std::memory_order_release);
+}
+
+void pyspecter_mark_passed(llama_pyspecter_layer * L) {
+    L->passed = true;
 }
 
 int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {

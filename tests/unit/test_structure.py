@@ -362,3 +362,113 @@ def test_the_server_package_imports_down_the_data_path() -> None:
          if isinstance(n, ast.ImportFrom) and n.module}
     assert not top & {"fastapi", "uvicorn", "sse_starlette", "starlette"}  # the extra is imported when serving
     assert not (PKG / "server.py").exists() and not (PKG / "serving.py").exists()
+
+
+# The per-layer record, struct llama_pyspecter_layer (csrc/pyspecter-impl.h), is in sections, each headed by a
+# "// owner: FILE." comment: only FILE assigns the section's fields; every other file changes them through FILE's
+# functions. Reads are not checked (they stay direct on the hot path). A write is what a reviewer would call one:
+# an assignment or compound assignment, ++ or --, a mutating member call (push_back, assign, resize, reset, store,
+# ...), the destination of std::fill/copy/memcpy/memset, or a non-const reference bound to the field, on a layer:
+# `L`, a name declared a llama_pyspecter_layer pointer or reference in that file, or a layer reached through an
+# index or a call (`layers[il]->`, `layer(il)->`). Exemptions: (file, field) -> reason; none today.
+LAYER_RECORD = CSRC / "pyspecter-impl.h"
+LAYER_WRITE_EXEMPTIONS: dict[tuple[str, str], str] = {}
+_C_MUTATORS = ("push_back", "emplace_back", "pop_back", "assign", "resize", "clear", "reset", "store", "fetch_add",
+               "fetch_sub", "exchange", "swap", "insert", "erase", "reserve", "shrink_to_fit")
+
+
+def _c_strip(text: str) -> str:
+    """Comments and string literals out, line numbers kept."""
+    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+                  lambda m: '""' if m.group(0)[0] in "\"'" else "\n" * m.group(0).count("\n"), text, flags=re.S)
+
+
+def _layer_owners(header: str) -> dict[str, str]:
+    """Each field of struct llama_pyspecter_layer -> the owner file its section names."""
+    start = header.index("struct llama_pyspecter_layer {")
+    body = header[header.index("{", start) + 1:header.index("\n};", start)]
+    owners: dict[str, str] = {}
+    owner = ""
+    for line in body.splitlines():
+        m = re.match(r"\s*//\s*owner:\s*([\w.-]+?)\.?(?:\s|$)", line)
+        if m:
+            owner = m.group(1)
+            continue
+        code = re.sub(r"//.*", "", line)
+        for rx in (r"\{[^{}]*\}", r"\[[^\[\]]*\]", r"=[^,;]*"):  # initialisers and array bounds out
+            code = re.sub(rx, "", code)
+        for decl in code.split(";")[:-1]:
+            names = [re.findall(r"\w+", part)[-1] for part in decl.split(",") if re.findall(r"\w+", part)]
+            for name in names:
+                owners[name] = owner
+    return owners
+
+
+def _layer_writes(root: Path, fields: set[str]) -> list[tuple[str, int, str]]:
+    """(file, line, field) of every write to a layer's field among root's .cpp and .h files."""
+    f_alt = "|".join(sorted(fields, key=len, reverse=True))
+    idx = r"(?:\s*\[(?:[^\[\]]|\[[^\[\]]*\])*\])*"
+    out = []
+    for p in sorted(root.rglob("*")):
+        if p.suffix not in (".cpp", ".h"):
+            continue
+        src = _c_strip(p.read_text())
+        names = set(re.findall(r"\bllama_pyspecter_layer\s*(?:const\s*)?[*&](?![*&])\s*(?:const\s+)?(\w+)", src))
+        names = (names | {"L"}) - {"pyspecter_layer_of"}
+        named = "|".join(sorted(names))
+        recv = rf"(?:\b(?:{named})\s*(?:->|\.)|[\])]\s*->)"
+        acc = rf"{recv}\s*(?P<f>{f_alt})\b{idx}"
+        dest = r"\s*(?:\.\s*(?:begin|data)\s*\(\s*\))?\s*(?:[+-][^,;()]*)?"  # the range's start (+ an offset)
+        rules = [rf"{acc}\s*(?:[-+*/%|&^]|<<|>>)?=(?!=)",
+                 rf"(?:\+\+|--)\s*{acc}", rf"{acc}\s*(?:\+\+|--)",
+                 rf"{acc}\s*\.\s*(?:{'|'.join(_C_MUTATORS)})\s*\(",
+                 rf"(?<![\w.>])(?:std::)?(?:fill|fill_n|memset|memcpy|memmove|iota)\s*\(\s*&?\s*{acc}{dest},",
+                 rf"(?<![\w.>])(?:std::)?(?:copy|copy_n)\s*\([^;]*,\s*{acc}{dest}\)",
+                 rf"(?<![\w.>])(?:std::)?swap\s*\([^;]*?{acc}{dest}[,)]",
+                 rf"(?:^|[;{{}}(])(?P<decl>[^;{{}}()=]*)&\s*\w+\s*=\s*{acc}\s*[;,)]"]
+        for rule in rules:
+            for m in re.finditer(rule, src, flags=re.M):
+                if "const" in (m.groupdict().get("decl") or "").split():
+                    continue  # a const reference reads
+                out.append((str(p.relative_to(root)), src.count("\n", 0, m.start("f")) + 1, m.group("f")))
+    return sorted(set(out))
+
+
+def test_the_layer_record_has_an_owner_per_section() -> None:
+    owners = _layer_owners(LAYER_RECORD.read_text())
+    assert len(owners) >= 40, owners
+    unowned = sorted(f for f, o in owners.items() if not o)
+    assert not unowned, f"fields before any '// owner:' line: {unowned}"
+    missing = sorted({o for o in owners.values() if not (CSRC / o).exists()})
+    assert not missing, missing
+
+
+def test_the_layer_record_is_written_only_by_its_owners() -> None:
+    """Each section of llama_pyspecter_layer has one owner file (its "// owner:" line); a write from any other file
+    goes through the owner's functions, unless LAYER_WRITE_EXEMPTIONS says why not."""
+    owners = _layer_owners(LAYER_RECORD.read_text())
+    writes = _layer_writes(CSRC, set(owners))
+    assert len(writes) >= 50, writes  # the scan sees the owners' own writes
+    foreign = [f"{f}:{line}: {field} (owner: {owners[field]})" for f, line, field in writes
+               if f != owners[field] and (f, field) not in LAYER_WRITE_EXEMPTIONS]
+    assert not foreign, foreign
+    stale = sorted(k for k in LAYER_WRITE_EXEMPTIONS if not any((f, field) == k for f, _, field in writes))
+    assert not stale, f"no longer written there: drop them from LAYER_WRITE_EXEMPTIONS: {stale}"
+
+
+def test_the_owner_rule_sees_writes_from_outside(tmp_path: Path) -> None:
+    (tmp_path / "pyspecter-impl.h").write_text(
+        "struct llama_pyspecter_layer {\n    // owner: a.cpp. the table\n    int32_t il = -1;\n"
+        "    std::vector<int32_t> remap, late; // expert -> slot\n    // owner: b.cpp.\n"
+        "    int64_t file_off[4] = { -1, -1, -1, -1 };\n    std::atomic<bool> passed{false};\n};\n")
+    owners = _layer_owners((tmp_path / "pyspecter-impl.h").read_text())
+    assert owners == {"il": "a.cpp", "remap": "a.cpp", "late": "a.cpp", "file_off": "b.cpp", "passed": "b.cpp"}
+    (tmp_path / "a.cpp").write_text(
+        "void f(llama_pyspecter_layer * D, llama_pyspecter_layer ** out) {\n"
+        "    D->il = 1; s->layers[2]->remap[e[1]] += 1; // L->late = x in a comment is none\n"
+        "    if (L->il == 2) { L->file_off[k]++; } std::fill(L->late.begin(), L->late.end(), -1);\n"
+        "    auto & r = L->remap; const auto & q = L->late; (*out)->passed.store(true);\n"
+        "    st.il = 3; r->il = 4; std::copy(a, b, L->remap.begin()); x = L->il;\n}\n")
+    got = _layer_writes(tmp_path, set(owners))
+    assert got == [("a.cpp", 2, "il"), ("a.cpp", 2, "remap"), ("a.cpp", 3, "file_off"), ("a.cpp", 3, "late"),
+                   ("a.cpp", 4, "passed"), ("a.cpp", 4, "remap"), ("a.cpp", 5, "remap")], got
