@@ -41,7 +41,6 @@ struct pyspecter_draft {
     int64_t needed0 = 0, resident0 = 0; // the target's counters when the window opened
     // plain LRU over each layer's usable slots, in bookkeeping: expert -> stamp of its last use, -1 out
     std::vector<std::vector<int64_t>> ghost;
-    std::vector<int32_t> ghost_n;
     int64_t stamp = 0;
     llama_pyspecter_draft_stats st = {};
 };
@@ -59,7 +58,6 @@ static pyspecter_draft * draft_state(llama_pyspecter_slots * s) {
         d->pred.resize(n);
         d->prob.resize(n);
         d->ghost.resize(n);
-        d->ghost_n.assign(n, 0);
         d->pos.assign(n, -1);
         for (size_t il = 0; il < n; ++il) {
             if (s->layers[il]) {
@@ -73,30 +71,6 @@ static pyspecter_draft * draft_state(llama_pyspecter_slots * s) {
         s->draft = std::move(d);
     }
     return s->draft.get();
-}
-
-// One use of expert e in layer il's ghost LRU of cap slots: true if it was in.
-static bool ghost_use(pyspecter_draft * d, int32_t il, int32_t e, int32_t cap) {
-    auto & g = d->ghost[il];
-    const bool hit = g[e] >= 0;
-    if (!hit) {
-        if (cap <= 0) {
-            return false;
-        }
-        if (d->ghost_n[il] >= cap) {
-            auto oldest = g.end();
-            for (auto it = g.begin(); it != g.end(); ++it) {
-                if (*it >= 0 && (oldest == g.end() || *it < *oldest)) {
-                    oldest = it;
-                }
-            }
-            *oldest = -1;
-        } else {
-            d->ghost_n[il]++;
-        }
-    }
-    g[e] = ++d->stamp;
-    return hit;
 }
 
 struct draft_row {
@@ -178,19 +152,23 @@ void pyspecter_draft_observe(llama_pyspecter_layer * L, const int32_t * ids, con
             per_pass = d->per_pass;
         }
         if (d->scoring && !d->pf[il].empty()) {
-            // a target: this call's distinct needs against the window and the ghost (which runs outside windows
-            // too, so that it is warm when one opens)
+            // a target: this call's distinct needs against the window and the ghost (plain LRU over the layer's
+            // usable slots, C's one simulated LRU: policy.cpp; it runs outside windows too, so that it is warm
+            // when one opens)
             thread_local std::vector<uint8_t> seen;
+            thread_local std::vector<int32_t> needed;
             seen.assign((size_t) E, 0);
+            needed.clear();
             for (int32_t i = 0; i < n_tokens * n_used; ++i) {
                 const int32_t e = ids[i];
-                if (e < 0 || e >= E || seen[e]) {
-                    continue;
+                if (e >= 0 && e < E && !seen[e]) {
+                    seen[e] = 1;
+                    needed.push_back(e);
                 }
-                seen[e] = 1;
-                const bool lru_hit = ghost_use(d, il, e, L->n_usable);
-                if (d->open) {
-                    d->st.lru_hits += lru_hit;
+            }
+            if (d->open) {
+                for (int32_t e : needed) {
+                    d->st.lru_hits += d->ghost[il][e] >= 0;
                     d->st.recalled += d->pred[il][e] != 0;
                     if (d->pf[il][e] == 1) {
                         d->pf[il][e] = 2;
@@ -198,6 +176,7 @@ void pyspecter_draft_observe(llama_pyspecter_layer * L, const int32_t * ids, con
                     }
                 }
             }
+            lru_sim_call(d->ghost[il], needed, seen, L->n_usable, ++d->stamp);
         }
     }
     if (target && !rows.empty()) {

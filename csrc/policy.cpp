@@ -100,7 +100,9 @@ void recency_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & nee
 }
 
 // One routing call of a cache simulated in bookkeeping (expert -> last use, -1 out): its misses. Victims: the least
-// recently used, or (scores) the lowest score, LRU among equals; what does not fit stays out.
+// recently used (the lowest id among a call's equal stamps), or (scores) the lowest score, LRU among equals; the
+// call's own experts (mark) are never victims, and what does not fit stays out, as in the engine. The one LRU of C:
+// the duel's two caches, the held slots' ghost and the draft's ghost (lru_sim_call) all step through it.
 static int32_t ghost_step(std::vector<int64_t> & res, const std::vector<int32_t> & needed, const std::vector<uint8_t> & mark,
                           int32_t capacity, int64_t clock, llama_pyspecter_layer * scored) {
     int32_t misses = 0, n_res = 0;
@@ -143,30 +145,14 @@ static int32_t ghost_step(std::vector<int64_t> & res, const std::vector<int32_t>
     return misses;
 }
 
-// The held slots' ghost, GhostLRU's bookkeeping (policies.py, the tests' reference): this call's misses are the
-// needed experts it does not hold; then each needed one, in order, becomes the most recent, and the least recent
-// go until the ghost holds no more than its capacity.
+int32_t lru_sim_call(std::vector<int64_t> & res, const std::vector<int32_t> & needed, const std::vector<uint8_t> & mark,
+                     int32_t capacity, int64_t clock) {
+    return ghost_step(res, needed, mark, capacity, clock, nullptr);
+}
+
+// The held slots' ghost: what plain LRU over the usable and the held slots together would miss (L->mark: needed).
 int32_t held_ghost_observe(llama_pyspecter_layer * L, const std::vector<int32_t> & needed) {
-    auto & g = L->ghost_held;
-    int32_t misses = 0, n_in = 0;
-    for (int32_t e : needed) {
-        misses += g[e] < 0;
-    }
-    for (int32_t e : needed) {
-        g[e] = ++L->ghost_stamp;
-    }
-    for (int64_t v : g) {
-        n_in += v >= 0;
-    }
-    for (; n_in > L->ghost_cap; --n_in) {
-        int32_t oldest = -1;
-        for (int32_t v = 0; v < (int32_t) g.size(); ++v) {
-            if (g[v] >= 0 && (oldest < 0 || g[v] < g[oldest])) {
-                oldest = v;
-            }
-        }
-        g[oldest] = -1;
-    }
+    const int32_t misses = ghost_step(L->ghost_held, needed, L->mark, L->ghost_cap, ++L->ghost_stamp, nullptr);
     L->ghost_held_misses += misses;
     return misses;
 }

@@ -140,6 +140,11 @@ struct llama_pyspecter_layer {
 // policy.cpp: e is spared by eviction (on) unless a need wants its slot, or no longer (off): a draft's predictions
 // for the window in flight (draft.cpp)
 void policy_protect(llama_pyspecter_layer * L, int32_t e, bool on);
+// policy.cpp: C's one LRU, a cache simulated in bookkeeping (res: expert -> stamp of its last use, -1 out) taking one
+// routing call (needed, distinct, each marked in mark) at stamp clock: its misses; the call's experts are never
+// victims, and what does not fit stays out (the draft's ghost in draft.cpp; the held ghost and the duel's)
+int32_t lru_sim_call(std::vector<int64_t> & res, const std::vector<int32_t> & needed, const std::vector<uint8_t> & mark,
+                     int32_t capacity, int64_t clock);
 
 
 // One remap table per device: [2 * n_expert * n_used, n_layer] I32 in a weights buffer of that device, and its host
