@@ -11,7 +11,7 @@ import os as _os
 # 250-530 us per layer instead of 18. One thread, unless the user chose otherwise; set before numpy loads.
 _os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-__version__ = "0.1.0"
+from pyspecter._version import __version__
 
 __all__ = ["Response", "__version__", "generate", "load", "stream_generate"]
 

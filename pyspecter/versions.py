@@ -45,7 +45,7 @@ def patch_count() -> int | None:
 
 
 def describe() -> str:
-    from pyspecter import __version__
+    from pyspecter._version import __version__
 
     py, commit = llama_cpp_versions()
     n = patch_count()

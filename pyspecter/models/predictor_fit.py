@@ -234,7 +234,7 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
     (misses per token by slot count, kept in the predictor's metadata), which is a study's simulation; None
     scores only the prediction (recall). ``sequences``: fit on this text, (tokens, prompt length) pairs read in
     batches (predictor_data.record_sequences), instead of generating ``n_tokens`` of it here."""
-    from pyspecter import __version__
+    from pyspecter._version import __version__
     from pyspecter.errors import SpecterError
     from pyspecter.layout import read_layout
     from pyspecter.models.predictor_data import Progress, load_routers, record, record_sequences

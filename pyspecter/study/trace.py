@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from pyspecter import __version__
+from pyspecter._version import __version__
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.learned import gate_probs

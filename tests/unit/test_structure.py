@@ -54,6 +54,25 @@ def test_nothing_below_study_imports_it() -> None:
     assert not bad, bad
 
 
+def _root_names(path: Path) -> set[str]:
+    """Names a module takes from the package root (``from pyspecter import X``) that are not modules of it."""
+    return {a.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module == "pyspecter" and node.level == 0
+            for a in node.names if not (PKG / f"{a.name}.py").is_file() and not (PKG / a.name).is_dir()}
+
+
+def test_nothing_takes_names_from_the_package_root() -> None:
+    """The root re-exports the API (load, generate), which sits above every module but the CLI: a module that
+    took ``__version__`` from it would be an import pointing back up. The version lives in ``_version``."""
+    bad = sorted(f"{p.relative_to(PKG)}: {sorted(n)}" for p in PKG.rglob("*.py") if (n := _root_names(p)))
+    assert not bad, bad
+
+
+def test_the_root_rule_sees_a_name(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text("from pyspecter import native, __version__\n")
+    assert _root_names(tmp_path / "m.py") == {"__version__"}
+
+
 def test_the_study_rule_sees_every_spelling(tmp_path: Path) -> None:
     for i, line in enumerate(("from pyspecter import study", "import pyspecter.study.simulate",
                               "def f():\n    from pyspecter.study.quality import describe")):
