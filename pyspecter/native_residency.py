@@ -334,6 +334,8 @@ class NativeResidency:
             "route_cpu_us_p50_resident": layer_cpu_p50_us(resident),
             "route_cpu_us_p50_miss": layer_cpu_p50_us(missed),
             "wait_ms": c.wait_ns / 1e6,
+            # wall time with a read on the wire; the routing op's waits lie inside it (what it waits for is in flight)
+            "read_busy_ms": c.read_busy_ns / 1e6,
             # mean reads outstanding while the routing op waited (a deep queue keeps the disk busy); a disk
             # read is one chunk (DiskTier.read_chunk) of one kind of one expert
             "reads_in_flight": c.stall_reads_ns / c.wait_ns if c.wait_ns else 0.0,

@@ -33,7 +33,7 @@ from pyspecter.prompts import PACKAGED, load_prompts, render_prompt
 from pyspecter.speed import decode_tok_s
 from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
 from pyspecter.study.bench_device import device_columns, predictions, syncs_over_device
-from pyspecter.study.bench_runs import ENGINE_STATS, Run, n_cpu_moe_for, run_policy, run_specter
+from pyspecter.study.bench_runs import ENGINE_STATS, Run, disk_overlap, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
 from pyspecter.study.simulate import belady_misses
@@ -339,6 +339,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             **device_columns(rs[-1].splits, len(layout.layers), dev is not None, rs[-1].syncs, n_decode),
             "bytes_per_token": statistics.mean(ups) / n_decode,
             "stall_ms_per_token": statistics.mean(hook_ms) / n_decode,
+            "disk_overlap": disk_overlap([r.counters for r in rs]),
             "route_us_per_call": c.get("route_us_per_call", 0.0), "hook_us_per_call": c.get("hook_us_per_call", 0.0),
             # native residency only (None otherwise): decision time per MoE layer, read waits left out; mean
             # reads outstanding while a token waited (on the disk tier a read is one chunk of one kind of an

@@ -118,6 +118,15 @@ def merge_counters(parts: list[dict]) -> dict:
     return out
 
 
+def disk_overlap(parts: list[dict]) -> float | None:
+    """The share of the disk's busy time (a read on the wire) that overlapped compute, over runs' decode counters:
+    busy time less the routing op's waits for reads, which lie inside it (what the op waits for is in flight).
+    None where nothing was read (the RAM tier, all resident)."""
+    busy = sum(p.get("read_busy_ms", 0.0) for p in parts)
+    wait = sum(p.get("wait_ms", 0.0) for p in parts)
+    return max(0.0, 1.0 - wait / busy) if busy > 0 else None
+
+
 def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier: str, path: Path,
                surrogate_width: float, hot: dict[int, list[int]] | None, budget_bytes: int = 0,
                extra: dict[int, int] | None = None) -> ExpertCache | None:

@@ -331,3 +331,13 @@ def test_the_drafts_rates_are_read_from_counts_and_merge_from_summed_counts() ->
     assert b["draft_precision"] is None and b["draft_coverage"] is None
     out = merge_counters([a, b, a])
     assert out["draft_scored"] == 20 and out["draft_precision"] == 0.9 and out["draft_lru_hit_rate"] == 0.3
+
+
+def test_disk_overlap_is_busy_time_less_the_waits_inside_it() -> None:
+    """The disk's overlap with compute: read-busy time the routing op did not wait through, summed over runs; none
+    where nothing was read, and never below 0 (a wait is timed a little wider than the read it waits for)."""
+    from pyspecter.study.bench_runs import disk_overlap
+
+    assert disk_overlap([{"read_busy_ms": 30.0, "wait_ms": 10.0}, {"read_busy_ms": 10.0, "wait_ms": 10.0}]) == 0.5
+    assert disk_overlap([{"read_busy_ms": 0.0, "wait_ms": 0.0}]) is None and disk_overlap([]) is None
+    assert disk_overlap([{"read_busy_ms": 10.0, "wait_ms": 10.5}]) == 0.0
