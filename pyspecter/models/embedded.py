@@ -11,9 +11,10 @@ read in one batch (predictor_data.record_sequences), where ``fit-predictor`` dec
 with a Python hook at every layer (~40 ms of CPU a token). Held-out scores still come from EMBEDDED_EVAL_TOKENS
 tokens of other text, recorded as ``fit-predictor`` records them.
 
-Fitted on 1,000 recorded tokens it recalled 61.5% of the next MoE layer's top-2 on the eval prompts; on this text
-(10,150 rows, about 210 s of CPU) the same ridge maps recall 78.4%, what the full fit reaches (docs/PREDICTION.md
-has the figures and commands). ``pyspecter fit-predictor smol-moe`` replaces it with its own fit (the same sidecar).
+Fitted on 1,000 recorded tokens it recalled 61.5% of the next MoE layer's top-2 on the eval prompts; on this
+text (10,150 rows; 134 s on two idle cores, 206 s when it ran on one) the same ridge maps recall 78.0-78.4%, what
+the full fit reaches (docs/PREDICTION.md has the figures and commands). ``pyspecter fit-predictor smol-moe``
+replaces it with its own fit (the same sidecar).
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ def ensure_predictor(model_path: Path, *, progress: bool = True) -> Path:
         if _current(model_path):  # another process fitted it while we waited
             return side
         from pyspecter.models.predictor_fit import fit_model
+        from pyspecter.placement import DEFAULT_THREADS
 
         if progress:
             print(f"{model_path.stem}: fitting its learned routing predictor (once per model file; a few minutes "
                   "on two idle cores)", file=sys.stderr, flush=True)
-        r = fit_model(model_path, None, horizons=EMBEDDED_HORIZONS, sequences=fit_text(progress),
-                      eval_tokens=EMBEDDED_EVAL_TOKENS, n_threads=1, progress=progress)
+        # every core, as generate: the fit runs alone (make test builds smol-moe before its tests; a user's first
+        # `generate smol-moe` waits for it), and on two idle cores two threads record 1.7x faster than one
+        r = fit_model(model_path, None, horizons=EMBEDDED_HORIZONS, sequences=fit_text(progress, DEFAULT_THREADS),
+                      eval_tokens=EMBEDDED_EVAL_TOKENS, n_threads=DEFAULT_THREADS, progress=progress)
         if progress:
             h1 = r["held_out"].get("1", {}).get("recall")
             print(f"{model_path.stem}: predictor written to {r['out']} in {r['seconds']:.0f}s, fitted on "
@@ -78,7 +82,7 @@ def _current(model_path: Path) -> bool:
     return p is not None and int(p.meta.get("fit", {}).get("tokens", 0)) > MIN_KEPT_FIT_TOKENS
 
 
-def fit_text(progress: bool = True) -> list[tuple[list[int], int]]:
+def fit_text(progress: bool = True, n_threads: int = 1) -> list[tuple[list[int], int]]:
     """smol-moe's predictor fit text as (tokens, prompt length) pairs (module docstring)."""
     from pyspecter import native
     from pyspecter.engine import greedy
@@ -89,8 +93,7 @@ def fit_text(progress: bool = True) -> list[tuple[list[int], int]]:
     src = smol.fetch_smollm2()
     out: list[tuple[list[int], int]] = []
     tune = load_prompts(split="tune")
-    # one thread, as the fit itself: ggml's threads spin at barriers, and a busy machine starves them
-    with native.Model(src) as m, native.Context(m, n_ctx=1024, n_threads=1) as ctx:
+    with native.Model(src) as m, native.Context(m, n_ctx=1024, n_threads=n_threads) as ctx:
         for i, p in enumerate(tune):
             toks = m.tokenize(render_prompt(m, p["messages"]), add_special=False)
             ctx.clear()
