@@ -5,11 +5,17 @@ keys and tensor infos. Every variant goes through `pyspecter inspect`; the ones 
 would be handed) are loaded and decoded with `pyspecter generate`, a seeded subset also with `pyspecter verify`.
 A variant that passes inspect but makes llama.cpp abort means gguf_check.py is missing a rule.
 
+`inspect` is pure Python (it hands llama.cpp nothing), so its runs share one child process: the CLI's own entry
+point (``cli.main``) once per variant, in a loop, its exit code and stderr kept per variant. A process per run
+cost about 0.45 s of startup each, 60 of the test's 70 s. A seeded sample of them is also run as a process of its
+own, and must end the same way; a child that dies mid-loop has its unfinished variants run a process each.
+
 PYSPECTER_TEST_SEED picks the random variants (default below); the seed is printed and named in failures.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -46,6 +52,7 @@ SEED = int(os.environ.get("PYSPECTER_TEST_SEED", "1729"))
 ARCHS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-mixtral", "tiny-gptoss"]
 N_TRUNCATE, N_HEADER_FLIPS, N_VALUE_FLIPS = 4, 6, 3  # random variants per arch, on top of the fixed patches
 N_VERIFY = 8  # variants accepted by inspect that also go through verify (seeded choice)
+N_INSPECT_ALONE = 12  # inspect runs repeated as a process of their own (seeded choice)
 WORKERS = 2
 TIMEOUT_S = 120
 # ggml's abort handler runs gdb for a backtrace; skip it (slow, and the signal is what the test looks at)
@@ -222,6 +229,45 @@ def run_all(command: str, variants: list[Variant]) -> list[Outcome]:
         return list(pool.map(lambda v: run(command, v), variants))
 
 
+# One child runs `pyspecter inspect PATH` for each path on stdin through the CLI's entry point, and writes one JSON
+# line per path: its exit code and what it wrote to stderr (a traceback included, as a process would print it).
+_INSPECT_LOOP = r"""
+import contextlib, io, json, sys, traceback
+from pyspecter.cli import main
+for path in sys.stdin.read().splitlines():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        sys.argv = ["pyspecter", "inspect", path]
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    print(json.dumps({"path": path, "code": code, "stderr": err.getvalue()}), flush=True)
+"""
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("pyspecter: error:")]
+
+
+def inspect_all(variants: list[Variant]) -> list[Outcome]:
+    """``run("inspect", v)`` for every variant, in one child process (module docstring)."""
+    p = subprocess.run([sys.executable, "-c", _INSPECT_LOOP], input="\n".join(str(v.path) for v in variants),
+                       capture_output=True, text=True, timeout=TIMEOUT_S * 4, env=ENV)
+    done = {}
+    for line in p.stdout.splitlines():
+        r = json.loads(line)
+        done[r["path"]] = (r["code"], r["stderr"])
+    rest = [v for v in variants if str(v.path) not in done]
+    assert not rest or p.returncode != 0, f"the inspect loop skipped {len(rest)} variants: {p.stderr[-300:]}"
+    redone = {o.variant.path: o for o in run_all("inspect", rest)}  # past the variant the child died on
+    return [Outcome(v, "inspect", *done[str(v.path)]) if str(v.path) in done else redone[v.path] for v in variants]
+
+
 @pytest.mark.slow
 def test_fuzz_corrupt_ggufs(tmp_path: Path) -> None:
     print(f"\nPYSPECTER_TEST_SEED={SEED}")
@@ -235,7 +281,14 @@ def test_fuzz_corrupt_ggufs(tmp_path: Path) -> None:
         assert o.returncode == 0, f"seed {SEED}: unmodified fixture fails: {o.describe()}"
 
     variants = [v for arch, src in fixtures.items() for v in make_variants(arch, src, tmp_path, rng)]
-    inspected = run_all("inspect", variants)
+    inspected = inspect_all(variants)
+    # the loop's verdicts are a process's: a seeded sample again, a process each (its own generator, so the verify
+    # sample below is the one this seed always drew)
+    sample = random.Random(SEED + 1).sample(inspected, min(N_INSPECT_ALONE, len(inspected)))
+    for o, alone in zip(sample, run_all("inspect", [o.variant for o in sample]), strict=True):
+        assert (alone.returncode, _error_lines(alone.stderr)) == (o.returncode, _error_lines(o.stderr)), \
+            f"seed {SEED}: inspect {o.variant.what} ({o.variant.arch}) ends differently in its own process: " \
+            f"{alone.describe()} against {o.describe()}"
     accepted = [o.variant for o in inspected if o.returncode == 0]
     for o in inspected:
         if o.returncode != 0:
