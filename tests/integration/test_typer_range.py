@@ -60,8 +60,9 @@ def venv_at(version: str, others: list[str]) -> Path:
         d.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=d.name + ".", dir=d.parent))
         try:
-            subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True, timeout=120)
-            pip(tmp / "bin" / "python", "install", "--quiet", *reqs)  # `-m pip`: survives the rename below
+            # no pip of its own (ensurepip is 3 s a venv): this Python's pip installs into it (pip --python)
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True, timeout=120)
+            pip(Path(sys.executable), "--python", str(tmp / "bin" / "python"), "install", "--quiet", *reqs)
             os.rename(tmp, d)
         except OSError:
             if not python.exists():  # not a concurrent run that renamed first
