@@ -27,6 +27,8 @@ Definitions used throughout (``N(t, l)``: the experts the target selected for ro
   so every policy reaches 1.0 at slots = n_expert. LRU is computed exactly for all slot counts from LRU stack
   positions; LFU (counts kept across evictions, ties by recency) and Belady MIN (evict the resident expert
   used farthest in the future, never one the step needs) are simulated (``simulate.py``, the one simulator).
+- Batched calls (``batched``): misses per row when B rows of a prompt share one routing call, as a verify step of
+  B - 1 accepted drafts does, under C's LRU, by slots per layer (``simulate.batched_misses``).
 - Upload bytes per token at a confidence threshold: the bytes of the distinct predicted experts kept (router weight
   >= threshold) for one token, summed over MoE layers; wasted = kept but not needed, missed = needed, not kept.
 
@@ -43,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter.study.analyze_report import dumps, format_analysis, plot
-from pyspecter.study.simulate import lru_stack_positions, simulate_cache
+from pyspecter.study.simulate import batched_misses, lru_stack_positions, simulate_cache
 from pyspecter.tracefile import Trace, load_trace
 
 __all__ = ["analyze", "dumps", "format_analysis", "plot"]
@@ -51,6 +53,7 @@ __all__ = ["analyze", "dumps", "format_analysis", "plot"]
 PREDICTORS = ("draft-same-tokens", "draft-own-tokens", "prev-token", "frequency", "next-layer-gate", "oracle")
 LOOKAHEADS = (1, 2, 3, 4)
 THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+BATCHES = (1, 2, 3, 4)  # rows per routing call: a verify step of K = B - 1 drafts
 
 
 # --- metric building blocks (pure functions on arrays; unit-tested) --------------------------------------------
@@ -166,6 +169,17 @@ def cache_curves(target_ids: np.ndarray, n_expert: int, slot_counts: list[int] |
     }
     out["lru_stack_position"] = {"count": stack_hist.tolist(), "first_touch": cold}
     return out
+
+
+def batched_curves(target_ids: np.ndarray, prompt_index: np.ndarray, n_expert: int) -> dict:
+    """Misses per row when B consecutive rows share one routing call (``simulate.batched_misses``: a verify step
+    whose drafts are all accepted), at every slot count of ``cache_curves``. Below 1.0 against B = 1 is what the
+    union of a step's experts saves; a draft's own memory buys fewer slots: read its row at the slots left."""
+    T, _, U = target_ids.shape
+    slots = default_slot_counts(U, n_expert)
+    m = {s: [batched_misses(target_ids, prompt_index, n_expert, s, b) / max(T, 1) for b in BATCHES] for s in slots}
+    return {"batch": list(BATCHES), "slots": slots, "misses_per_row": [m[s] for s in slots],
+            "vs_one_row": [[_ratio(v, m[s][0]) for v in m[s]] for s in slots]}
 
 
 # --- the analysis ----------------------------------------------------------------------------------------------
@@ -455,6 +469,7 @@ def analyze(trace_path: str | os.PathLike, plot_dir: str | os.PathLike | None = 
         "predictors": _predictor_table(tr, rows, lookaheads),
         "confidence": _confidence(tr, rows, thresholds),
         "cache": cache_curves(tr["target_ids"], tr.n_expert),
+        "batched": batched_curves(tr["target_ids"], tr["prompt_index"], tr.n_expert),
         "frequency": _frequency(tr),
         "cross_layer": _cross_layer(tr, rows),
         "cross_token": _cross_token(tr, rows),

@@ -36,6 +36,13 @@ def format_analysis(result: dict) -> str:
     lines.append("  slots    " + "".join(f"{s:>7d}" for s in c["slots"]))
     for pol in ("lru", "lfu", "belady"):
         lines.append(f"  {pol:8s} " + "".join(f"{_fmt(v):>7s}" for v in c[pol]["hit_rate_warm"]))
+    b = result.get("batched")
+    if b:
+        lines += ["", "misses per row when B rows share a routing call (a verify step of B-1 accepted drafts), LRU, "
+                      "against B = 1"]
+        for s, row in zip(b["slots"], b["vs_one_row"], strict=True):
+            lines.append(f"  {s:3d} slots " + "".join(f"  B={B}: {_fmt(v)}" for B, v in zip(b["batch"], row,
+                                                                                             strict=True)))
     xl, xt = result["cross_layer"], result["cross_token"]
     lines += ["", f"cross-layer: best conditional predictor recall {_fmt(xl['recall'])} vs layer frequency "
               f"{_fmt(xl['frequency_baseline_recall'])} ({xl['fit']})",

@@ -165,3 +165,22 @@ def belady_misses(trace: Trace, slots: int, extra: Mapping[int, int] | None = No
         total += (sum(len(set(s)) for s in steps) - simulate_cache(steps, n, "belady")
                   - min(n, len({e for s in steps for e in s if e >= 0})))
     return total
+
+
+def batched_misses(target_ids: np.ndarray, prompt_index: np.ndarray, n_expert: int, slots: int, batch: int) -> int:
+    """Experts missed when every ``batch`` consecutive rows of a prompt go through one routing call, each layer a
+    cache of ``slots`` under C's LRU rule (``native.Replay``): what verifying a draft's ``batch - 1`` tokens at
+    once needs from the cache with every draft accepted, the upper end of what speculation can save in bytes.
+    ``target_ids`` [T, L, U], rows in decode order; ``prompt_index`` [T]: no call spans two prompts. A miss is
+    counted whether it is read into a slot or, where a call's experts outnumber the slots, computed from its
+    bytes outside them: on the disk tier both read the expert."""
+    T, L, U = target_ids.shape
+    pi = np.asarray(prompt_index)
+    starts = [t for t in range(T) if t == 0 or pi[t] != pi[t - 1]] + [T]
+    with Replay(dict.fromkeys(range(L), slots), n_expert, "lru", lookahead=False) as r:
+        for a, b in zip(starts, starts[1:], strict=False):
+            for t in range(a, b, batch):
+                rows = target_ids[t:min(t + batch, b)]
+                for j in range(L):
+                    r.call(j, rows[:, j, :], None)
+        return r.stats()["misses"]

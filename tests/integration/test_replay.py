@@ -11,7 +11,7 @@ import pytest
 
 from pyspecter.native import Replay
 from pyspecter.study.replay import Call, replay
-from pyspecter.study.simulate import EvictionDuel, eviction_misses, lru_stack_positions
+from pyspecter.study.simulate import EvictionDuel, batched_misses, eviction_misses, lru_stack_positions
 
 DATA = Path(__file__).parent / "data"
 
@@ -133,3 +133,28 @@ def test_ghost_lru_matches_the_reference_lru() -> None:
         got = ghost.stats()["held_ghost_misses"]
     pos = lru_stack_positions(np.array(calls))
     assert got == int(((pos < 0) | (pos >= 4))[np.array(calls) >= 0].sum()) > 0
+
+
+def test_batched_calls_replay_each_row_as_the_slot_table_would_and_read_each_expert_once_per_call() -> None:
+    rng = np.random.default_rng(3)
+    ids = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(2)]) for _ in range(120)])  # [T, 2, 2]
+    one_prompt = np.zeros(len(ids), int)
+
+    def table_misses(calls: list[Call], slots: int) -> int:
+        with Replay({0: slots, 1: slots}, 8, "lru", lookahead=False) as r:
+            for c in calls:
+                r.call(c.il, c.ids)
+            return r.stats()["misses"]
+
+    for slots in (2, 4, 6):
+        # one row a call: the slot table's own LRU, layer after layer as decode calls them
+        rows = [Call(0, t, j, ids[t, j][None, :]) for t in range(len(ids)) for j in range(2)]
+        assert batched_misses(ids, one_prompt, 8, slots, 1) == table_misses(rows, slots)
+        # two rows a call: each expert once per call
+        pairs = [Call(0, t, j, ids[t:t + 2, j]) for t in range(0, len(ids), 2) for j in range(2)]
+        assert batched_misses(ids, one_prompt, 8, slots, 2) == table_misses(pairs, slots)
+    # room for every expert: only first uses miss, whatever the batch
+    first_uses = sum(len(np.unique(ids[:, j])) for j in range(2))
+    assert {batched_misses(ids, one_prompt, 8, 8, b) for b in (1, 3, len(ids))} == {first_uses}
+    # no call spans two prompts: one row per prompt batches as one row a call
+    assert batched_misses(ids, np.arange(len(ids)), 8, 4, 4) == batched_misses(ids, one_prompt, 8, 4, 1)
