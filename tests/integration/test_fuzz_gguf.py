@@ -5,10 +5,11 @@ keys and tensor infos. Every variant goes through `pyspecter inspect`; the ones 
 would be handed) are loaded and decoded with `pyspecter generate`, a seeded subset also with `pyspecter verify`.
 A variant that passes inspect but makes llama.cpp abort means gguf_check.py is missing a rule.
 
-`inspect` is pure Python (it hands llama.cpp nothing), so its runs share one child process: the CLI's own entry
-point (``cli.main``) once per variant, in a loop, its exit code and stderr kept per variant. A process per run
-cost about 0.45 s of startup each, 60 of the test's 70 s. A seeded sample of them is also run as a process of its
-own, and must end the same way; a child that dies mid-loop has its unfinished variants run a process each.
+`inspect` and `generate` runs share one child process per command: the CLI's own entry point (``cli.main``) once
+per variant, in a loop, its exit code and stderr kept per variant. A process per run cost about 0.45 s of startup
+each, most of the test's time. A child that dies (llama.cpp aborting on a variant) or hangs has the variant it was
+on, and the ones after, run a process each, so the signal is still seen and named. A seeded sample of each loop is
+also run a process each, and must end the same way. `verify` runs keep a process each.
 
 PYSPECTER_TEST_SEED picks the random variants (default below); the seed is printed and named in failures.
 """
@@ -52,7 +53,7 @@ SEED = int(os.environ.get("PYSPECTER_TEST_SEED", "1729"))
 ARCHS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-mixtral", "tiny-gptoss"]
 N_TRUNCATE, N_HEADER_FLIPS, N_VALUE_FLIPS = 4, 6, 3  # random variants per arch, on top of the fixed patches
 N_VERIFY = 8  # variants accepted by inspect that also go through verify (seeded choice)
-N_INSPECT_ALONE = 12  # inspect runs repeated as a process of their own (seeded choice)
+N_ALONE = {"inspect": 12, "generate": 6}  # loop runs repeated as a process of their own (seeded choice)
 WORKERS = 2
 TIMEOUT_S = 120
 # ggml's abort handler runs gdb for a backtrace; skip it (slow, and the signal is what the test looks at)
@@ -229,15 +230,15 @@ def run_all(command: str, variants: list[Variant]) -> list[Outcome]:
         return list(pool.map(lambda v: run(command, v), variants))
 
 
-# One child runs `pyspecter inspect PATH` for each path on stdin through the CLI's entry point, and writes one JSON
-# line per path: its exit code and what it wrote to stderr (a traceback included, as a process would print it).
-_INSPECT_LOOP = r"""
+# One child runs the CLI's entry point once for each argument list on stdin (JSON, one a line) and writes one JSON
+# line per run: its exit code and what it wrote to stderr (a traceback included, as a process would print it).
+_LOOP = r"""
 import contextlib, io, json, sys, traceback
 from pyspecter.cli import main
-for path in sys.stdin.read().splitlines():
+for line in sys.stdin:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        sys.argv = ["pyspecter", "inspect", path]
+        sys.argv = ["pyspecter", *json.loads(line)]
         try:
             main()
             code = 0
@@ -246,7 +247,7 @@ for path in sys.stdin.read().splitlines():
         except BaseException:
             traceback.print_exc()
             code = 1
-    print(json.dumps({"path": path, "code": code, "stderr": err.getvalue()}), flush=True)
+    print(json.dumps({"code": code, "stderr": err.getvalue()}), flush=True)
 """
 
 
@@ -254,18 +255,32 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("pyspecter: error:")]
 
 
-def inspect_all(variants: list[Variant]) -> list[Outcome]:
-    """``run("inspect", v)`` for every variant, in one child process (module docstring)."""
-    p = subprocess.run([sys.executable, "-c", _INSPECT_LOOP], input="\n".join(str(v.path) for v in variants),
-                       capture_output=True, text=True, timeout=TIMEOUT_S * 4, env=ENV)
-    done = {}
-    for line in p.stdout.splitlines():
-        r = json.loads(line)
-        done[r["path"]] = (r["code"], r["stderr"])
-    rest = [v for v in variants if str(v.path) not in done]
-    assert not rest or p.returncode != 0, f"the inspect loop skipped {len(rest)} variants: {p.stderr[-300:]}"
-    redone = {o.variant.path: o for o in run_all("inspect", rest)}  # past the variant the child died on
-    return [Outcome(v, "inspect", *done[str(v.path)]) if str(v.path) in done else redone[v.path] for v in variants]
+def run_in_one(command: str, variants: list[Variant]) -> list[Outcome]:
+    """``run(command, v)`` for every variant, in one child process, in order (module docstring); the variants after
+    the one a child died on (or hung on) run a process each, that one first."""
+    argvs = [pyspecter_argv(command, v.path, TINY_MODELS[v.arch])[3:] for v in variants]
+    try:
+        p = subprocess.run([sys.executable, "-c", _LOOP], input="".join(json.dumps(a) + "\n" for a in argvs),
+                           capture_output=True, text=True, timeout=TIMEOUT_S * 4, env=ENV)
+        out, died = p.stdout, p.returncode != 0
+    except subprocess.TimeoutExpired as e:
+        out, died = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), True
+    done = [json.loads(line) for line in out.splitlines()]
+    assert died or len(done) == len(variants), f"the {command} loop skipped {len(variants) - len(done)} variants"
+    return ([Outcome(v, command, d["code"], d["stderr"]) for v, d in zip(variants, done, strict=False)]
+            + run_all(command, variants[len(done):]))
+
+
+def same_alone(outcomes: list[Outcome], n: int, seed: int) -> None:
+    """A seeded sample of a loop's outcomes, run again a process each, must end the same way (its own generator,
+    so the samples the test draws from ``rng`` are the ones this seed always drew)."""
+    sample = random.Random(seed).sample(outcomes, min(n, len(outcomes)))
+    if not sample:
+        return
+    for o, alone in zip(sample, run_all(sample[0].command, [o.variant for o in sample]), strict=True):
+        assert (alone.returncode, _error_lines(alone.stderr)) == (o.returncode, _error_lines(o.stderr)), \
+            f"seed {SEED}: {o.command} {o.variant.what} ({o.variant.arch}) ends differently in its own " \
+            f"process: {alone.describe()} against {o.describe()}"
 
 
 @pytest.mark.slow
@@ -281,19 +296,14 @@ def test_fuzz_corrupt_ggufs(tmp_path: Path) -> None:
         assert o.returncode == 0, f"seed {SEED}: unmodified fixture fails: {o.describe()}"
 
     variants = [v for arch, src in fixtures.items() for v in make_variants(arch, src, tmp_path, rng)]
-    inspected = inspect_all(variants)
-    # the loop's verdicts are a process's: a seeded sample again, a process each (its own generator, so the verify
-    # sample below is the one this seed always drew)
-    sample = random.Random(SEED + 1).sample(inspected, min(N_INSPECT_ALONE, len(inspected)))
-    for o, alone in zip(sample, run_all("inspect", [o.variant for o in sample]), strict=True):
-        assert (alone.returncode, _error_lines(alone.stderr)) == (o.returncode, _error_lines(o.stderr)), \
-            f"seed {SEED}: inspect {o.variant.what} ({o.variant.arch}) ends differently in its own process: " \
-            f"{alone.describe()} against {o.describe()}"
+    inspected = run_in_one("inspect", variants)
+    same_alone(inspected, N_ALONE["inspect"], SEED + 1)
     accepted = [o.variant for o in inspected if o.returncode == 0]
     for o in inspected:
         if o.returncode != 0:
             o.variant.path.unlink(missing_ok=True)
-    decoded = run_all("generate", accepted)
+    decoded = run_in_one("generate", accepted)
+    same_alone(decoded, N_ALONE["generate"], SEED + 2)
     verified = run_all("verify", rng.sample(accepted, min(N_VERIFY, len(accepted))))
 
     outcomes = inspected + decoded + verified
