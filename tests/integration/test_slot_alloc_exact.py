@@ -10,9 +10,10 @@ import pytest
 from pyspecter import native
 from pyspecter.budget import allocate_slots, split_counts
 from pyspecter.cache import ExpertCache
-from pyspecter.engine import greedy
+from pyspecter.engine import generate_step, greedy
 from pyspecter.layout import read_layout
 from pyspecter.models.tiny import build_tiny
+from pyspecter.sampling import Sampler
 from pyspecter.tiers import make_tier
 
 PROMPT = "Once upon a time there was a tiny mixture of experts. Why is the sky blue?"
@@ -28,6 +29,9 @@ class _Watch:
 
     def on_route(self, il: int, _needed, _n_tokens: int) -> None:
         self.calls += 1
+        self.look(il)
+
+    def look(self, il: int) -> None:
         st = self.cache.layers[il]
         n = self.cache.usable(il)
         mapped = [s for s, e in enumerate(st.owner) if e >= 0]
@@ -35,6 +39,22 @@ class _Watch:
         assert len(busy) <= n and (not busy or max(busy) < n), (il, n, sorted(busy))
         assert sum(1 for s in st.where if s >= 0) == len(mapped)
         self.most[il] = max(self.most.get(il, 0), len(mapped))
+
+
+def _greedy_settling(ctx, cache: ExpertCache, watch: _Watch, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """engine.greedy's tokens and logits, with the cache's reads let land after each token and every layer looked
+    at again. With misses computed on the CPU the reads run in the background, and on two busy cores a short run
+    can end before one lands (a CI run saw none in any layer), which would leave the counts nothing to bound."""
+    out, rows = [], []
+    for tok, logits in generate_step(ctx, prompt, Sampler()):
+        out.append(tok)
+        rows.append(logits)
+        cache.drain()
+        for il in cache.usable_per_layer():
+            watch.look(il)
+        if len(out) >= n:
+            break
+    return out, np.stack(rows)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +84,7 @@ def test_per_layer_counts_exact(stock, miss: str, ordered: bool, tier: str) -> N
             assert cache.usable_per_layer() == {idx[0]: k, idx[1]: k + 3, idx[2]: k + 10, idx[3]: E}
             assert cache.n_usable == k
             with native.Context(model, n_threads=2) as ctx:
-                got_tokens, got_logits = greedy(ctx, toks, N_TOKENS)
+                got_tokens, got_logits = _greedy_settling(ctx, cache, watch, toks, N_TOKENS)
                 cache.check()
             c = cache.counters()
         finally:
