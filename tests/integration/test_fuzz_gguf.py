@@ -38,15 +38,14 @@ import pytest
 from pyspecter.models.tiny import TINY_MODELS, TinySpec, build_tiny
 
 
-def pyspecter_argv(command: str, model: Path, spec: TinySpec) -> list[str]:
-    """The one place that spells the CLI invocations (flags may be renamed)."""
-    args = {
+def cli_args(command: str, model: Path, spec: TinySpec) -> list[str]:
+    """The one place that spells the CLI invocations (flags may be renamed): the arguments after `pyspecter`."""
+    return {
         "inspect": ["inspect", str(model)],
         "verify": ["verify", str(model), "--slots", str(2 * spec.n_expert_used), "-n", "2"],
         # one thread: two runs side by side on two cores, and ggml's spinning barrier hates sharing a core
         "generate": ["generate", str(model), "-p", "hi", "-n", "2", "--threads", "1"],
     }[command]
-    return [sys.executable, "-m", "pyspecter", *args]
 
 
 SEED = int(os.environ.get("PYSPECTER_TEST_SEED", "1729"))
@@ -216,7 +215,7 @@ def make_variants(arch: str, src: Path, out: Path, rng: random.Random) -> list[V
 # --- running -------------------------------------------------------------------------------------------------
 
 def run(command: str, variant: Variant) -> Outcome:
-    argv = pyspecter_argv(command, variant.path, TINY_MODELS[variant.arch])
+    argv = [sys.executable, "-m", "pyspecter", *cli_args(command, variant.path, TINY_MODELS[variant.arch])]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV,
                            stdin=subprocess.DEVNULL)
@@ -258,7 +257,7 @@ def _error_lines(stderr: str) -> list[str]:
 def run_in_one(command: str, variants: list[Variant]) -> list[Outcome]:
     """``run(command, v)`` for every variant, in one child process, in order (module docstring); the variants after
     the one a child died on (or hung on) run a process each, that one first."""
-    argvs = [pyspecter_argv(command, v.path, TINY_MODELS[v.arch])[3:] for v in variants]
+    argvs = [cli_args(command, v.path, TINY_MODELS[v.arch]) for v in variants]
     try:
         p = subprocess.run([sys.executable, "-c", _LOOP], input="".join(json.dumps(a) + "\n" for a in argvs),
                            capture_output=True, text=True, timeout=TIMEOUT_S * 4, env=ENV)
