@@ -14,10 +14,10 @@ struct llama_pyspecter_slots;
 //
 // Two forms. Split (a device layer, allow_split, no wait hook): the slot path reads its ids from the device's remap
 // table (get_rows over selected_experts: (slot, expert) per row, zero slot j where row j's expert is not resident) and never waits
-// for the host; the op reads those pairs back (with the router weights if the hook wants them) and returns I32
-// [n_used, n_tokens, 1], the logical ids for the host path (-1 where the slot path computes the row). The layer
-// then costs one CPU split (this op and every host matmul) between two device ones, with stock --cpu-moe's two
-// reads back (the pairs and the FFN input). Per matmul (CPU slots, LoRA, or a wait hook): I32 [n_used, n_tokens, 2 or 3],
+// for the host; the op reads those pairs back, packed behind the FFN input as one tensor (the router weights too
+// if a reader asked), and returns I32 [n_used, n_tokens, 1], the logical ids for the host path (-1 where the slot
+// path computes the row). The layer then costs one CPU split (this op and every host matmul) between two device
+// ones, with one read back where stock --cpu-moe's host layer takes two (its ids and its input). Per matmul (CPU slots, LoRA, or a wait hook): I32 [n_used, n_tokens, 2 or 3],
 // plane 0 = slot ids, plane 1 = logical ids for the host matmul, with a wait hook plane 2 = slot ids of late experts.
 // allow_split: false when the paths cannot be built apart (LoRA adapters would add their rows to both).
 ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspecter_slots * slots, int il,

@@ -242,11 +242,19 @@ struct llama_pyspecter_slots {
     std::vector<std::pair<ggml_backend_dev_t, ggml_backend_t>> compute;
     std::mutex table_mu;              // remap changes, table images and fences
     mutable std::atomic<bool> split_built{false}; // a graph with split routes was built: evictions reach the tables
-    // split route -> the slot ids its layer's slot matmuls read (graph building: set by build_route, then read by
+    // split route -> what its layer's matmuls read: the slot path's ids, and the host path's input as the route
+    // built it on the device (ffn_inp) and as the host unpacks it (graph building: set by build_route, then read by
     // build_mm_id for the same graph; contexts may build graphs on several threads)
+    struct split_parts {
+        ggml_tensor * slot_ids = nullptr;
+        const ggml_tensor * ffn_inp = nullptr;
+        ggml_tensor * x_host = nullptr;
+    };
     mutable std::mutex graph_mu;
-    mutable std::unordered_map<const ggml_tensor *, ggml_tensor *> split_slot_ids;
-    bool route_weights = true; // split routes read the router weights back for the routing hook
+    mutable std::unordered_map<const ggml_tensor *, split_parts> split_routes;
+    // the routing op reads the router weights: only for a reader that asked (a routing hook that wants them, a
+    // draft's confidence); on a device each layer's weights are otherwise one more read back to the host
+    bool route_weights = false;
     std::vector<ggml_context *> ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
     // With slots on a device: a one-element tensor in a host weights buffer, a source of every route and wait op.

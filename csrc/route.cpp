@@ -89,7 +89,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto * L = (llama_pyspecter_layer *) userdata;
     auto * s = L->parent;
     const ggml_tensor * ids = dst->src[0]; // [n_used, n_tokens], may be a strided view (top-k of argsort)
-    const ggml_tensor * w   = dst->src[1]; // [1, n_used, n_tokens]
+    const ggml_tensor * w   = dst->src[1]; // [1, n_used, n_tokens], or null (route weights off)
     const int32_t n_used   = (int32_t) ids->ne[0];
     const int32_t n_tokens = (int32_t) ids->ne[1];
     pyspecter_op_timer timer(s->counters, n_tokens == 1 ? PYSPECTER_OP_ROUTE_DECODE : PYSPECTER_OP_ROUTE);
@@ -115,8 +115,10 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         // with native residency the hook only observes (traces, predictors): the decision is made
         // router weights, packed the same way (slot_ids is scratch until the remap below)
         static_assert(sizeof(float) == sizeof(int32_t), "");
-        float * wts = (float *) slot_ids;
-        pack_weights(w, n_tokens, n_used, wts);
+        float * wts = w ? (float *) slot_ids : nullptr;
+        if (w) {
+            pack_weights(w, n_tokens, n_used, wts);
+        }
         const int64_t c0 = pyspecter_now_ns();
         s->route_cb(s->route_ud, L->il, n_tokens, n_used, host_ids, wts);
         s->counters.hook_ns += pyspecter_now_ns() - c0;
@@ -155,9 +157,28 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     timer.missed = missed || (native.owns_lock() && L->route_missed);
 }
 
+// (slot, expert) of row i = t * n_used + j of a split route's pack [n_embd + 2 n_used, n_tokens] (k = 0, 1): token
+// t's row of the pack ends with its n_used pairs, as floats (exact: ids are far below 2^24).
+static int32_t pack_pair(const ggml_tensor * pack, int32_t n_used, int32_t i, int k) {
+    const int64_t t = i / n_used, col = pack->ne[0] - 2 * (int64_t) n_used + 2 * (i % n_used) + k;
+    return (int32_t) *(const float *) ((const char *) pack->data + t * pack->nb[1] + col * pack->nb[0]);
+}
+
+// The host path's input [n_embd, 1, n_tokens], unpacked from the pack that the route op reads too: one read back
+// from the device serves both (as two tensors they would be two, each a host wait).
+static void unpack_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(userdata);
+    const ggml_tensor * pack = dst->src[0];
+    const size_t row = (size_t) dst->ne[0] * sizeof(float);
+    for (int64_t t = ith; t < dst->ne[2]; t += nth) {
+        memcpy((char *) dst->data + t * dst->nb[2], (const char *) pack->data + t * pack->nb[1], row);
+    }
+}
+
 // The route op of a split route: on the CPU, after the device ran the layer's slot path from its table. src[0] is
-// what the device looked up, (slot, expert) per (token, expert) row; the host computes exactly the rows it sent to
-// the zero slot, so the two paths share one snapshot of residency whatever the table held.
+// the pack, whose rows end with what the device looked up, (slot, expert) per (token, expert) row; the host
+// computes exactly the rows it sent to the zero slot, so the two paths share one snapshot of residency whatever the
+// table held.
 static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
@@ -166,8 +187,8 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     auto * L = (llama_pyspecter_layer *) userdata;
     auto * s = L->parent;
     pyspecter_mark_passed(L); // this CPU split began after the device finished the split before it: the slot path
-    const ggml_tensor * pairs = dst->src[0]; // [2, n_used * n_tokens]
-    const ggml_tensor * w     = dst->src[1]; // [1, n_used, n_tokens], or null (route weights off)
+    const ggml_tensor * pack = dst->src[0]; // [n_embd + 2 n_used, n_tokens]
+    const ggml_tensor * w    = dst->src[1]; // [1, n_used, n_tokens], or null (route weights off)
     const int32_t n_used   = (int32_t) dst->ne[0];
     const int32_t n_tokens = (int32_t) dst->ne[1];
     const int32_t n        = n_used * n_tokens;
@@ -175,7 +196,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
 
     int32_t * host_ids = (int32_t *) dst->data;
     for (int32_t i = 0; i < n; ++i) {
-        host_ids[i] = *(const int32_t *) ((const char *) pairs->data + i * pairs->nb[1] + pairs->nb[0]);
+        host_ids[i] = pack_pair(pack, n_used, i, 1);
     }
     // native residency decides for the next ubatches (this one's slot path ran from the table already): what
     // lands reaches the device at the next fence, an eviction at once only where the layer may still run
@@ -193,7 +214,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     }
     int64_t hit = 0;
     for (int32_t i = 0; i < n; ++i) {
-        if (!pyspecter_is_zero_slot(L, *(const int32_t *) ((const char *) pairs->data + i * pairs->nb[1]))) {
+        if (!pyspecter_is_zero_slot(L, pack_pair(pack, n_used, i, 0))) {
             host_ids[i] = -1;
             ++hit;
         }
@@ -251,11 +272,12 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         raw = ggml_mul_mat(ctx, L->reuse_t, x_last);
         ggml_format_name(raw, "ffn_moe_reuse-%d", il);
     }
-    if (allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb && !pyspecter_native_late(slots)) {
-        // (slot, expert) of every (token, expert) row, looked up on the device: one small tensor for the host to
-        // read back, and the slot path's ids (zero slot j where row j's expert is not resident: never a negative
-        // id, never one twice in a token); ordered misses, Python's or C's, keep the per-matmul route: their late
-        // path needs it
+    if (allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb && !pyspecter_native_late(slots) &&
+            ffn_inp && ffn_inp->type == GGML_TYPE_F32 && ggml_is_contiguous(ffn_inp)) {
+        // (slot, expert) of every (token, expert) row, looked up on the device: the slot path's ids (zero slot j
+        // where row j's expert is not resident: never a negative id, never one twice in a token), and packed
+        // behind the layer's input for the host to read back in one copy; ordered misses, Python's or C's, keep
+        // the per-matmul route: their late path needs it
         const auto & tab = slots->tables[L->table];
         ggml_tensor * row = ggml_view_2d(ctx, tab.t, 2, tab.t->ne[0] / 2, 2 * tab.t->nb[0],
                                          (size_t) L->table_row * tab.t->nb[1]); // [2, n_used * n_expert]
@@ -271,19 +293,32 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
                                                                                   pairs->nb[1], 0)),
                                                  selected_experts->ne[0], selected_experts->ne[1]);
         ggml_format_name(slot_ids, "ffn_moe_slot_ids-%d", il);
-        ggml_tensor * args[5] = { pairs, slots->route_weights ? weights : nullptr, with_input ? ffn_inp : nullptr,
+        // [n_embd + 2 n_used, n_tokens]: each token's input, then its (slot, expert) pairs as floats. Stock's host
+        // layer reads back its input and its expert ids; this reads back one tensor
+        const int64_t D = ffn_inp->ne[0], n_tok = selected_experts->ne[1], n_used = selected_experts->ne[0];
+        ggml_tensor * pack = ggml_concat(ctx, ggml_reshape_2d(ctx, ffn_inp, D, n_tok),
+                                         ggml_reshape_2d(ctx, ggml_cast(ctx, pairs, GGML_TYPE_F32), 2 * n_used, n_tok),
+                                         0);
+        ggml_format_name(pack, "ffn_moe_host_pack-%d", il);
+        ggml_tensor * unpack_args[2] = { pack, slots->cpu_anchor }; // the anchor keeps the op on the CPU
+        ggml_tensor * x_host = ggml_custom_4d(ctx, GGML_TYPE_F32, D, 1, n_tok, 1, unpack_args, 2, unpack_op,
+                                              GGML_N_TASKS_MAX, nullptr);
+        ggml_format_name(x_host, "ffn_moe_host_inp-%d", il);
+        ggml_tensor * args[5] = { pack, slots->route_weights ? weights : nullptr, with_input ? x_host : nullptr,
                                   slots->cpu_anchor, raw };
-        ggml_tensor * route = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 1,
-                                             1, args, raw ? 5 : 4, route_split_op, 1, (void *) L);
+        ggml_tensor * route = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tok, 1, 1, args, raw ? 5 : 4,
+                                             route_split_op, 1, (void *) L);
         {
             std::lock_guard<std::mutex> lk(slots->graph_mu);
-            slots->split_slot_ids[route] = slot_ids;
+            slots->split_routes[route] = { slot_ids, ffn_inp, x_host };
         }
         slots->split_built = true;
         return route;
     }
-    // fixed places: 2 the input (or null), 3 the CPU anchor of device layers (or null), 4 the reuse map · x
-    ggml_tensor * args[5] = { selected_experts, weights, with_input ? ffn_inp : nullptr, slots->cpu_anchor, raw };
+    // fixed places: 1 the router weights (or null), 2 the input (or null), 3 the CPU anchor of device layers (or
+    // null), 4 the reuse map · x
+    ggml_tensor * args[5] = { selected_experts, slots->route_weights ? weights : nullptr,
+                              with_input ? ffn_inp : nullptr, slots->cpu_anchor, raw };
     const int n_args = raw ? 5 : slots->cpu_anchor ? 4 : with_input ? 3 : 2;
     // one task: the op is tiny (route_op itself makes sure only thread 0 works)
     return ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1],
@@ -318,19 +353,22 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
     llama_pyspecter_layer * L = it->second.layer;
     ggml_tensor * slot_w = L->slot[it->second.kind];
     if (is_split(route)) {
-        if (path == 0) {
-            ggml_tensor * slot_ids = nullptr;
-            {
-                std::lock_guard<std::mutex> lk(slots->graph_mu);
-                auto sit = slots->split_slot_ids.find(route); // set by build_route of this very graph
-                slot_ids = sit == slots->split_slot_ids.end() ? nullptr : sit->second;
+        llama_pyspecter_slots::split_parts parts;
+        {
+            std::lock_guard<std::mutex> lk(slots->graph_mu);
+            auto it = slots->split_routes.find(route); // set by build_route of this very graph
+            if (it != slots->split_routes.end()) {
+                parts = it->second;
             }
-            // never null: without it the caller would build the host matmul on both paths
-            GGML_ASSERT(slot_ids != nullptr && "a split route without its slot ids");
-            return ggml_mul_mat_id(ctx, slot_w, cur, slot_ids);
         }
+        if (path == 0) {
+            // never null: without it the caller would build the host matmul on both paths
+            GGML_ASSERT(parts.slot_ids != nullptr && "a split route without its slot ids");
+            return ggml_mul_mat_id(ctx, slot_w, cur, parts.slot_ids);
+        }
+        // the layer's input, as the host unpacked it (another input, e.g. weighted before the FFN, is read back alone)
         ggml_tensor * host_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], 0);
-        return ggml_mul_mat_id(ctx, w, cur, host_ids);
+        return ggml_mul_mat_id(ctx, w, cur == parts.ffn_inp ? parts.x_host : cur, host_ids);
     }
 
     ggml_tensor * slot_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], 0);

@@ -30,6 +30,8 @@ class DraftRouting:
         rc = self.api.slots_init(draft.ptr, draft_layout.n_expert_used)
         if rc != 0:
             raise SpecterError(f"{draft.path}: could not enable the draft's routing op (slots_init returned {rc})")
+        # its router weights are the confidence of each prediction it hands over
+        self.api.set_route_weights(draft.ptr, True)
 
     def stop(self) -> None:
         """The draft's routing goes to no target from here on (the engine arms it per step: its ``handover``)."""

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 24
+#define LLAMA_PYSPECTER_VERSION 25
 
 #ifdef __cplusplus
 extern "C" {
@@ -139,9 +139,10 @@ LLAMA_API bool    llama_pyspecter_upload_done  (struct llama_model * model, int6
 LLAMA_API void    llama_pyspecter_set_link_gbps(struct llama_model * model, double gbps);
 
 LLAMA_API void    llama_pyspecter_set_route_cb(struct llama_model * model, llama_pyspecter_route_cb cb, void * user_data);
-// Whether the routing hook gets the router weights (on, the default). On a device each layer's weights are then
-// one more read back to the host per ubatch (a round trip on RPC); off, the hook's weights are null there. Set it
-// before creating a context.
+// Whether the routing op reads the router weights (off by default): the routing hook then gets them, and a draft's
+// routing op weighs its predictions by them (off: the hook's weights are null, every prediction weighs 1). On a
+// device each layer's weights are one more read back to the host per ubatch, a host wait a slot layer whose
+// experts all hit would otherwise not take. Set it before creating a context.
 LLAMA_API void    llama_pyspecter_set_route_weights(struct llama_model * model, bool enabled);
 
 // Called once per MoE layer per ubatch from the compute thread, just before the routing hook, with the layer's

@@ -32,8 +32,8 @@ class Hooks:
 
     def __init__(self, model, on_route: RouteFn | None, on_wait: WaitFn | None = None, *,
                  n_slots: int | None = None, on_input: InputFn | None = None, weights: bool = True) -> None:
-        """weights=False: on_route does not read the router weights (on a device they then stay there: one read
-        back less per layer, and on_route's weights are a null pointer)."""
+        """weights=False: on_route does not read the router weights, and gets a null pointer for them (on a device
+        they then stay there: one read back to the host less per layer)."""
         self.model = model
         self.api = slots()
         if n_slots is not None:

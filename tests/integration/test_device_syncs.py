@@ -16,6 +16,7 @@ from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.models.tiny import build_tiny
 from pyspecter.native import graph_splits
 from pyspecter.native.devices import Device, open_device
+from pyspecter.native.hooks import Hooks
 
 N_TOKENS = 4
 # a GPU-like device (switches dear, device rows fast, a quick link): the plan then mixes full, slot and host layers
@@ -34,27 +35,41 @@ def dev() -> Iterator[Device]:
     stop_server(proc)
 
 
-def counts(path, lay: ModelLayout, dev: Device, plan: LayerPlan, *, resident: bool = False) -> tuple[int, dict]:
+def counts(path, lay: ModelLayout, dev: Device, plan: LayerPlan, *, resident: bool = False,
+           weights: list | None = None) -> tuple[int, dict]:
     """(splits of the one-token graph, synchronisation counts per decode token) of a placement: full layers on the
-    device, host ones on the host, slot layers with slots (every expert loaded first where ``resident``)."""
+    device, host ones on the host, slot layers with slots (every expert loaded first where ``resident``). With a
+    ``weights`` list, a routing hook that reads the router weights appends each decode token's call's [n_used]
+    floats."""
     with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
         cache = (ExpertCache(m, lay, plan.n_slots, miss="cpu", kinds=plan.native_kinds())
                  if plan.layers("slots") else None)
+        hooks = None
         try:
+            if weights is not None:
+                def on_route(_il: int, _n_tokens: int, n_used: int, _ids, w) -> None:
+                    weights.append([w[j] for j in range(n_used)] if w else None)
+                hooks = Hooks(m, on_route, weights=True)
             if cache is not None and resident:
                 cache.warm({il: list(range(lay.n_expert)) for il in plan.layers("slots")})
             with native.Context(m) as ctx:
                 splits = graph_splits()
                 ctx.decode(m.tokenize("the scheduler counts what it does"))
                 native.sync_counts(reset=True)
+                if weights is not None:
+                    weights.clear()  # the decode tokens' calls only
                 for t in range(N_TOKENS):
                     ctx.decode([t + 5])
                 c = native.sync_counts().as_dict()
+                if hooks is not None:
+                    hooks.check()
                 if cache is not None:
                     cache.check()
                     if resident:
                         assert cache.counters()["hit_rate"] == 1.0
         finally:
+            if hooks is not None:
+                hooks.close()
             if cache is not None:
                 cache.close()
     assert splits is not None
@@ -77,10 +92,29 @@ def test_counted_synchronisations_follow_the_placement(dev: Device) -> None:
     assert device[0] == 2 and cpu_moe[0] == 2 + 2 * L and half[0] == 2 + L
     # the host waits for the device more the more host layers there are
     assert device[1]["syncs"] < half[1]["syncs"] < cpu_moe[1]["syncs"]
-    # a slot layer whose experts all hit still visits the host: its two switches, and at least stock's host waits
-    # (the goal of the GPU issue is none: this is where it shows)
+    # a slot layer whose experts all hit still visits the host: its two switches (the goal of the GPU issue is
+    # none: this is where it shows), but with one host wait fewer than a stock host layer: stock's reads back its
+    # input and its expert ids, two tensors; a slot layer reads back one, its input with the looked-up (slot, expert)
+    # pairs packed behind it (the router weights stay on the device: nothing on the host reads them)
     assert resident[0] == cpu_moe[0]
-    assert resident[1]["syncs"] >= cpu_moe[1]["syncs"]
+    assert resident[1]["syncs"] == cpu_moe[1]["syncs"] - L
+
+
+def test_router_weights_cross_to_the_host_only_for_a_reader(dev: Device) -> None:
+    """A routing hook that asks for the router weights gets them on a device, at one more host wait per slot layer
+    and token (the weights' read back); without one they stay on the device."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    every = LayerPlan({L_.index: "slots" for L_ in lay.layers}, lay.n_expert)
+    _, without = counts(path, lay, dev, every, resident=True)
+    got: list = []
+    _, with_w = counts(path, lay, dev, every, resident=True, weights=got)
+    assert with_w["syncs"] == without["syncs"] + len(lay.layers)
+    # every decode call's weights arrived: the normalised top-k probabilities of the token (qwen3moe), so each
+    # call's are positive and sum to 1
+    assert len(got) == len(lay.layers) * N_TOKENS
+    for w in got:
+        assert w is not None and min(w) > 0 and sum(w) == pytest.approx(1.0, abs=1e-5)
 
 
 @pytest.mark.parametrize("costs", [GPU, RPC], ids=["gpu-like", "rpc-like"])
