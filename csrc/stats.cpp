@@ -145,11 +145,14 @@ const sync_wrap * wrap_of(ggml_backend_dev_t dev) {
 
 void counted_synchronize(ggml_backend_t backend) {
     const auto * w = wrap_of(backend->device);
-    if (w && !w->is_cpu) {
-        t_sync.syncs++;
-    }
+    const bool counted = w && !w->is_cpu;
+    const int64_t t0 = counted ? pyspecter_now_ns() : 0;
     if (w && w->synchronize) {
         w->synchronize(backend);
+    }
+    if (counted) {
+        t_sync.syncs++;
+        t_sync.sync_ns += pyspecter_now_ns() - t0;
     }
 }
 
@@ -161,13 +164,18 @@ ggml_status counted_graph_compute(ggml_backend_t backend, ggml_cgraph * graph) {
         t_sync.switches++;
     }
     t_last_kind = kind;
-    return w->graph_compute(backend, graph);
+    const int64_t t0 = pyspecter_now_ns();
+    const ggml_status st = w->graph_compute(backend, graph);
+    (kind ? t_sync.device_compute_ns : t_sync.host_compute_ns) += pyspecter_now_ns() - t0;
+    return st;
 }
 
 void counted_event_synchronize(ggml_backend_dev_t dev, ggml_backend_event_t event) {
     const auto * w = wrap_of(dev);
-    t_sync.event_syncs++;
+    const int64_t t0 = pyspecter_now_ns();
     w->event_synchronize(dev, event);
+    t_sync.event_syncs++;
+    t_sync.sync_ns += pyspecter_now_ns() - t0;
 }
 
 ggml_backend_t counted_init_backend(ggml_backend_dev_t dev, const char * params) {

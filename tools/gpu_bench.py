@@ -105,6 +105,10 @@ def rows(bench: dict) -> list[dict]:
             "switches_taken_per_moe_layer": p.get("switches_taken_per_moe_layer"),
             "host_syncs_per_token": p.get("host_syncs_per_token"),
             "host_syncs_per_moe_layer": p.get("host_syncs_per_moe_layer"),
+            # where the token's time went on the decoding thread (bench's device columns): waiting for the device,
+            # computing the host's splits, launching the device's
+            "host_wait_ms": p.get("host_wait_ms_per_token"), "host_split_ms": p.get("host_split_ms_per_token"),
+            "device_launch_ms": p.get("device_launch_ms_per_token"),
             # what a token moved over its own time: the issue's "effective" rate (58.8 MB in an 11.8 ms token)
             "upload_gbps": p["bytes_per_token"] / (tpot * 1e6) if p.get("bytes_per_token") else 0.0,
             # stock's rows have no slots: a hit rate would say nothing
@@ -151,22 +155,25 @@ def markdown(report: dict) -> str:
              f"{report['prompt_tokens']}-token prompt, one run per row; model built in {report['model_s']:.0f} s.",
              "",
              "| VRAM for experts | placement | ms per token | ÷ stock `--n-cpu-moe` | host switches per MoE layer "
-             "(splits / taken) | host syncs per MoE layer (counted, over the floor) | upload GB/s (link) | hit rate "
-             "| predicted ms (measured costs / refitted) | logits bit-equal to stock `--cpu-moe`'s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(splits / taken) | host syncs per MoE layer (counted, over the floor) | ms per token: host waits / "
+             "CPU splits / device launches | upload GB/s (link) | hit rate | predicted ms (measured costs / refitted) "
+             "| logits bit-equal to stock `--cpu-moe`'s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["sets"]:
         if "skipped" in s:
-            lines.append(f"| {s['budget']} | skipped: {s['skipped']} | | | | | | | | |")
+            lines.append(f"| {s['budget']} | skipped: {s['skipped']} | | | | | | | | | |")
             continue
         for r in s["rows"]:
             if "skipped" in r:
-                lines.append(f"| {s['budget']} | {r['row']} | skipped: {r['skipped'][:80]} | | | | | | | |")
+                lines.append(f"| {s['budget']} | {r['row']} | skipped: {r['skipped'][:80]} | | | | | | | | |")
                 continue
             same = r["same_logits_as_stock"]
             lines.append(
                 f"| {s['budget']} | {r['row']} | {r['ms_per_token']:.2f} | {_f(r['vs_stock_n_cpu_moe'], '.2f')} "
                 f"| {_f(r['switches_per_moe_layer'], '.2f')} / {_f(r['switches_taken_per_moe_layer'], '.2f')} "
                 f"| {_f(r['host_syncs_per_moe_layer'], '.2f')} "
+                f"| {_f(r.get('host_wait_ms'), '.2f')} / {_f(r.get('host_split_ms'), '.2f')} / "
+                f"{_f(r.get('device_launch_ms'), '.2f')} "
                 f"| {r['upload_gbps']:.2f} ({_f(r['link_gbps'], '.1f')}) | {_f(r['hit_rate'], '.1%')} "
                 f"| {_f(r['predicted_ms'], '.2f')} / {_f(r['predicted_calibrated_ms'], '.2f')} "
                 f"| {'-' if same is None else 'yes' if same else 'NO'} |")

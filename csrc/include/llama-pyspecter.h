@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 25
+#define LLAMA_PYSPECTER_VERSION 26
 
 #ifdef __cplusplus
 extern "C" {
@@ -422,6 +422,10 @@ struct llama_pyspecter_sync_counts {
     int64_t device_computes; // graph computes (a split each) on a counted non-CPU device
     int64_t host_computes;   // ... on a counted CPU device
     int64_t switches;        // consecutive graph computes on different kinds (host, device): a split boundary taken
+    // where a token's time went, by the same wrappers (times, for benchmarks: two clock reads per call)
+    int64_t sync_ns;           // in the syncs and event_syncs above: the host waiting for the device
+    int64_t host_compute_ns;   // in host graph computes: the CPU splits (synchronous: their whole compute)
+    int64_t device_compute_ns; // in device graph computes: launching a split (asynchronous on CUDA; a round trip on RPC)
 };
 // Count dev's synchronisations from now on (its backends made after this call; idempotent; dev a ggml device,
 // the CPU's too: its graph computes are the host splits). 0, or LLAMA_PYSPECTER_ERR_ARG.

@@ -98,6 +98,11 @@ class SyncCounts(ctypes.Structure):
         ("device_computes", ctypes.c_int64),  # device splits computed
         ("host_computes", ctypes.c_int64),  # host (CPU) splits computed
         ("switches", ctypes.c_int64),  # consecutive splits on different kinds (host, device)
+        # where the time went (for benchmarks): the host waiting in those syncs, computing its splits, launching the
+        # device's (asynchronous on CUDA, a round trip on RPC)
+        ("sync_ns", ctypes.c_int64),
+        ("host_compute_ns", ctypes.c_int64),
+        ("device_compute_ns", ctypes.c_int64),
     ]
 
     syncs: int
@@ -105,6 +110,9 @@ class SyncCounts(ctypes.Structure):
     device_computes: int
     host_computes: int
     switches: int
+    sync_ns: int
+    host_compute_ns: int
+    device_compute_ns: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}

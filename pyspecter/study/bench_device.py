@@ -18,7 +18,8 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
     every device graph has (the host's input split, then the device), per MoE layer; and, from ``syncs`` (the
     decode's ``native.sync_counts`` over ``n_tokens`` tokens), what the scheduler actually did per token: splits
     computed, switches between host and device taken, and the host's waits for the device (stream or event
-    synchronisations), with the same two-per-graph floor taken out per MoE layer."""
+    synchronisations), with the same two-per-graph floor taken out per MoE layer; and the time in those waits, in
+    the host's splits and in launching the device's."""
     if not on_device or splits is None:
         return {}
     out = {"splits_per_token": splits, "host_switches_per_moe_layer": (splits - 2) / n_moe_layers}
@@ -29,7 +30,12 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
                    switches_taken_per_token=per["switches"],
                    switches_taken_per_moe_layer=(per["switches"] - 2) / n_moe_layers,
                    # the host waiting for the device: stream synchronisations and event synchronisations
-                   host_syncs_per_token=per["syncs"] + per["event_syncs"], sync_counts_per_token=per)
+                   host_syncs_per_token=per["syncs"] + per["event_syncs"], sync_counts_per_token=per,
+                   # where a token's time went, on the decoding thread: waiting for the device, computing the host's
+                   # splits, launching the device's (the rest: the scheduler's copies, sampling, Python)
+                   host_wait_ms_per_token=per.get("sync_ns", 0) / 1e6,
+                   host_split_ms_per_token=per.get("host_compute_ns", 0) / 1e6,
+                   device_launch_ms_per_token=per.get("device_compute_ns", 0) / 1e6)
     return out
 
 

@@ -273,6 +273,8 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     assert pol["stock-n-cpu-moe"]["same_tokens_as_stock"]
     # host round trips: a slot layer costs what a --cpu-moe layer does; the plan is never predicted slower
     assert pol["stock-cpu-moe"]["host_switches_per_moe_layer"] == 2.0
+    # where the time went: --cpu-moe's host layers are CPU splits, and the host waits for the device between them
+    assert pol["stock-cpu-moe"]["host_split_ms_per_token"] > 0 and pol["stock-cpu-moe"]["host_wait_ms_per_token"] > 0
     for p in ("on-demand-lru", "on-demand-cpu"):
         assert pol[p]["splits_per_token"] == pol["stock-cpu-moe"]["splits_per_token"]
     assert pol["plan"]["same_tokens_as_stock"]

@@ -89,6 +89,10 @@ def test_counted_synchronisations_follow_the_placement(dev: Device) -> None:
         # every split of the graph is computed once a token, and each boundary is a switch taken
         assert c["device_computes"] + c["host_computes"] == splits
         assert c["switches"] == splits
+        # and the time each kind took is counted where it happened (times, for bench: only their presence here)
+        assert (c["host_compute_ns"] > 0) == (c["host_computes"] > 0)
+        assert (c["device_compute_ns"] > 0) == (c["device_computes"] > 0)
+        assert (c["sync_ns"] > 0) == (c["syncs"] + c["event_syncs"] > 0)
     assert device[0] == 2 and cpu_moe[0] == 2 + 2 * L and half[0] == 2 + L
     # the host waits for the device more the more host layers there are
     assert device[1]["syncs"] < half[1]["syncs"] < cpu_moe[1]["syncs"]

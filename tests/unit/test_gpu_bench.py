@@ -28,6 +28,7 @@ def _bench(with_floor: bool) -> dict:
                             "switches_taken_per_moe_layer": 1.0, "host_syncs_per_token": 104.0,
                             "bytes_per_token": 0, "hit_rate": 1.0, "predicted_ms": 19.0, "same_logits_as_stock": True},
         "plan": {"tpot_ms": 16.0, "host_switches_per_moe_layer": 1.0, "host_syncs_per_token": 128.0,
+                 "host_wait_ms_per_token": 3.5, "host_split_ms_per_token": 6.25, "device_launch_ms_per_token": 0.5,
                  "bytes_per_token": 40e6, "hit_rate": 0.8, "predicted_ms": 15.0, "same_logits_as_stock": True},
         "engine": {"skipped": "no room"},
     }
@@ -55,6 +56,12 @@ def test_rows_and_floor(gb) -> None:
                       "prompt_tokens": 64, "model_s": 30.0, "sets": sets, "notes": []})
     assert "| 16GiB | ours, the layer plan (24 full, 12 slots (64/128), 12 host) | 16.00 | 0.80 |" in md
     assert "| 8GiB | ours, the engine | skipped: no room |" in md
+    # where the time went: bench's three device times, per token; a row without them shows dashes
+    assert "| 2.50 | 3.50 / 6.25 / 0.50 |" in md
+    assert "| - / - / - |" in md
+    # every row has as many cells as the header
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert len({ln.count("|") for ln in table}) == 1, table
 
 
 def test_the_time_guard_skips_what_does_not_fit(gb, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
