@@ -21,7 +21,10 @@
 #   2. build: SPECTER_CUDA=1 tools/build_llama.py from .gpu/llama-src.tar.gz (SPECTER_SDIST), one architecture (the
 #      GPU's compute capability, else 90; SPECTER_CUDA_ARCH wins), flash-attention kernels left out; its own cache
 #      key; the bindings are used through PYTHONPATH (--print-root), whatever the interpreter has linked
-#   3. device: nvidia-smi, and `pyspecter inspect tiny-qwen3moe --device cuda0` (the device enumerates, memory)
+#   3. device: nvidia-smi; the probe (tools/gpu_probe.cu, compiled with nvcc, the CUDA runtime alone, seconds):
+#      a host wait's and a host visit's floor, one expert uploaded or read zero-copy from pinned host memory, H2D
+#      rates pinned and pageable, to $OUT/gpu_probe.json; and `pyspecter inspect tiny-qwen3moe --device cuda0`
+#      (the device enumerates, memory)
 #   4. verify: every fixture arch (pyspecter/models/tiny.py TINY_MODELS) with --device cuda0, slots k, E/2 and E,
 #      misses wait and cpu; verify's `contract_ok` decides where its JSON has one (the GPU contract: never NaN/inf,
 #      every expert in a slot = stock-device, with misses no further from stock-device than stock's --cpu-moe run;
@@ -64,7 +67,7 @@
 # GPU_CHECK_BUDGET_S (default 575: run it with the device tool's timeout_s 600) bounds the whole run; the verify
 # steps stop early enough to leave GPU_CHECK_BENCH_S (default 110) for the bench model and its bench, and those
 # GPU_CHECK_BIG_S (default 250) for
-# step 6. With the CUDA build's ~170 s that leaves verify about half a minute on 16 cores (breadth first: every
+# step 6. With the CUDA build's ~170 s that leaves verify about half a minute on 16 cores, less the probe's seconds (breadth first: every
 # arch's first case); GPU_CHECK_BIG=0 gives step 6's time back to steps 4 and 5.
 # Other knobs: OUT (default out/gpu_check), GPU_CHECK_MODEL (default bench-qwen3moe; dry run tiny-qwen3moe),
 # GPU_CHECK_DEVICE (default cuda0), GPU_CHECK_PAR (verify runs at a time: 4, dry run 1), GPU_CHECK_REPEAT and
@@ -171,7 +174,7 @@ BIG_FROM=$((DEADLINE - BIG_S))  # steps 4 and 5 end by then
 RPC_PID=
 
 # the Python side of the report, written once: gc.py cause | python | build-detail | verify-row | bench-rows |
-# device-table | table
+# probe-detail | device-table | table
 cat > "$WORK/gc.py" <<'EOF'
 import json, re, sys
 from pathlib import Path
@@ -320,6 +323,15 @@ def bench_rows(path, steps, status, secs, cause=""):
     with open(steps, "a") as f:
         for row in rows:
             f.write("\t".join(str(x) for x in row) + "\n")
+
+
+def probe_detail(path):
+    """The probe's row: tools/gpu_probe.cu's JSON, short."""
+    p = last_json(path)
+    print(f"sync {p['sync_us']:.1f} us, host visit {p['visit_us']:.1f} us; one expert uploaded "
+          f"{p['upload_expert_us']:.0f} us, read zero-copy {p['zero_copy_expert_us']:.0f} us (from device memory "
+          f"{p['device_expert_us']:.0f}); H2D {p['h2d_pinned_gbps']:.1f} GB/s pinned, {p['h2d_pageable_gbps']:.1f} "
+          f"pageable; zero-copy reads {p['zero_copy_gbps']:.1f} GB/s, device {p['device_read_gbps']:.0f}")
 
 
 def device_table(bench_json, out):
@@ -599,6 +611,30 @@ if [ "$DRY" != 1 ]; then
         record nvidia-smi ok "$SECS" "$(last_line "$WORK/smi.txt")"
     else
         record nvidia-smi "$(status_of $RC)" "$SECS" "$(why $RC "$WORK/smi.txt")"
+    fi
+fi
+# the probe: what a host visit, an upload and a zero-copy read of pinned host memory cost on this GPU, with the
+# CUDA runtime alone (tools/gpu_probe.cu; seconds): the numbers issue 42's candidate designs are chosen by
+if [ "$DRY" = 1 ]; then
+    record probe skip 0 "dry run: no GPU"
+else
+    NVCC=${CUDACXX:-}
+    for c in "${CUDA_HOME:-/nonexistent}/bin/nvcc" /usr/local/cuda/bin/nvcc "$(command -v nvcc 2>/dev/null)"; do
+        if [ -z "$NVCC" ] && [ -n "$c" ] && [ -x "$c" ]; then NVCC=$c; fi
+    done
+    probe_arch=${SPECTER_CUDA_ARCH:-90}
+    if [ "$probe_arch" = native ]; then probe_arch=-arch=native; else probe_arch=-arch=sm_$probe_arch; fi
+    if [ -z "$NVCC" ]; then
+        record probe FAIL 0 "no nvcc (CUDACXX, CUDA_HOME/bin, /usr/local/cuda/bin, PATH)"
+    else
+        run probe 90 "$DEADLINE" "$WORK/probe.txt" bash -c '"$1" -O2 "$2" tools/gpu_probe.cu -o "$3" && "$3"' \
+            probe "$NVCC" "$probe_arch" "$WORK/gpu_probe"
+        if [ "$RC" = 0 ]; then
+            last_line "$WORK/probe.txt" > "$OUT/gpu_probe.json"
+            record probe ok "$SECS" "$("$PY" "$GC" probe-detail "$OUT/gpu_probe.json" 2>&1)"
+        else
+            record probe "$(status_of $RC)" "$SECS" "$(why $RC "$WORK/probe.txt")"
+        fi
     fi
 fi
 if [ "$BUILT" = 1 ]; then

@@ -155,3 +155,39 @@ def test_verify_rows_use_the_contract_when_verify_reports_one(gc, tmp_path: Path
     with pytest.raises(SystemExit) as e:
         _row(gc, tmp_path, capsys, None, noise="Segmentation fault\n")
     assert e.value.code == 3
+
+
+PROBE_KEYS = {"sync_us", "visit_us", "upload_expert_us", "h2d_pinned_gbps", "h2d_pageable_gbps",
+              "zero_copy_expert_us", "zero_copy_gbps", "device_expert_us", "device_read_gbps"}
+
+
+def _nvcc() -> str | None:
+    import shutil
+
+    return shutil.which("nvcc") or next((str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.exists()), None)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="no nvcc: the probe is compiled on the GPU machine by gpu_check")
+def test_the_probe_compiles_and_says_what_it_measured_or_why_not(tmp_path: Path) -> None:
+    """tools/gpu_probe.cu as gpu_check builds it: with a GPU, one JSON object of every measurement; without one (a
+    build machine), exit 2 and one line naming the missing device, never a crash or a partial JSON."""
+    exe = tmp_path / "gpu_probe"
+    r = subprocess.run([_nvcc(), "-O2", "-arch=sm_90", str(ROOT / "tools" / "gpu_probe.cu"), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    if r.returncode == 0:
+        assert PROBE_KEYS <= json.loads(r.stdout).keys()
+    else:
+        assert r.returncode == 2 and r.stdout == ""
+        assert r.stderr.startswith("gpu_probe: no CUDA device 0") and r.stderr.count("\n") == 1
+    bad = subprocess.run([str(exe), "--expert-bytes", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "bad argument --expert-bytes" in bad.stderr
+
+
+def test_the_probe_row_names_every_measurement(gc, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    f = tmp_path / "gpu_probe.json"
+    f.write_text(json.dumps({**{k: 1.5 for k in PROBE_KEYS}, "sync_us": 7.25, "visit_us": 31.0}) + "\n")
+    gc.probe_detail(str(f))
+    row = capsys.readouterr().out
+    assert row.startswith("sync 7.2 us, host visit 31.0 us;") and "zero-copy reads 1.5 GB/s" in row
