@@ -11,7 +11,8 @@
 //   zero_copy_expert_us a kernel reading one expert's bytes straight from mapped pinned host memory (over the link,
 //                       no copy): candidate 1's miss path, against upload_expert_us and a host visit
 //   zero_copy_gbps      that read over many experts' bytes
-//   device_read_gbps    the same kernel over device memory: the rate a resident expert is read at
+//   device_expert_us    the same kernel over one expert in device memory: a resident expert's read
+//   device_read_gbps    that over many experts' bytes
 //
 //   nvcc -O2 -arch=sm_90 tools/gpu_probe.cu -o gpu_probe && ./gpu_probe [--expert-bytes N] [--pack-bytes N]
 //                                                                      [--rows-bytes N] [--device I]
@@ -182,11 +183,13 @@ int main(int argc, char ** argv) {
     }
     const double visit_us = median(t);
 
-    // one expert uploaded, synchronised
+    // one expert uploaded, synchronised (each repeat another expert's bytes)
     t.clear();
     for (int i = 0; i < 60; ++i) {
+        const size_t off = (size_t) (i % n_rate) * expert_bytes;
         const double t0 = now_us();
-        CHECK(cudaMemcpyAsync(d_big, h_pinned, expert_bytes, cudaMemcpyHostToDevice, st));
+        CHECK(cudaMemcpyAsync((char *) d_big + off, (const char *) h_pinned + off, expert_bytes,
+                              cudaMemcpyHostToDevice, st));
         CHECK(cudaStreamSynchronize(st));
         if (i >= 10) {
             t.push_back(now_us() - t0);
@@ -211,12 +214,15 @@ int main(int argc, char ** argv) {
     const double h2d_pinned_gbps = rate(h_pinned);
     const double h2d_pageable_gbps = rate(pageable.data());
 
-    // reads by a kernel: one expert from mapped pinned host memory, then many; the same from device memory
+    // reads by a kernel: one expert from mapped pinned host memory, then many; the same from device memory. Each
+    // repeat of a one-expert read takes the next expert of the buffer, so none is served from the GPU's L2 (tens
+    // of MB: a few experts would fit), as a miss's expert would not be
     auto read = [&](const float * src, size_t bytes, int n) {
         std::vector<double> r;
         for (int k = 0; k < n + 3; ++k) {
+            const size_t off = bytes < big ? (size_t) (k % n_rate) * expert_bytes : 0;
             const double t0 = now_us();
-            read_kernel<<<blocks, threads, 0, st>>>((const float4 *) src, bytes / 16, d_out);
+            read_kernel<<<blocks, threads, 0, st>>>((const float4 *) ((const char *) src + off), bytes / 16, d_out);
             CHECK(cudaStreamSynchronize(st));
             if (k >= 3) {
                 r.push_back(now_us() - t0);
