@@ -40,6 +40,19 @@ static double median(std::vector<double> v) {
     return v[v.size() / 2];
 }
 
+// Median wall time in us of body(i) over n repeats, after `warm` untimed ones; body ends synchronised.
+template <typename F> static double timed(int n, int warm, F body) {
+    std::vector<double> t;
+    for (int i = 0; i < warm + n; ++i) {
+        const double t0 = now_us();
+        body(i);
+        if (i >= warm) {
+            t.push_back(now_us() - t0);
+        }
+    }
+    return median(t);
+}
+
 // Any CUDA error after the device was found is a failure of the probe itself: say where, exit 1.
 #define CHECK(call)                                                                                               \
     do {                                                                                                          \
@@ -152,24 +165,14 @@ int main(int argc, char ** argv) {
     memset(h_mapped, 1, big);
     memset(h_rows, 0, rows_bytes);
 
-    const int reps = 200;
-    std::vector<double> t;
-
     // the floor of a host wait
-    for (int i = 0; i < reps + 10; ++i) {
-        const double t0 = now_us();
+    const double sync_us = timed(200, 10, [&](int) {
         empty_kernel<<<1, 1, 0, st>>>();
         CHECK(cudaStreamSynchronize(st));
-        if (i >= 10) {
-            t.push_back(now_us() - t0);
-        }
-    }
-    const double sync_us = median(t);
+    });
 
     // a host visit: the pack written on the device, read back, the host's rows sent down before the next kernel
-    t.clear();
-    for (int i = 0; i < reps + 10; ++i) {
-        const double t0 = now_us();
+    const double visit_us = timed(200, 10, [&](int) {
         write_kernel<<<1, threads, 0, st>>>(d_pack, pack_bytes / sizeof(float));
         CHECK(cudaMemcpyAsync(h_pack, d_pack, pack_bytes, cudaMemcpyDeviceToHost, st));
         CHECK(cudaStreamSynchronize(st));
@@ -177,39 +180,25 @@ int main(int argc, char ** argv) {
         CHECK(cudaMemcpyAsync(d_rows, h_rows, rows_bytes, cudaMemcpyHostToDevice, st));
         empty_kernel<<<1, 1, 0, st>>>();
         CHECK(cudaStreamSynchronize(st));
-        if (i >= 10) {
-            t.push_back(now_us() - t0);
-        }
-    }
-    const double visit_us = median(t);
+    });
 
     // one expert uploaded, synchronised (each repeat another expert's bytes)
-    t.clear();
-    for (int i = 0; i < 60; ++i) {
+    const double upload_expert_us = timed(50, 10, [&](int i) {
         const size_t off = (size_t) (i % n_rate) * expert_bytes;
-        const double t0 = now_us();
         CHECK(cudaMemcpyAsync((char *) d_big + off, (const char *) h_pinned + off, expert_bytes,
                               cudaMemcpyHostToDevice, st));
         CHECK(cudaStreamSynchronize(st));
-        if (i >= 10) {
-            t.push_back(now_us() - t0);
-        }
-    }
-    const double upload_expert_us = median(t);
+    });
 
-    // upload rates: every expert back to back, from pinned and from pageable memory
+    // upload rates: every expert back to back, from pinned and from pageable memory (bytes per ns = GB/s)
     auto rate = [&](const void * src) {
-        std::vector<double> r;
-        for (int k = 0; k < 5; ++k) {
-            const double t0 = now_us();
+        return big / (1e3 * timed(5, 0, [&](int) {
             for (int e = 0; e < n_rate; ++e) {
                 CHECK(cudaMemcpyAsync((char *) d_big + e * expert_bytes, (const char *) src + e * expert_bytes,
                                       expert_bytes, cudaMemcpyHostToDevice, st));
             }
             CHECK(cudaStreamSynchronize(st));
-            r.push_back(big / ((now_us() - t0) * 1e3)); // bytes per ns = GB/s
-        }
-        return median(r);
+        }));
     };
     const double h2d_pinned_gbps = rate(h_pinned);
     const double h2d_pageable_gbps = rate(pageable.data());
@@ -218,18 +207,13 @@ int main(int argc, char ** argv) {
     // repeat of a one-expert read takes the next expert of the buffer, so none is served from the GPU's L2 (tens
     // of MB: a few experts would fit), as a miss's expert would not be
     auto read = [&](const float * src, size_t bytes, int n) {
-        std::vector<double> r;
-        for (int k = 0; k < n + 3; ++k) {
+        const double us = timed(n, 3, [&](int k) {
             const size_t off = bytes < big ? (size_t) (k % n_rate) * expert_bytes : 0;
-            const double t0 = now_us();
             read_kernel<<<blocks, threads, 0, st>>>((const float4 *) ((const char *) src + off), bytes / 16, d_out);
             CHECK(cudaStreamSynchronize(st));
-            if (k >= 3) {
-                r.push_back(now_us() - t0);
-            }
-        }
+        });
         CHECK(cudaGetLastError());
-        return median(r);
+        return us;
     };
     const double zero_copy_expert_us = read(d_mapped, expert_bytes, 50);
     const double zero_copy_gbps = big / (read(d_mapped, big, 5) * 1e3);
