@@ -182,7 +182,7 @@ class ExpertCache:
         self._observer = obs
         if obs is not None and self.hooks is None:
             # the decision stays in C; the hook only observes
-            self.hooks = Hooks(self.model, self._observe_route, weights=False)
+            self.hooks = Hooks(self.model, self._observe_route)
 
     def _observe_route(self, il: int, n_tokens: int, n_used: int, ids_p, _weights_p) -> None:
         if self._observer is not None:

@@ -97,7 +97,7 @@ def _extra_rows(path: str | Path, layout: ModelLayout, steps: list[list[int]], n
 
     wide = [False]
     with native.Model(path) as model:
-        hooks = Hooks(model, on_route, n_slots=1, weights=False)  # one slot, never filled: every row on the host path
+        hooks = Hooks(model, on_route, n_slots=1)  # one slot, never filled: every row on the host path
         try:
             with native.Context(model, n_ctx=sum(map(len, steps)) + 16, n_threads=n_threads) as ctx:
                 for step in steps:

@@ -338,7 +338,7 @@ def routing_trace(path: Path, tokens: list[int]) -> np.ndarray:
             np.ctypeslib.as_array(ids, shape=(n_tokens * n_used,)).reshape(n_tokens, n_used).copy())
 
     with native.Model(path) as model:
-        hooks = Hooks(model, on_route, n_slots=lay.n_expert, weights=False)  # slots never written: they take no memory
+        hooks = Hooks(model, on_route, n_slots=lay.n_expert)  # slots never written: they take no memory
         with native.Context(model, n_ctx=len(tokens) + 8, n_batch=512, n_threads=N_THREADS) as ctx:
             ctx.decode(tokens, logits_all=True)
         hooks.close()

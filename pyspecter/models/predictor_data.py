@@ -81,7 +81,7 @@ class _Recorder:
         self.x: list[list[np.ndarray]] = [[] for _ in layout.layers]
         self.ids: list[list[np.ndarray]] = [[] for _ in layout.layers]
         # one slot per layer, never filled: every row stays on the host path (stock computation)
-        self.hooks = Hooks(model, self._on_route, n_slots=1, on_input=self._on_input, weights=False)
+        self.hooks = Hooks(model, self._on_route, n_slots=1, on_input=self._on_input)
 
     def _on_input(self, il: int, x: np.ndarray) -> None:
         j = self.pos.get(il)

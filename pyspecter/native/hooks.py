@@ -31,9 +31,9 @@ class Hooks:
     change the graph, so they must be registered before the model's context is created."""
 
     def __init__(self, model, on_route: RouteFn | None, on_wait: WaitFn | None = None, *,
-                 n_slots: int | None = None, on_input: InputFn | None = None, weights: bool = True) -> None:
-        """weights=False: on_route does not read the router weights, and gets a null pointer for them (on a device
-        they then stay there: one read back to the host less per layer)."""
+                 n_slots: int | None = None, on_input: InputFn | None = None, weights: bool = False) -> None:
+        """weights=True: on_route reads the router weights (else it gets a null pointer for them, as the C side's
+        default: on a device they stay there, one read back to the host less per layer)."""
         self.model = model
         self.api = slots()
         if n_slots is not None:

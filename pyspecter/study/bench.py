@@ -100,7 +100,7 @@ def calibration_profile(path: Path, layout: ModelLayout, n_threads: int) -> dict
             toks += model.tokenize(render_prompt(model, p["messages"]), add_special=not toks)
         toks = toks[:CALIBRATION_TOKENS]
         # one slot per layer, never filled: every row on the host path, stock's numbers
-        hooks = Hooks(model, on_route, n_slots=1, weights=False)
+        hooks = Hooks(model, on_route, n_slots=1)
         try:
             with Context(model, n_threads=n_threads, n_ctx=len(toks) + 8) as ctx:
                 # every row an output, so the last layer routes every token too (llama.cpp prunes non-outputs)

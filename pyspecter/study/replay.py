@@ -58,7 +58,7 @@ def record_calls(path: str | Path, prompts: Sequence[Sequence[int]], n: int, *, 
 
     tokens: list[int] = []
     with Model(path) as model:
-        hooks = Hooks(model, on_route, n_slots=1, on_input=on_input if inputs else None, weights=False)
+        hooks = Hooks(model, on_route, n_slots=1, on_input=on_input if inputs else None)
         try:
             with Context(model, n_threads=n_threads, n_ctx=max(map(len, prompts)) + n + 8) as ctx:
                 for i, prompt in enumerate(prompts):

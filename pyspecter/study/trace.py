@@ -95,7 +95,7 @@ class _RouteRecorder:
         self._w: list[list[np.ndarray]] = [[] for _ in layout.layers]
         # One slot per layer, never filled: every row stays on the host path, which is stock llama.cpp's
         # computation, and the slot tensors cost one expert per layer.
-        self.hooks = Hooks(model, self._on_route, n_slots=1)
+        self.hooks = Hooks(model, self._on_route, n_slots=1, weights=True)
 
     def _on_route(self, il, n_tokens, n_used, ids_p, w_p) -> None:
         n = n_tokens * n_used
