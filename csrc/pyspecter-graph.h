@@ -47,5 +47,16 @@ ggml_tensor * llama_pyspecter_on_path(const llama_pyspecter_slots * slots, ggml_
 void llama_pyspecter_fence(llama_pyspecter_slots * slots, ggml_backend_sched * sched);
 
 // A context is going away (llama_context's destructor, after it synchronised): uploads stop ordering themselves
-// after its backends.
+// after its backends, and its scheduler's speculation state goes (speculate.cpp).
 void llama_pyspecter_context_gone(llama_pyspecter_slots * slots, ggml_backend_sched * sched);
+
+// Speculating that a ubatch hits (csrc/speculate.cpp). A slot layer whose rows all hit still visits the host in
+// its split form; a speculated graph has no host path at all (misses read zero slots) and logs on the device what
+// each slot path looked up. Before each ubatch's graph is taken (llama_context::process_ubatch, after its memory
+// context is applied): true when the scheduler's graph was built in the other form and must be built again.
+bool llama_pyspecter_begin_ubatch(llama_pyspecter_slots * slots, ggml_backend_sched * sched, int n_tokens);
+
+// After the ubatch's graph has computed: true when it was speculated and a row missed. The caller then runs the
+// same ubatch again (its KV cells are rewritten) without taking its memory context again; this time the graph is
+// built with host paths. Otherwise the layers' host-side routing (residency, hooks) has run.
+bool llama_pyspecter_redo(llama_pyspecter_slots * slots, ggml_backend_sched * sched);

@@ -154,6 +154,9 @@ int32_t lru_sim_call(std::vector<int64_t> & res, const std::vector<int32_t> & ne
 struct llama_pyspecter_table {
     ggml_tensor * t = nullptr;
     ggml_tensor * offs = nullptr;
+    // (slot, expert) of every row a speculated ubatch's slot paths looked up, as the device wrote them: a row of
+    // 2 * n_used * PYSPECTER_SPEC_MAX_TOKENS per layer (speculate.cpp reads it back once per ubatch)
+    ggml_tensor * spec_log = nullptr;
     std::vector<int32_t> image; // what the device holds
     bool dirty = false;         // remap changed since the image was last pushed
 };
@@ -174,6 +177,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
     std::atomic<int64_t> async_batches{0}; // upload batches sent on an upload stream and awaited by their event
     std::atomic<int64_t> compute_orders{0}; // upload batches ordered after the device's queued compute
+    std::atomic<int64_t> spec_ubatches{0}, spec_redos{0}; // speculated ubatches; of which a row missed (speculate.cpp)
 };
 
 // An emulated link (uploads.cpp charges every copy to it): a virtual clock of when the link is next free.
@@ -217,6 +221,25 @@ private:
     int32_t status_locked(int64_t ticket) const;
 };
 
+// Rows per ubatch a graph may speculate on: decode tokens and a draft's verification window (its log holds that many)
+constexpr int32_t PYSPECTER_SPEC_MAX_TOKENS = 8;
+
+// One scheduler's speculation (owner: speculate.cpp, but for the build's record, `built`, `listed` and `layers`,
+// which route.cpp's graph builder writes). Touched only by the thread decoding on that scheduler.
+struct pyspecter_spec {
+    const llama_pyspecter_slots * owner = nullptr;
+    bool built = false;        // the form its graph was last built in (speculated or with host paths)
+    bool redo = false;         // the next build is the redo of a speculated ubatch that missed: host paths
+    bool last_hit = false;     // the last ubatch hit in every row of every slot layer
+    int32_t skip = 0;          // ubatches to run with host paths before speculating again
+    int32_t backoff = 0;       // skip after the next speculation that misses (doubles each time, 0 after a hit)
+    int32_t n_tokens = 0;      // of the ubatch in flight
+    int64_t ubatch = 0;        // begin_ubatch calls
+    int64_t listed = -1;       // the ubatch whose build listed `layers`
+    int64_t miss_rows0 = 0;    // counters.miss_rows when the ubatch began
+    std::vector<llama_pyspecter_layer *> layers; // the speculated layers of its current graph
+};
+
 struct llama_pyspecter_slots {
     int32_t n_slots  = 0;
     int32_t n_expert = 0;
@@ -249,12 +272,17 @@ struct llama_pyspecter_slots {
         ggml_tensor * slot_ids = nullptr;
         const ggml_tensor * ffn_inp = nullptr;
         ggml_tensor * x_host = nullptr;
+        bool speculated = false; // the slot path alone (speculate.cpp): the route is slot_ids itself
     };
     mutable std::mutex graph_mu;
     mutable std::unordered_map<const ggml_tensor *, split_parts> split_routes;
     // the routing op reads the router weights: only for a reader that asked (a routing hook that wants them, a
     // draft's confidence); on a device each layer's weights are otherwise one more read back to the host
     bool route_weights = false;
+    // Speculating that a ubatch hits in every row (speculate.cpp, its owner): on, and each scheduler's state
+    std::atomic<bool> speculate{false};
+    std::mutex spec_mu;
+    std::unordered_map<const void *, pyspecter_spec> spec;
     std::vector<ggml_context *> ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
     // With slots on a device: a one-element tensor in a host weights buffer, a source of every route and wait op.
@@ -322,6 +350,18 @@ void pyspecter_late_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot)
 void pyspecter_late_reset(llama_pyspecter_layer * L);   // the routing op: no expert late yet, nothing settled
 void pyspecter_late_settle(llama_pyspecter_layer * L, bool settled); // the wait op: every late expert is in (or not)
 void pyspecter_mark_passed(llama_pyspecter_layer * L);  // the layer's route op has started in this ubatch
+// a context is going away (speculate.cpp's llama_pyspecter_context_gone): uploads stop ordering after its backends
+void pyspecter_compute_gone(llama_pyspecter_slots * s, const void * sched);
+
+// Speculation. speculate.cpp decides per ubatch and hands route.cpp's graph builder the scheduler's state for the
+// graph this thread may build next (null: none, the split form), which the builder records the graph's form and
+// speculated layers in.
+void pyspecter_build_for(pyspecter_spec * st, bool speculate);
+pyspecter_spec * pyspecter_build_state();
+// A speculated layer whose rows all hit, once its ubatch has run (route.cpp): what its route op would have done
+// on the host (native residency's decision, a draft's observation, the routing hook) from the (slot, expert) pairs
+// its slot path looked up, [n_tokens][n_used][2].
+void pyspecter_route_settled(llama_pyspecter_layer * L, const int32_t * pairs, int32_t n_tokens, int32_t n_used);
 
 
 // Runs f (returning a status) so that no exception leaves a C entry point: out of memory and anything else thrown

@@ -157,6 +157,41 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     timer.missed = missed || (native.owns_lock() && L->route_missed);
 }
 
+// The host side of a layer whose slot path has run from the table already (a split route's op, or a speculated
+// layer after its ubatch): native residency decides for the next ubatches (what lands reaches the device at the
+// next fence, an eviction at once only where the layer may still run), a draft observes, the routing hook hears
+// it. ids: the logical ids [n_tokens][n_used]. Returns whether native residency decided.
+static bool after_slot_path(llama_pyspecter_layer * L, const ggml_tensor * x, const ggml_tensor * raw,
+                            const ggml_tensor * w, const int32_t * ids, int32_t n_tokens, int32_t n_used) {
+    auto * s = L->parent;
+    const bool native = decide(L, x, raw, ids, n_tokens, n_used, false).owns_lock(); // released at once
+    pyspecter_draft_observe(L, ids, w, n_tokens, n_used); // a draft's step, or the window it handed over
+    if (s->route_cb) {
+        thread_local std::vector<float> wts;
+        if (w) {
+            wts.resize((size_t) n_tokens * n_used);
+            pack_weights(w, n_tokens, n_used, wts.data());
+        }
+        const int64_t c0 = pyspecter_now_ns();
+        s->route_cb(s->route_ud, L->il, n_tokens, n_used, ids, w ? wts.data() : nullptr);
+        s->counters.hook_ns += pyspecter_now_ns() - c0;
+    }
+    return native;
+}
+
+void pyspecter_route_settled(llama_pyspecter_layer * L, const int32_t * pairs, int32_t n_tokens, int32_t n_used) {
+    auto * s = L->parent;
+    const int32_t n = n_tokens * n_used;
+    thread_local std::vector<int32_t> ids;
+    ids.resize(n);
+    for (int32_t i = 0; i < n; ++i) {
+        ids[i] = pairs[2 * i + 1];
+    }
+    after_slot_path(L, nullptr, nullptr, nullptr, ids.data(), n_tokens, n_used);
+    s->counters.hit_rows += n;
+    s->counters.route_calls += 1;
+}
+
 // (slot, expert) of row i = t * n_used + j of a split route's pack [n_embd + 2 n_used, n_tokens] (k = 0, 1): token
 // t's row of the pack ends with its n_used pairs, as floats (exact: ids are far below 2^24).
 static int32_t pack_pair(const ggml_tensor * pack, int32_t n_used, int32_t i, int k) {
@@ -198,20 +233,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     for (int32_t i = 0; i < n; ++i) {
         host_ids[i] = pack_pair(pack, n_used, i, 1);
     }
-    // native residency decides for the next ubatches (this one's slot path ran from the table already): what
-    // lands reaches the device at the next fence, an eviction at once only where the layer may still run
-    const bool native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, false).owns_lock(); // released at once
-    pyspecter_draft_observe(L, host_ids, w, n_tokens, n_used); // a draft's step, or the window it handed over
-    if (s->route_cb) {
-        thread_local std::vector<float> wts;
-        if (w) {
-            wts.resize(n);
-            pack_weights(w, n_tokens, n_used, wts.data());
-        }
-        const int64_t c0 = pyspecter_now_ns();
-        s->route_cb(s->route_ud, L->il, n_tokens, n_used, host_ids, w ? wts.data() : nullptr);
-        s->counters.hook_ns += pyspecter_now_ns() - c0;
-    }
+    const bool native = after_slot_path(L, dst->src[2], dst->src[4], w, host_ids, n_tokens, n_used);
     int64_t hit = 0;
     for (int32_t i = 0; i < n; ++i) {
         if (!pyspecter_is_zero_slot(L, pack_pair(pack, n_used, i, 0))) {
@@ -253,6 +275,40 @@ static void wait_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     memcpy(dst->data, late_ids, n * sizeof(int32_t));
 }
 
+// The graph this thread may build next (speculate.cpp's begin_ubatch sets it, its redo clears it): the
+// scheduler's speculation state, which the build records its form and speculated layers in, and whether to
+// speculate. Null while nothing began (graph reserves, other threads): the split form, nothing recorded.
+static thread_local pyspecter_spec * t_building = nullptr;
+static thread_local bool t_speculate = false;
+
+void pyspecter_build_for(pyspecter_spec * st, bool speculate) {
+    t_building = st;
+    t_speculate = st && speculate;
+}
+
+pyspecter_spec * pyspecter_build_state() {
+    return t_building;
+}
+
+// Whether slot layer L of the graph being built is built speculated, given whether it could be (eligible); the
+// graph's first slot layer records the form the graph is built in.
+static bool speculate_layer(llama_pyspecter_layer * L, bool eligible) {
+    pyspecter_spec * st = t_building;
+    if (!st || st->owner != L->parent) { // not a build begin_ubatch began (left over by an aborted ubatch)
+        return false;
+    }
+    if (st->listed != st->ubatch) {
+        st->listed = st->ubatch;
+        st->built = t_speculate;
+        st->layers.clear();
+    }
+    if (!t_speculate || !eligible) {
+        return false;
+    }
+    st->layers.push_back(L);
+    return true;
+}
+
 ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspecter_slots * slots, int il,
                                           ggml_tensor * selected_experts, ggml_tensor * weights,
                                           ggml_tensor * ffn_inp, bool allow_split) {
@@ -272,8 +328,13 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         raw = ggml_mul_mat(ctx, L->reuse_t, x_last);
         ggml_format_name(raw, "ffn_moe_reuse-%d", il);
     }
-    if (allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb && !pyspecter_native_late(slots) &&
-            ffn_inp && ffn_inp->type == GGML_TYPE_F32 && ggml_is_contiguous(ffn_inp)) {
+    const bool split = allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb &&
+            !pyspecter_native_late(slots) && ffn_inp && ffn_inp->type == GGML_TYPE_F32 && ggml_is_contiguous(ffn_inp);
+    // speculated (speculate.cpp): the split form less its host path, where nothing on the host reads the layer
+    // mid-ubatch
+    const bool speculate = speculate_layer(L, split && !with_input && !slots->route_weights &&
+                                               selected_experts->ne[1] <= PYSPECTER_SPEC_MAX_TOKENS);
+    if (split) {
         // (slot, expert) of every (token, expert) row, looked up on the device: the slot path's ids (zero slot j
         // where row j's expert is not resident: never a negative id, never one twice in a token), and packed
         // behind the layer's input for the host to read back in one copy; ordered misses, Python's or C's, keep
@@ -289,13 +350,26 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         ggml_tensor * idx = ggml_cast(ctx, plane, GGML_TYPE_I32); // [n_used, n_tokens]
         ggml_tensor * pairs = ggml_get_rows(ctx, row, ggml_reshape_1d(ctx, idx, ggml_nelements(idx)));
         ggml_format_name(pairs, "ffn_moe_slot_pairs-%d", il);
-        ggml_tensor * slot_ids = ggml_reshape_2d(ctx, ggml_cont(ctx, ggml_view_2d(ctx, pairs, 1, pairs->ne[1],
-                                                                                  pairs->nb[1], 0)),
-                                                 selected_experts->ne[0], selected_experts->ne[1]);
+        const int64_t D = ffn_inp->ne[0], n_tok = selected_experts->ne[1], n_used = selected_experts->ne[0];
+        // speculated: the pairs go to the layer's row of the device's log, which the host reads once after the
+        // ubatch, and the slot path reads its ids from what was logged (so the copy runs first)
+        if (speculate) {
+            const int64_t n = ggml_nelements(pairs);
+            pairs = ggml_cpy(ctx, pairs, ggml_view_1d(ctx, tab.spec_log, n, (size_t) L->table_row * tab.spec_log->nb[1]));
+            ggml_format_name(pairs, "ffn_moe_spec_log-%d", il);
+        }
+        ggml_tensor * slot_ids = ggml_reshape_2d(ctx, ggml_cont(ctx, ggml_view_2d(ctx, pairs, 1, n_used * n_tok,
+                                                                                  2 * sizeof(int32_t), 0)),
+                                                 n_used, n_tok);
         ggml_format_name(slot_ids, "ffn_moe_slot_ids-%d", il);
+        slots->split_built = true;
+        if (speculate) {
+            std::lock_guard<std::mutex> lk(slots->graph_mu);
+            slots->split_routes[slot_ids] = { slot_ids, ffn_inp, nullptr, true };
+            return slot_ids; // the route: build_mm_id and on_path know it by its entry
+        }
         // [n_embd + 2 n_used, n_tokens]: each token's input, then its (slot, expert) pairs as floats. Stock's host
         // layer reads back its input and its expert ids; this reads back one tensor
-        const int64_t D = ffn_inp->ne[0], n_tok = selected_experts->ne[1], n_used = selected_experts->ne[0];
         ggml_tensor * pack = ggml_concat(ctx, ggml_reshape_2d(ctx, ffn_inp, D, n_tok),
                                          ggml_reshape_2d(ctx, ggml_cast(ctx, pairs, GGML_TYPE_F32), 2 * n_used, n_tok),
                                          0);
@@ -310,9 +384,8 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
                                              route_split_op, 1, (void *) L);
         {
             std::lock_guard<std::mutex> lk(slots->graph_mu);
-            slots->split_routes[route] = { slot_ids, ffn_inp, x_host };
+            slots->split_routes[route] = { slot_ids, ffn_inp, x_host, false };
         }
-        slots->split_built = true;
         return route;
     }
     // fixed places: 1 the router weights (or null), 2 the input (or null), 3 the CPU anchor of device layers (or
@@ -330,9 +403,28 @@ int llama_pyspecter_n_paths(const ggml_tensor * route) {
     return is_split(route) ? 2 : 1;
 }
 
+// The parts build_route made for a split or speculated route (found: its entry; otherwise none).
+static bool parts_of(const llama_pyspecter_slots * slots, const ggml_tensor * route,
+                     llama_pyspecter_slots::split_parts * out) {
+    std::lock_guard<std::mutex> lk(slots->graph_mu);
+    auto it = slots->split_routes.find(route); // set by build_route of this very graph
+    if (it == slots->split_routes.end()) {
+        return false;
+    }
+    *out = it->second;
+    return true;
+}
+
+// A speculated route is the slot path's ids (never a custom op, as split and per-matmul routes are: an entry left by
+// an earlier graph at the same address cannot pass for one)
+static bool is_speculated(const llama_pyspecter_slots * slots, const ggml_tensor * route) {
+    llama_pyspecter_slots::split_parts parts;
+    return route && route->op != GGML_OP_CUSTOM && parts_of(slots, route, &parts) && parts.speculated;
+}
+
 ggml_tensor * llama_pyspecter_on_path(const llama_pyspecter_slots * slots, ggml_tensor * t, const ggml_tensor * route,
                                       int path) {
-    if (!t || !slots || !is_split(route) || path != 0) {
+    if (!t || !slots || path != 0 || !(is_split(route) || is_speculated(slots, route))) {
         return t;
     }
     auto it = slots->on_device.find(t);
@@ -352,15 +444,12 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
     }
     llama_pyspecter_layer * L = it->second.layer;
     ggml_tensor * slot_w = L->slot[it->second.kind];
+    if (is_speculated(slots, route)) {
+        return ggml_mul_mat_id(ctx, slot_w, cur, route); // the slot path alone: the route is its ids
+    }
     if (is_split(route)) {
         llama_pyspecter_slots::split_parts parts;
-        {
-            std::lock_guard<std::mutex> lk(slots->graph_mu);
-            auto it = slots->split_routes.find(route); // set by build_route of this very graph
-            if (it != slots->split_routes.end()) {
-                parts = it->second;
-            }
-        }
+        parts_of(slots, route, &parts);
         if (path == 0) {
             // never null: without it the caller would build the host matmul on both paths
             GGML_ASSERT(parts.slot_ids != nullptr && "a split route without its slot ids");

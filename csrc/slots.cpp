@@ -242,7 +242,7 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         }
     }
     for (auto * buft : bufts) {
-        ggml_init_params ip = { 2 * ggml_tensor_overhead(), nullptr, true };
+        ggml_init_params ip = { 3 * ggml_tensor_overhead(), nullptr, true };
         ggml_context * ctx = ggml_init(ip);
         if (!ctx) {
             return LLAMA_PYSPECTER_ERR_NO_MEMORY;
@@ -253,11 +253,15 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         ggml_format_name(tab.t, "pyspecter.remap.%zu", s->tables.size());
         tab.offs = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, s->n_used);
         ggml_format_name(tab.offs, "pyspecter.remap_offs.%zu", s->tables.size());
+        tab.spec_log = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, (int64_t) 2 * s->n_used * PYSPECTER_SPEC_MAX_TOKENS,
+                                          (int64_t) s->layers.size());
+        ggml_format_name(tab.spec_log, "pyspecter.spec_log.%zu", s->tables.size());
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
         if (!buf) {
             return LLAMA_PYSPECTER_ERR_NO_MEMORY;
         }
         s->bufs.push_back(buf);
+        ggml_backend_buffer_clear(buf, 0);
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // get_rows runs on the device
         tab.image.assign(row_len(s) * s->layers.size(), 0);
         std::vector<float> offs(s->n_used);
@@ -509,10 +513,7 @@ static void take_compute_backends(llama_pyspecter_slots * s, ggml_backend_sched 
     s->compute_sched = sched;
 }
 
-void llama_pyspecter_context_gone(llama_pyspecter_slots * s, ggml_backend_sched * sched) {
-    if (!s) {
-        return;
-    }
+void pyspecter_compute_gone(llama_pyspecter_slots * s, const void * sched) {
     std::lock_guard<std::mutex> lk(s->compute_mu);
     if (s->compute_sched == sched) {
         s->compute.clear();

@@ -77,7 +77,7 @@ void llama_pyspecter_stats_reset(llama_model * model) {
             *v = 0;
         }
         for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes, &c.async_batches,
-                          &c.compute_orders }) {
+                          &c.compute_orders, &c.spec_ubatches, &c.spec_redos }) {
             *v = 0;
         }
         for (auto & row : c.layer_cpu_hist) {
@@ -104,6 +104,8 @@ void llama_pyspecter_get_device_stats(const llama_model * model, llama_pyspecter
     out->upload_streams  = (int64_t) s->streams.size();
     out->async_batches   = s->counters.async_batches;
     out->compute_orders  = s->counters.compute_orders;
+    out->spec_ubatches   = s->counters.spec_ubatches;
+    out->spec_redos      = s->counters.spec_redos;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

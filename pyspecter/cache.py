@@ -46,7 +46,8 @@ class ExpertCache:
                  surrogates=None, ordered: bool = False, lookahead: bool = True, held: int = 0,
                  on_input=None, extra: Mapping[int, int] | None = None,
                  kinds: Mapping[int, int] | None = None,
-                 reuse=None, duel: bool = True, ahead=None, held_extra: Mapping[int, int] | None = None) -> None:
+                 reuse=None, duel: bool = True, ahead=None, held_extra: Mapping[int, int] | None = None,
+                 speculate: bool = True) -> None:
         """hook=False leaves residency static (no decision on the compute path: what 'all-resident' measures);
         record=True keeps the routing trace [(layer, needed experts)] for offline analysis (e.g. Belady MIN);
         lookahead=False turns off reading the next layer's experts during a multi-token ubatch (prefill);
@@ -62,7 +63,9 @@ class ExpertCache:
         surrogates: a ``surrogate.Surrogates`` for miss mode 'surrogate' (approximate), handed to C once here;
         reuse: a ``LearnedPredictor`` whose reuse maps C applies to each layer's router input for policy
         'predicted' (``duel``: only while they miss less than LRU); ahead: a ``LearnedPredictor`` whose
-        layer-ahead maps the native planner applies."""
+        layer-ahead maps the native planner applies; speculate: on a device, a ubatch after one that hit in every
+        row runs with no host visit, and again with its host paths if a row missed (csrc/speculate.cpp: exact
+        either way; off, every device slot layer visits the host every ubatch)."""
         layout.require_moe()
         if kinds:
             slot_layers = [L for L in layout.layers if kinds.get(L.index, native.LAYER_SLOTS) == native.LAYER_SLOTS]
@@ -105,6 +108,7 @@ class ExpertCache:
             rc = self.api.slots_init(model.ptr, self.n_alloc)
         if rc != 0:
             raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
+        self.api.set_speculate(model.ptr, speculate)
         self.tier = tier or RamTier()
         self.tier.bind(model, layout)
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
@@ -300,6 +304,13 @@ class ExpertCache:
                     raise SpecterError(f"layer {il}: could not map expert {e} to slot {slot}")
 
     def counters(self) -> dict:
+        out = self._residency_counters()
+        # speculated ubatches (device slot layers): computed with no host path, and those a missed row redid
+        d = native.device_stats(self.model.ptr)
+        out.update(spec_ubatches=d.spec_ubatches, spec_redos=d.spec_redos)
+        return out
+
+    def _residency_counters(self) -> dict:
         if self.nat is not None:
             return self.nat.counters()
         c = self.api.stats(self.model.ptr)

@@ -75,6 +75,14 @@ def cause(out: str) -> str:
     return lines[-1][:240] if lines else "(no output)"
 
 
+def _spec(r: dict) -> str:
+    """A slot row's speculated ubatches per token and the share redone, after its hit rate (where any ran)."""
+    spec = r.get("speculated_per_token")
+    if not spec:
+        return ""
+    return f", speculated {spec:.2f}/token, {(r.get('redone_per_token') or 0.0) / spec:.0%} redone"
+
+
 def _f(x: object, fmt: str) -> str:
     return format(x, fmt) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
 
@@ -113,6 +121,8 @@ def rows(bench: dict) -> list[dict]:
             "upload_gbps": p["bytes_per_token"] / (tpot * 1e6) if p.get("bytes_per_token") else 0.0,
             # stock's rows have no slots: a hit rate would say nothing
             "link_gbps": link, "hit_rate": None if name.startswith("stock") else p.get("hit_rate"),
+            # ubatches per token run with no host visit at all (speculated to hit), and those a miss ran again
+            "speculated_per_token": p.get("spec_ubatches_per_token"), "redone_per_token": p.get("spec_redos_per_token"),
             "predicted_ms": p.get("predicted_ms"), "predicted_calibrated_ms": p.get("predicted_calibrated_ms"),
             "same_logits_as_stock": p.get("same_logits_as_stock"),
         })
@@ -174,7 +184,7 @@ def markdown(report: dict) -> str:
                 f"| {_f(r['host_syncs_per_moe_layer'], '.2f')} "
                 f"| {_f(r.get('host_wait_ms'), '.2f')} / {_f(r.get('host_split_ms'), '.2f')} / "
                 f"{_f(r.get('device_launch_ms'), '.2f')} "
-                f"| {r['upload_gbps']:.2f} ({_f(r['link_gbps'], '.1f')}) | {_f(r['hit_rate'], '.1%')} "
+                f"| {r['upload_gbps']:.2f} ({_f(r['link_gbps'], '.1f')}) | {_f(r['hit_rate'], '.1%')}{_spec(r)} "
                 f"| {_f(r['predicted_ms'], '.2f')} / {_f(r['predicted_calibrated_ms'], '.2f')} "
                 f"| {'-' if same is None else 'yes' if same else 'NO'} |")
     lines += ["", "- on a GPU, placements that compute a layer's experts on different sides differ in the last bits "

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 26
+#define LLAMA_PYSPECTER_VERSION 27
 
 #ifdef __cplusplus
 extern "C" {
@@ -144,6 +144,13 @@ LLAMA_API void    llama_pyspecter_set_route_cb(struct llama_model * model, llama
 // device each layer's weights are one more read back to the host per ubatch, a host wait a slot layer whose
 // experts all hit would otherwise not take. Set it before creating a context.
 LLAMA_API void    llama_pyspecter_set_route_weights(struct llama_model * model, bool enabled);
+// Speculate that ubatches hit (off by default): a ubatch of up to 8 tokens whose previous ubatch hit in every row
+// of every device slot layer runs with no host path, so none of its layers waits for the host; a row that missed
+// (read a zero slot) has the ubatch computed again with host paths, so the output stays exact. After a miss the
+// next speculation waits 1, 2, 4 ... 64 ubatches. Only for device slot layers in miss mode cpu, and not while a
+// reader needs a layer's input or router weights mid-ubatch (input hooks, learned predictors, route weights):
+// those graphs keep their host paths.
+LLAMA_API void    llama_pyspecter_set_speculate(struct llama_model * model, bool enabled);
 
 // Called once per MoE layer per ubatch from the compute thread, just before the routing hook, with the layer's
 // router input x: [n_tokens][n_embd] contiguous f32 rows, valid only during the call (learned routing predictors
@@ -411,6 +418,8 @@ struct llama_pyspecter_device_stats {
     int64_t upload_streams;  // devices whose uploads run on their own backend stream, ordered by events (not reset)
     int64_t async_batches;   // upload batches (an expert's kinds) sent on such a stream and awaited by their event
     int64_t compute_orders;  // upload batches ordered after the device work queued before them (device layers)
+    int64_t spec_ubatches;   // ubatches computed speculated: no host path, every row from a slot
+    int64_t spec_redos;      // ... of which a row missed: computed again with host paths
 };
 LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
                                                    struct llama_pyspecter_device_stats * out);

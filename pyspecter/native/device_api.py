@@ -36,6 +36,8 @@ class DeviceStats(ctypes.Structure):
         ("upload_streams", ctypes.c_int64),  # devices whose uploads run on their own stream, ordered by events
         ("async_batches", ctypes.c_int64),  # upload batches sent on such a stream and awaited by their event
         ("compute_orders", ctypes.c_int64),  # upload batches ordered after the device work queued before them
+        ("spec_ubatches", ctypes.c_int64),  # ubatches computed speculated: no host path, every row from a slot
+        ("spec_redos", ctypes.c_int64),  # ... of which a row missed: computed again with host paths
     ]
 
     fences: int
@@ -45,6 +47,8 @@ class DeviceStats(ctypes.Structure):
     upload_streams: int
     async_batches: int
     compute_orders: int
+    spec_ubatches: int
+    spec_redos: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -60,6 +64,13 @@ def llama_pyspecter_get_device_stats(model: ModelPtr, out: Any, /) -> None:
 def llama_pyspecter_set_route_weights(model: ModelPtr, enabled: bool, /) -> None:
     """Whether the routing hook gets the router weights (default on; off saves a read back per layer on a device,
     and the hook's weights are then null there); before creating a context."""
+    ...
+
+
+@ctypes_function("llama_pyspecter_set_speculate", [_model, ctypes.c_bool], None)
+def llama_pyspecter_set_speculate(model: ModelPtr, enabled: bool, /) -> None:
+    """Speculate that ubatches hit (csrc/speculate.cpp): a ubatch after one that hit in every row of every device
+    slot layer runs with no host path, and again with host paths if a row missed. Off by default."""
     ...
 
 

@@ -321,7 +321,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             continue
         tp = [t for r in rs for t in r.tpots]
         tpot = statistics.median(tp)
-        c = rs[-1].counters
+        c = (cs := [r.counters for r in rs])[-1]
         ups = [r.counters.get("upload_bytes", 0) for r in rs]
         hook_ms = [r.counters.get("hook_ms", 0.0) for r in rs]
         out["policies"][p] = {
@@ -336,10 +336,10 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             # from a cold start to the first prompt's first token: load + that prefill (see Run.load_s)
             "cold_ttft_s": statistics.median(r.load_s + r.first_prefill_s for r in rs),
             "hit_rate": c.get("hit_rate", 1.0), "coverage": c.get("slot_row_rate", 1.0),
-            **device_columns(rs[-1].splits, len(layout.layers), dev is not None, rs[-1].syncs, n_decode),
+            **device_columns(rs[-1].splits, len(layout.layers), dev is not None, rs[-1].syncs, n_decode, cs),
             "bytes_per_token": statistics.mean(ups) / n_decode,
             "stall_ms_per_token": statistics.mean(hook_ms) / n_decode,
-            "disk_overlap": disk_overlap([r.counters for r in rs]),
+            "disk_overlap": disk_overlap(cs),
             "route_us_per_call": c.get("route_us_per_call", 0.0), "hook_us_per_call": c.get("hook_us_per_call", 0.0),
             # native residency only (None otherwise): decision time per MoE layer, read waits left out; mean
             # reads outstanding while a token waited (on the disk tier a read is one chunk of one kind of an

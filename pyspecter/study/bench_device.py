@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from pyspecter.native.devices import Device
 
 
 def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs: dict | None = None,
-                   n_tokens: int = 0) -> dict:
+                   n_tokens: int = 0, counters: list[dict] | None = None) -> dict:
     """A device row's host round trips: llama.cpp's splits of the one-token graph, and the switches beyond the two
     every device graph has (the host's input split, then the device), per MoE layer; and, from ``syncs`` (the
     decode's ``native.sync_counts`` over ``n_tokens`` tokens), what the scheduler actually did per token: splits
@@ -23,6 +24,7 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
     if not on_device or splits is None:
         return {}
     out = {"splits_per_token": splits, "host_switches_per_moe_layer": (splits - 2) / n_moe_layers}
+    out.update(spec_columns(counters or [], n_tokens))
     if syncs and n_tokens > 0 and syncs.get("device_computes", 0) + syncs.get("host_computes", 0) > 0:
         per = {k: v / n_tokens for k, v in syncs.items()}
         out.update(splits_computed_per_token=per["device_computes"] + per["host_computes"],
@@ -37,6 +39,15 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
                    host_split_ms_per_token=per.get("host_compute_ns", 0) / 1e6,
                    device_launch_ms_per_token=per.get("device_compute_ns", 0) / 1e6)
     return out
+
+
+def spec_columns(counters: list[dict], n_tokens: int) -> dict:
+    """A slot row's ubatches per decode token that ran with no host path (csrc/speculate.cpp), and those a missed
+    row computed again, averaged over the repeats' ``counters`` (a slot row's cache counters, one per repeat)."""
+    if n_tokens <= 0 or not any("spec_ubatches" in c for c in counters):
+        return {}
+    return {f"{k}_per_token": statistics.mean(c.get(k, 0) for c in counters) / n_tokens
+            for k in ("spec_ubatches", "spec_redos")}
 
 
 def syncs_over_device(policies: dict, n_moe_layers: int) -> None:

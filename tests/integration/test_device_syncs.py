@@ -36,13 +36,13 @@ def dev() -> Iterator[Device]:
 
 
 def counts(path, lay: ModelLayout, dev: Device, plan: LayerPlan, *, resident: bool = False,
-           weights: list | None = None) -> tuple[int, dict]:
+           weights: list | None = None, speculate: bool = False) -> tuple[int, dict]:
     """(splits of the one-token graph, synchronisation counts per decode token) of a placement: full layers on the
     device, host ones on the host, slot layers with slots (every expert loaded first where ``resident``). With a
     ``weights`` list, a routing hook that reads the router weights appends each decode token's call's [n_used]
     floats."""
     with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
-        cache = (ExpertCache(m, lay, plan.n_slots, miss="cpu", kinds=plan.native_kinds())
+        cache = (ExpertCache(m, lay, plan.n_slots, miss="cpu", kinds=plan.native_kinds(), speculate=speculate)
                  if plan.layers("slots") else None)
         hooks = None
         try:
@@ -102,6 +102,14 @@ def test_counted_synchronisations_follow_the_placement(dev: Device) -> None:
     # pairs packed behind it (the router weights stay on the device: nothing on the host reads them)
     assert resident[0] == cpu_moe[0]
     assert resident[1]["syncs"] == cpu_moe[1]["syncs"] - L
+    # speculating that the token hits (csrc/speculate.cpp, on by default) takes the host path out: the graph
+    # computes as stock-device's does, in one device split, with the same switches; the host waits once more a
+    # token, reading the device's log of the pairs each slot path looked up, and once when the graph changed form
+    spec_splits, spec = counts(path, lay, dev, every, resident=True, speculate=True)
+    assert spec_splits == resident[0]  # the context's first graph (a reserve) keeps its host paths
+    assert spec["device_computes"] + spec["host_computes"] == device[0]
+    assert spec["switches"] == device[1]["switches"]
+    assert spec["syncs"] == device[1]["syncs"] + 1 + 1 / N_TOKENS
 
 
 def test_router_weights_cross_to_the_host_only_for_a_reader(dev: Device) -> None:

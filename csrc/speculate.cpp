@@ -1,0 +1,124 @@
+// Speculating that a ubatch hits: a device slot layer's split form visits the host every ubatch (its CPU split
+// reads back the looked-up pairs and computes the misses), even when every row hits. A speculated graph has no host
+// path: each slot path reads its ids from the device's table as before (zero slots where an expert is not
+// resident) and copies the pairs it looked up into a log on the device. After the ubatch the host reads the log
+// once: if every row hit, the output is the split form's bit for bit (the host path would only have added zeros)
+// and the layers' host-side routing runs now, from the log; if a row missed, the ubatch is computed again with its
+// host paths, which rewrites its KV cells and outputs.
+//
+// When to speculate: when the scheduler's previous ubatch hit in every row, and not for a while after a miss
+// (1, 2, 4 ... 64 ubatches). A miss costs the speculated compute and two graph rebuilds; at a hit rate where whole
+// tokens rarely hit, the backoff keeps that to one try in 64 ubatches.
+
+#include "pyspecter-impl.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int32_t MAX_BACKOFF = 64;
+
+// A row a slot path computed from a zero slot: its expert was not resident.
+bool any_zero(const llama_pyspecter_layer * L, const int32_t * pairs, int32_t n_rows) {
+    for (int32_t i = 0; i < n_rows; ++i) {
+        if (pyspecter_is_zero_slot(L, pairs[2 * i])) {
+            return true;
+        }
+    }
+    return false;
+}
+
+} // namespace
+
+void llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
+    if (auto * s = pyspecter_slots_of(model)) {
+        s->speculate = enabled;
+    }
+}
+
+void llama_pyspecter_context_gone(llama_pyspecter_slots * s, ggml_backend_sched * sched) {
+    if (!s) {
+        return;
+    }
+    pyspecter_compute_gone(s, sched);
+    std::lock_guard<std::mutex> lk(s->spec_mu);
+    auto it = s->spec.find(sched);
+    if (it != s->spec.end()) {
+        if (pyspecter_build_state() == &it->second) { // an aborted ubatch never reached redo
+            pyspecter_build_for(nullptr, false);
+        }
+        s->spec.erase(it);
+    }
+}
+
+bool llama_pyspecter_begin_ubatch(llama_pyspecter_slots * s, ggml_backend_sched * sched, int n_tokens) {
+    pyspecter_build_for(nullptr, false);
+    if (!s || s->tables.empty() || !s->speculate) {
+        return false;
+    }
+    pyspecter_spec * st;
+    {
+        std::lock_guard<std::mutex> lk(s->spec_mu); // the map only: a state is its decoding thread's
+        st = &s->spec[sched];
+    }
+    st->owner = s;
+    st->ubatch++;
+    st->n_tokens = n_tokens;
+    st->miss_rows0 = s->counters.miss_rows;
+    bool want = false;
+    if (st->redo) {
+        st->redo = false;
+    } else if (st->skip > 0) {
+        st->skip--;
+    } else {
+        want = st->last_hit && n_tokens <= PYSPECTER_SPEC_MAX_TOKENS;
+    }
+    pyspecter_build_for(st, want);
+    return want != st->built;
+}
+
+bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched) {
+    pyspecter_spec * st = pyspecter_build_state();
+    pyspecter_build_for(nullptr, false);
+    if (!s || !st) {
+        return false;
+    }
+    if (!st->built || st->layers.empty()) {
+        // host paths: whether this ubatch hit everywhere says whether the next one speculates
+        st->last_hit = s->counters.miss_rows == st->miss_rows0;
+        return false;
+    }
+    ggml_backend_sched_synchronize(sched);
+    const int32_t n_used = s->n_used, n_rows = n_used * st->n_tokens;
+    const size_t row = (size_t) 2 * n_used * PYSPECTER_SPEC_MAX_TOKENS;
+    thread_local std::vector<int32_t> log;
+    bool missed = false;
+    for (size_t t = 0; t < s->tables.size() && !missed; ++t) {
+        const auto & tab = s->tables[t];
+        log.resize(row * tab.spec_log->ne[1]);
+        ggml_backend_tensor_get(tab.spec_log, log.data(), 0, log.size() * sizeof(int32_t));
+        for (auto * L : st->layers) {
+            missed = missed || (L->table == (int32_t) t && any_zero(L, log.data() + row * L->table_row, n_rows));
+        }
+    }
+    s->counters.spec_ubatches++;
+    st->last_hit = !missed;
+    if (missed) {
+        s->counters.spec_redos++;
+        st->backoff = std::min(MAX_BACKOFF, std::max(1, 2 * st->backoff));
+        st->skip = st->backoff;
+        st->redo = true;
+        return true;
+    }
+    st->backoff = 0;
+    // every row hit: the host-side routing of each layer, in forward order (one table: the log read above)
+    for (auto * L : st->layers) {
+        if (s->tables.size() > 1) {
+            ggml_backend_tensor_get(s->tables[L->table].spec_log, log.data() + row * L->table_row,
+                                    row * L->table_row * sizeof(int32_t), row * sizeof(int32_t));
+        }
+        pyspecter_route_settled(L, log.data() + row * L->table_row, st->n_tokens, n_used);
+    }
+    return false;
+}

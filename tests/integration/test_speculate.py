@@ -1,0 +1,117 @@
+"""Speculating that a ubatch hits (csrc/speculate.cpp) on the RPC device, whose --strict server aborts on an id a
+GPU kernel would not survive, with slots that start as NaN: a token that hit everywhere runs with no host path, a
+token that missed is computed again with its host paths, and the output is the one without speculation, bit for
+bit. The routing the host hears is the same too: each layer once a token, in order, after the redo if any."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from test_device import free_port, start_server, stop_server
+
+from pyspecter import native
+from pyspecter.cache import ExpertCache
+from pyspecter.layerplan import LayerPlan
+from pyspecter.layout import read_layout
+from pyspecter.models.tiny import build_tiny
+from pyspecter.native.devices import Device, open_device
+from pyspecter.native.hooks import Hooks
+
+PROMPT = "the scheduler counts what it does"
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def dev() -> Iterator[Device]:
+    port = free_port()
+    proc = start_server(port)
+    d = open_device(f"rpc:127.0.0.1:{port}")
+    assert d is not None
+    yield d
+    stop_server(proc)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECTER_POISON_SLOTS", "1")
+
+
+def decode(path, dev: Device, *, speculate: bool, evicted: int = 0, hook: bool = False, n_slots: int | None = None,
+           on_input: bool = False) -> dict:
+    """Greedy tokens, their logits, the device's counters and the routing the host heard, with every layer's
+    experts in slots (hook=False: static residency, warmed, then ``evicted`` experts of each layer taken out, so
+    tokens that route to them miss) or LRU over n_slots (hook=True)."""
+    lay = read_layout(path)
+    plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
+    heard: list[tuple[int, tuple[int, ...]]] = []
+    with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
+        cache = ExpertCache(m, lay, n_slots or lay.n_expert, miss="cpu", kinds=plan.native_kinds(), hook=hook,
+                            speculate=speculate)
+        hooks = Hooks(m, lambda il, n_tok, n_used, ids, _w: heard.append((il, tuple(ids[:n_tok * n_used]))),
+                      on_input=(lambda _il, _x: None) if on_input else None)
+        try:
+            if not hook:
+                cache.warm({L.index: list(range(lay.n_expert)) for L in lay.layers})
+                for L in lay.layers:
+                    for e in range(0, lay.n_expert, lay.n_expert // evicted) if evicted else ():
+                        assert native.slots().set_slot(m.ptr, L.index, e, -1) == 0
+            tokens, logits = [], []
+            with native.Context(m) as ctx:
+                lg = ctx.decode(m.tokenize(PROMPT))
+                heard.clear()
+                for _ in range(N_TOKENS):
+                    tokens.append(int(np.argmax(lg)))
+                    logits.append(lg)
+                    lg = ctx.decode([tokens[-1]])
+            hooks.check()
+            cache.check()
+            stats = native.device_stats(m.ptr).as_dict()
+        finally:
+            hooks.close()
+            cache.close()
+    return {"tokens": tokens, "logits": np.stack(logits), "stats": stats, "heard": heard}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])
+def test_a_speculated_token_that_missed_is_computed_again_exactly(name: str, dev: Device) -> None:
+    path = build_tiny(name)
+    off = decode(path, dev, speculate=False, evicted=1)
+    on = decode(path, dev, speculate=True, evicted=1)
+    assert on["tokens"] == off["tokens"]
+    assert np.array_equal(on["logits"], off["logits"])  # NaN slots or a skipped redo would show here
+    s = on["stats"]
+    assert s["spec_redos"] > 0, s  # tokens that read an evicted expert's zero slot were computed again
+    assert s["spec_ubatches"] > s["spec_redos"], s  # and others hit everywhere and were kept
+    assert off["stats"]["spec_ubatches"] == 0
+    # the host heard each layer once a token, in the same order, with the same experts: a kept token's routing
+    # from the device's log, a redone one's from its host paths only
+    assert len(on["heard"]) == N_TOKENS * len(read_layout(path).layers)
+    assert on["heard"] == off["heard"]
+
+
+def test_speculation_under_lru_is_exact(dev: Device) -> None:
+    """Native residency decides from the log after a kept token, and in the redo's routing ops after one that
+    missed: the slots move differently in time, the output does not."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    off = decode(path, dev, speculate=False, hook=True, n_slots=lay.n_expert - 2)
+    on = decode(path, dev, speculate=True, hook=True, n_slots=lay.n_expert - 2)
+    assert on["tokens"] == off["tokens"]
+    assert np.array_equal(on["logits"], off["logits"])
+    assert on["stats"]["spec_ubatches"] > 0
+
+
+def test_every_expert_resident_never_redoes(dev: Device) -> None:
+    path = build_tiny("tiny-qwen3moe")
+    on = decode(path, dev, speculate=True)
+    # the first decode token follows the prompt, which ran with host paths and hit: every token speculates
+    assert on["stats"]["spec_ubatches"] == N_TOKENS and on["stats"]["spec_redos"] == 0
+
+
+def test_a_reader_of_the_layer_input_keeps_the_host_paths(dev: Device) -> None:
+    """An input hook (learned predictors) reads each layer's input while the token runs: no speculation."""
+    path = build_tiny("tiny-qwen3moe")
+    on = decode(path, dev, speculate=True, on_input=True)
+    assert on["stats"]["spec_ubatches"] == 0
