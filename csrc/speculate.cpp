@@ -13,6 +13,8 @@
 #include "pyspecter-impl.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace {
@@ -32,8 +34,10 @@ bool any_zero(const llama_pyspecter_layer * L, const int32_t * pairs, int32_t n_
 } // namespace
 
 void llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
+    // SPECTER_SPECULATE=0 keeps it off whatever the caller asks: the same run with and without, for benchmarks
+    const char * env = std::getenv("SPECTER_SPECULATE");
     if (auto * s = pyspecter_slots_of(model)) {
-        s->speculate = enabled;
+        s->speculate = enabled && !(env && std::string(env) == "0");
     }
 }
 

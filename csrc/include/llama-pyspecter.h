@@ -149,7 +149,7 @@ LLAMA_API void    llama_pyspecter_set_route_weights(struct llama_model * model, 
 // (read a zero slot) has the ubatch computed again with host paths, so the output stays exact. After a miss the
 // next speculation waits 1, 2, 4 ... 64 ubatches. Only for device slot layers in miss mode cpu, and not while a
 // reader needs a layer's input or router weights mid-ubatch (input hooks, learned predictors, route weights):
-// those graphs keep their host paths.
+// those graphs keep their host paths. SPECTER_SPECULATE=0 in the environment keeps it off (benchmarks' A/B).
 LLAMA_API void    llama_pyspecter_set_speculate(struct llama_model * model, bool enabled);
 
 // Called once per MoE layer per ubatch from the compute thread, just before the routing hook, with the layer's
