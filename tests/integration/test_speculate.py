@@ -115,3 +115,29 @@ def test_a_reader_of_the_layer_input_keeps_the_host_paths(dev: Device) -> None:
     path = build_tiny("tiny-qwen3moe")
     on = decode(path, dev, speculate=True, on_input=True)
     assert on["stats"]["spec_ubatches"] == 0
+
+
+def test_a_verification_window_speculates_and_stays_exact(dev: Device) -> None:
+    """Ubatches of several tokens (a draft's K + 1) speculate as one-token ones do, up to 8 tokens; a prompt-sized
+    ubatch keeps its host paths."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
+    got = {}
+    for speculate in (False, True):
+        with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
+            cache = ExpertCache(m, lay, lay.n_expert, miss="cpu", kinds=plan.native_kinds(), hook=False,
+                                speculate=speculate)
+            try:
+                cache.warm({L.index: list(range(lay.n_expert)) for L in lay.layers})
+                with native.Context(m) as ctx:
+                    rows = [ctx.decode(m.tokenize(PROMPT), logits_all=True)]  # hits: the windows may speculate
+                    for start in range(5, 45, 4):
+                        rows.append(ctx.decode(list(range(start, start + 4)), logits_all=True))
+                    rows.append(ctx.decode(list(range(50, 70)), logits_all=True))  # 20 tokens: host paths
+                stats = native.device_stats(m.ptr).as_dict()
+            finally:
+                cache.close()
+        got[speculate] = (np.concatenate(rows), stats)
+    assert np.array_equal(got[True][0], got[False][0])
+    assert got[True][1]["spec_ubatches"] == 10 and got[True][1]["spec_redos"] == 0
