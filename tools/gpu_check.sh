@@ -336,7 +336,8 @@ def probe_detail(path):
 
 def device_table(bench_json, out):
     """Host round trips beside time per token: stock --cpu-moe, stock --n-cpu-moe at equal device memory, our
-    layer plan (and the other device rows bench ran), one table ($OUT/device_table.txt)."""
+    layer plan (and the other device rows bench ran), one table ($OUT/device_table.txt). Splits and switches are
+    those the scheduler took per decode token where bench counted them, else llama.cpp's planned count."""
     r = last_json(bench_json)
     order = ["stock-cpu-moe", "stock-n-cpu-moe", "plan", "stock-device", "all-resident", "on-demand-lru", "specter"]
     pol = r["policies"]
@@ -357,8 +358,13 @@ def device_table(bench_json, out):
         # where the token went (bench's device times): host waits, CPU splits, device launches; the rest is copies
         times = "/".join(f"{p[k]:.2f}" if k in p else "-" for k in
                          ("host_wait_ms_per_token", "host_split_ms_per_token", "device_launch_ms_per_token"))
-        lines.append(f"{n:<18} {p['tpot_ms']:>9.2f} {p.get('splits_per_token', '-'):>13} "
-                     f"{p.get('host_switches_per_moe_layer', float('nan')):>19.2f} "
+        if p.get("spec_ubatches_per_token"):  # ubatches with no host visit, and those a miss ran again
+            note = (note + "; " if note else "") + (f"speculated {p['spec_ubatches_per_token']:.2f}/token, "
+                                                    f"redone {p.get('spec_redos_per_token', 0.0):.2f}")
+        # as the scheduler took them where counted (a speculated graph is not the one llama.cpp's line reports)
+        splits = p.get("splits_computed_per_token", p.get("splits_per_token", "-"))
+        switches = p.get("switches_taken_per_moe_layer", p.get("host_switches_per_moe_layer", float("nan")))
+        lines.append(f"{n:<18} {p['tpot_ms']:>9.2f} {splits:>13} {switches:>19.2f} "
                      f"{p.get('host_syncs_per_token', float('nan')):>11.1f} {times:>21}  {note}")
     text = "\n".join(lines)
     print(text)
