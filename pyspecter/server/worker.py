@@ -129,6 +129,7 @@ class Worker:
             job.outcome = "aborted"
             job.emit(("error", message, 503))
         if current is not None:
+            current.outcome = "aborted"  # before the cancel the worker acts on: it then leaves the outcome be
             current.emit(("error", message, 503))
             current.cancel.set()
 
@@ -228,6 +229,8 @@ class Worker:
         finally:
             if self._pinned is not None and s.decoder is not None:  # back to adapting K
                 s.decoder.governor.pinned, s.decoder.governor.k = None, self._pinned
+        if reason == "cancelled" and job.outcome == "aborted":  # shutdown: abort() has told its client
+            return
         if reason == "cancelled":
             with self._cv:  # counts are bumped from the event loop too
                 self.counts["cancelled"] += 1
