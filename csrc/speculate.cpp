@@ -58,13 +58,22 @@ void llama_pyspecter_context_gone(llama_pyspecter_slots * s, ggml_backend_sched 
 
 bool llama_pyspecter_begin_ubatch(llama_pyspecter_slots * s, ggml_backend_sched * sched, int n_tokens) {
     pyspecter_build_for(nullptr, false);
-    if (!s || s->tables.empty() || !s->speculate) {
+    if (!s || s->tables.empty()) {
         return false;
     }
-    pyspecter_spec * st;
+    const bool on = s->speculate;
+    pyspecter_spec * st = nullptr;
     {
         std::lock_guard<std::mutex> lk(s->spec_mu); // the map only: a state is its decoding thread's
-        st = &s->spec[sched];
+        auto it = s->spec.find(sched);
+        if (it != s->spec.end()) {
+            st = &it->second; // turned off since: its graph may still be speculated, and is built again below
+        } else if (on) {
+            st = &s->spec[sched];
+        }
+    }
+    if (!st) {
+        return false;
     }
     st->owner = s;
     st->ubatch++;
@@ -76,7 +85,7 @@ bool llama_pyspecter_begin_ubatch(llama_pyspecter_slots * s, ggml_backend_sched 
     } else if (st->skip > 0) {
         st->skip--;
     } else {
-        want = st->last_hit && n_tokens <= PYSPECTER_SPEC_MAX_TOKENS;
+        want = on && st->last_hit && n_tokens <= PYSPECTER_SPEC_MAX_TOKENS;
     }
     pyspecter_build_for(st, want);
     return want != st->built;

@@ -141,3 +141,33 @@ def test_a_verification_window_speculates_and_stays_exact(dev: Device) -> None:
         got[speculate] = (np.concatenate(rows), stats)
     assert np.array_equal(got[True][0], got[False][0])
     assert got[True][1]["spec_ubatches"] == 10 and got[True][1]["spec_redos"] == 0
+
+
+def test_turned_off_between_decodes_the_graph_keeps_its_host_paths_again(dev: Device) -> None:
+    """A graph built speculated is not reused once speculation is off: the next token is built with host paths,
+    so an expert taken out after that computes on the host, exactly, with nothing speculated."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
+    got = {}
+    for speculate in (False, True):
+        with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
+            cache = ExpertCache(m, lay, lay.n_expert, miss="cpu", kinds=plan.native_kinds(), hook=False,
+                                speculate=speculate)
+            try:
+                cache.warm({L.index: list(range(lay.n_expert)) for L in lay.layers})
+                with native.Context(m) as ctx:
+                    rows = [ctx.decode(m.tokenize(PROMPT))]
+                    rows += [ctx.decode([t]) for t in range(5, 9)]  # speculated where on
+                    before = native.device_stats(m.ptr).spec_ubatches
+                    native.slots().set_speculate(m.ptr, False)
+                    for L in lay.layers:
+                        for e in range(0, lay.n_expert, 2):
+                            assert native.slots().set_slot(m.ptr, L.index, e, -1) == 0
+                    rows += [ctx.decode([t]) for t in range(9, 17)]
+                    after = native.device_stats(m.ptr).spec_ubatches
+            finally:
+                cache.close()
+        got[speculate] = (np.stack(rows), before, after)
+    assert np.array_equal(got[True][0], got[False][0])
+    assert got[True][1] == 4 and got[True][2] == 4
