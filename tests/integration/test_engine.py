@@ -178,7 +178,9 @@ def test_dropping_the_draft_gives_its_memory_to_the_slots(tier: str, tiny_drafts
         assert s.draft is None and s.decoder.stats.dropped_at == 6
         assert all(s.cache.nat.held(il) == 0 for il in s.cache.layer_pos)  # released in C
         assert s.n_slots == 6 + held and s.cache.n_usable == s.cache.n_regular == s.n_slots
-        # the freed slots are in use: some slot past the 6 usable before the drop holds an expert
+        # the freed slots are in use: some slot past the 6 usable before the drop holds an expert, once the reads
+        # still in flight have landed (under load the answer can end first: CI's fresh clone did, once)
+        s.cache.drain()
         assert any(e >= 0 for st in s.cache.layers.values() for e in st.owner[6:])
         assert s.stats()["draft_dropped_at"] == 6
         assert s.generate(toks, 8, stop_at_eog=False) == ref[:8]  # and the next answer runs without it
