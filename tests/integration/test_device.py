@@ -24,7 +24,7 @@ from pyspecter.layout import read_layout
 from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
 from pyspecter.native import graph_splits
-from pyspecter.native.devices import open_device
+from pyspecter.native.devices import Device, open_device
 from pyspecter.predict import DraftRouting
 from pyspecter.study.verify import verify
 
@@ -60,6 +60,21 @@ def start_server(port: int) -> subprocess.Popen:
 def stop_server(proc: subprocess.Popen) -> None:
     proc.kill()
     proc.wait(timeout=30)
+
+
+def rpc_device(*, count_syncs: bool = False) -> Iterator[Device]:
+    """A strict server's device for one module's in-process tests (a fixture's body: ``yield from``);
+    count_syncs: count its synchronisations from before any context of this process's is made on it."""
+    port = free_port()
+    proc = start_server(port)
+    try:
+        d = open_device(f"rpc:127.0.0.1:{port}")
+        assert d is not None
+        if count_syncs:
+            native.count_syncs(d.ptr)
+        yield d
+    finally:
+        stop_server(proc)
 
 
 @pytest.fixture(autouse=True)

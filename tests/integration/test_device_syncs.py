@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from test_device import free_port, start_server, stop_server
+from test_device import rpc_device
 
 from pyspecter import native
 from pyspecter.cache import ExpertCache
@@ -15,7 +15,7 @@ from pyspecter.layerplan import DeviceCosts, LayerPlan, choose_plan, n_cpu_moe_f
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.models.tiny import build_tiny
 from pyspecter.native import graph_splits
-from pyspecter.native.devices import Device, open_device
+from pyspecter.native.devices import Device
 from pyspecter.native.hooks import Hooks
 
 N_TOKENS = 4
@@ -26,13 +26,7 @@ RPC = DeviceCosts(split_us=700.0, link_gbps=2.0, cpu_row_us=40.0, dev_row_us=40.
 
 @pytest.fixture(scope="module")
 def dev() -> Iterator[Device]:
-    port = free_port()
-    proc = start_server(port)
-    d = open_device(f"rpc:127.0.0.1:{port}")
-    assert d is not None
-    native.count_syncs(d.ptr)  # before any context of this process's is made on it
-    yield d
-    stop_server(proc)
+    yield from rpc_device(count_syncs=True)
 
 
 def counts(path, lay: ModelLayout, dev: Device, plan: LayerPlan, *, resident: bool = False,

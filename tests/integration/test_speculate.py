@@ -6,17 +6,18 @@ bit. The routing the host hears is the same too: each layer once a token, in ord
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from test_device import free_port, start_server, stop_server
+from test_device import rpc_device
 
 from pyspecter import native
 from pyspecter.cache import ExpertCache
 from pyspecter.layerplan import LayerPlan
-from pyspecter.layout import read_layout
+from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.models.tiny import build_tiny
-from pyspecter.native.devices import Device, open_device
+from pyspecter.native.devices import Device
 from pyspecter.native.hooks import Hooks
 
 PROMPT = "the scheduler counts what it does"
@@ -25,12 +26,7 @@ N_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def dev() -> Iterator[Device]:
-    port = free_port()
-    proc = start_server(port)
-    d = open_device(f"rpc:127.0.0.1:{port}")
-    assert d is not None
-    yield d
-    stop_server(proc)
+    yield from rpc_device()
 
 
 @pytest.fixture(autouse=True)
@@ -38,25 +34,42 @@ def poisoned_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECTER_POISON_SLOTS", "1")
 
 
-def decode(path, dev: Device, *, speculate: bool, evicted: int = 0, hook: bool = False, n_slots: int | None = None,
-           on_input: bool = False) -> dict:
-    """Greedy tokens, their logits, the device's counters and the routing the host heard, with every layer's
-    experts in slots (hook=False: static residency, warmed, then ``evicted`` experts of each layer taken out, so
-    tokens that route to them miss) or LRU over n_slots (hook=True)."""
+@contextmanager
+def slotted(path, dev: Device, *, speculate: bool, hook: bool = False,
+            n_slots: int | None = None) -> Iterator[tuple[native.Model, ExpertCache, ModelLayout]]:
+    """The model on the device with every MoE layer in slots: every expert resident (hook=False: static residency,
+    warmed) or LRU over n_slots (hook=True)."""
     lay = read_layout(path)
     plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
-    heard: list[tuple[int, tuple[int, ...]]] = []
     with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
         cache = ExpertCache(m, lay, n_slots or lay.n_expert, miss="cpu", kinds=plan.native_kinds(), hook=hook,
                             speculate=speculate)
-        hooks = Hooks(m, lambda il, n_tok, n_used, ids, _w: heard.append((il, tuple(ids[:n_tok * n_used]))),
-                      on_input=(lambda _il, _x: None) if on_input else None)
         try:
             if not hook:
                 cache.warm({L.index: list(range(lay.n_expert)) for L in lay.layers})
-                for L in lay.layers:
-                    for e in range(0, lay.n_expert, lay.n_expert // evicted) if evicted else ():
-                        assert native.slots().set_slot(m.ptr, L.index, e, -1) == 0
+            yield m, cache, lay
+        finally:
+            cache.close()
+
+
+def evict(m: native.Model, lay: ModelLayout, step: int) -> None:
+    """Take every step-th expert of each layer out of its slot: tokens that route to one miss."""
+    for L in lay.layers:
+        for e in range(0, lay.n_expert, step):
+            assert native.slots().set_slot(m.ptr, L.index, e, -1) == 0
+
+
+def decode(path, dev: Device, *, speculate: bool, evicted: int = 0, hook: bool = False, n_slots: int | None = None,
+           on_input: bool = False) -> dict:
+    """Greedy tokens, their logits, the device's counters and the routing the host heard (``slotted``; with
+    static residency ``evicted`` experts of each layer taken out)."""
+    heard: list[tuple[int, tuple[int, ...]]] = []
+    with slotted(path, dev, speculate=speculate, hook=hook, n_slots=n_slots) as (m, cache, lay):
+        hooks = Hooks(m, lambda il, n_tok, n_used, ids, _w: heard.append((il, tuple(ids[:n_tok * n_used]))),
+                      on_input=(lambda _il, _x: None) if on_input else None)
+        try:
+            if evicted:
+                evict(m, lay, lay.n_expert // evicted)
             tokens, logits = [], []
             with native.Context(m) as ctx:
                 lg = ctx.decode(m.tokenize(PROMPT))
@@ -70,7 +83,6 @@ def decode(path, dev: Device, *, speculate: bool, evicted: int = 0, hook: bool =
             stats = native.device_stats(m.ptr).as_dict()
         finally:
             hooks.close()
-            cache.close()
     return {"tokens": tokens, "logits": np.stack(logits), "stats": stats, "heard": heard}
 
 
@@ -121,23 +133,14 @@ def test_a_verification_window_speculates_and_stays_exact(dev: Device) -> None:
     """Ubatches of several tokens (a draft's K + 1) speculate as one-token ones do, up to 8 tokens; a prompt-sized
     ubatch keeps its host paths."""
     path = build_tiny("tiny-qwen3moe")
-    lay = read_layout(path)
-    plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
     got = {}
     for speculate in (False, True):
-        with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
-            cache = ExpertCache(m, lay, lay.n_expert, miss="cpu", kinds=plan.native_kinds(), hook=False,
-                                speculate=speculate)
-            try:
-                cache.warm({L.index: list(range(lay.n_expert)) for L in lay.layers})
-                with native.Context(m) as ctx:
-                    rows = [ctx.decode(m.tokenize(PROMPT), logits_all=True)]  # hits: the windows may speculate
-                    for start in range(5, 45, 4):
-                        rows.append(ctx.decode(list(range(start, start + 4)), logits_all=True))
-                    rows.append(ctx.decode(list(range(50, 70)), logits_all=True))  # 20 tokens: host paths
-                stats = native.device_stats(m.ptr).as_dict()
-            finally:
-                cache.close()
+        with slotted(path, dev, speculate=speculate) as (m, _, _), native.Context(m) as ctx:
+            rows = [ctx.decode(m.tokenize(PROMPT), logits_all=True)]  # hits: the windows may speculate
+            for start in range(5, 45, 4):
+                rows.append(ctx.decode(list(range(start, start + 4)), logits_all=True))
+            rows.append(ctx.decode(list(range(50, 70)), logits_all=True))  # 20 tokens: host paths
+            stats = native.device_stats(m.ptr).as_dict()
         got[speculate] = (np.concatenate(rows), stats)
     assert np.array_equal(got[True][0], got[False][0])
     assert got[True][1]["spec_ubatches"] == 10 and got[True][1]["spec_redos"] == 0
@@ -147,27 +150,16 @@ def test_turned_off_between_decodes_the_graph_keeps_its_host_paths_again(dev: De
     """A graph built speculated is not reused once speculation is off: the next token is built with host paths,
     so an expert taken out after that computes on the host, exactly, with nothing speculated."""
     path = build_tiny("tiny-qwen3moe")
-    lay = read_layout(path)
-    plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
     got = {}
     for speculate in (False, True):
-        with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
-            cache = ExpertCache(m, lay, lay.n_expert, miss="cpu", kinds=plan.native_kinds(), hook=False,
-                                speculate=speculate)
-            try:
-                cache.warm({L.index: list(range(lay.n_expert)) for L in lay.layers})
-                with native.Context(m) as ctx:
-                    rows = [ctx.decode(m.tokenize(PROMPT))]
-                    rows += [ctx.decode([t]) for t in range(5, 9)]  # speculated where on
-                    before = native.device_stats(m.ptr).spec_ubatches
-                    native.slots().set_speculate(m.ptr, False)
-                    for L in lay.layers:
-                        for e in range(0, lay.n_expert, 2):
-                            assert native.slots().set_slot(m.ptr, L.index, e, -1) == 0
-                    rows += [ctx.decode([t]) for t in range(9, 17)]
-                    after = native.device_stats(m.ptr).spec_ubatches
-            finally:
-                cache.close()
+        with slotted(path, dev, speculate=speculate) as (m, _, lay), native.Context(m) as ctx:
+            rows = [ctx.decode(m.tokenize(PROMPT))]
+            rows += [ctx.decode([t]) for t in range(5, 9)]  # speculated where on
+            before = native.device_stats(m.ptr).spec_ubatches
+            native.slots().set_speculate(m.ptr, False)
+            evict(m, lay, 2)
+            rows += [ctx.decode([t]) for t in range(9, 17)]
+            after = native.device_stats(m.ptr).spec_ubatches
         got[speculate] = (np.stack(rows), before, after)
     assert np.array_equal(got[True][0], got[False][0])
     assert got[True][1] == 4 and got[True][2] == 4
