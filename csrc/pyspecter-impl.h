@@ -149,13 +149,13 @@ int32_t lru_sim_call(std::vector<int64_t> & res, const std::vector<int32_t> & ne
 
 // One remap table per device: [2 * n_expert * n_used, n_layer] I32 in a weights buffer of that device, and its host
 // image. A layer's row holds a plane per row j of a token: (slot, expert) per expert, the layer's zero slot j where
-// the expert is not resident, so that a token's misses read distinct zero slots. The slot path looks up row
-// j * n_expert + expert, adding offs (F32 [n_used], j * n_expert) to the router's ids on the device.
+// the expert is not resident, so that a token's misses read distinct zero slots. The slot path looks up plane j's
+// row of the expert (one get_rows over the row seen as [2, n_expert, n_used]).
 struct llama_pyspecter_table {
     ggml_tensor * t = nullptr;
-    ggml_tensor * offs = nullptr;
-    // (slot, expert) of every row a speculated ubatch's slot paths looked up, as the device wrote them: a row of
-    // 2 * n_used * PYSPECTER_SPEC_MAX_TOKENS per layer (speculate.cpp reads it back once per ubatch)
+    // what a speculated ubatch's slot paths looked up, as the device wrote them: a row of
+    // 2 * n_used * PYSPECTER_SPEC_MAX_TOKENS per layer, holding the n rows' slots, then their experts (rows in the
+    // router's order, token-major); speculate.cpp reads it back once per ubatch
     ggml_tensor * spec_log = nullptr;
     std::vector<int32_t> image; // what the device holds
     bool dirty = false;         // remap changed since the image was last pushed
@@ -360,7 +360,7 @@ void pyspecter_build_for(pyspecter_spec * st, bool speculate);
 pyspecter_spec * pyspecter_build_state();
 // A speculated layer whose rows all hit, once its ubatch has run (route.cpp): what its route op would have done
 // on the host (native residency's decision, a draft's observation, the routing hook) from the (slot, expert) pairs
-// its slot path looked up, [n_tokens][n_used][2].
+// its slot path looked up: the n_tokens * n_used rows' slots, then their experts.
 void pyspecter_route_settled(llama_pyspecter_layer * L, const int32_t * pairs, int32_t n_tokens, int32_t n_used);
 
 

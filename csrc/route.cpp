@@ -183,10 +183,7 @@ void pyspecter_route_settled(llama_pyspecter_layer * L, const int32_t * pairs, i
     auto * s = L->parent;
     const int32_t n = n_tokens * n_used;
     thread_local std::vector<int32_t> ids;
-    ids.resize(n);
-    for (int32_t i = 0; i < n; ++i) {
-        ids[i] = pairs[2 * i + 1];
-    }
+    ids.assign(pairs + n, pairs + 2 * n); // the experts, after the slots
     after_slot_path(L, nullptr, nullptr, nullptr, ids.data(), n_tokens, n_used);
     s->counters.hit_rows += n;
     s->counters.route_calls += 1;
@@ -340,27 +337,26 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         // behind the layer's input for the host to read back in one copy; ordered misses, Python's or C's, keep
         // the per-matmul route: their late path needs it
         const auto & tab = slots->tables[L->table];
-        ggml_tensor * row = ggml_view_2d(ctx, tab.t, 2, tab.t->ne[0] / 2, 2 * tab.t->nb[0],
-                                         (size_t) L->table_row * tab.t->nb[1]); // [2, n_used * n_expert]
-        // row j of a token looks up plane j: j * n_expert + expert, added in F32 (exact; the device has no integer
-        // add) and cast back
-        GGML_ASSERT(selected_experts->ne[0] <= L->n_zero && "more rows per token than zero slots");
-        ggml_tensor * offs = ggml_view_1d(ctx, tab.offs, selected_experts->ne[0], 0);
-        ggml_tensor * plane = ggml_add(ctx, ggml_cast(ctx, selected_experts, GGML_TYPE_F32), offs);
-        ggml_tensor * idx = ggml_cast(ctx, plane, GGML_TYPE_I32); // [n_used, n_tokens]
-        ggml_tensor * pairs = ggml_get_rows(ctx, row, ggml_reshape_1d(ctx, idx, ggml_nelements(idx)));
-        ggml_format_name(pairs, "ffn_moe_slot_pairs-%d", il);
         const int64_t D = ffn_inp->ne[0], n_tok = selected_experts->ne[1], n_used = selected_experts->ne[0];
-        // speculated: the pairs go to the layer's row of the device's log, which the host reads once after the
-        // ubatch, and the slot path reads its ids from what was logged (so the copy runs first)
-        if (speculate) {
-            const int64_t n = ggml_nelements(pairs);
-            pairs = ggml_cpy(ctx, pairs, ggml_view_1d(ctx, tab.spec_log, n, (size_t) L->table_row * tab.spec_log->nb[1]));
-            ggml_format_name(pairs, "ffn_moe_spec_log-%d", il);
-        }
-        ggml_tensor * slot_ids = ggml_reshape_2d(ctx, ggml_cont(ctx, ggml_view_2d(ctx, pairs, 1, n_used * n_tok,
-                                                                                  2 * sizeof(int32_t), 0)),
-                                                 n_used, n_tok);
+        const int64_t E = slots->n_expert, n = n_used * n_tok;
+        GGML_ASSERT(n_used <= L->n_zero && "more rows per token than zero slots");
+        // the layer's row as planes [2, n_expert, n_used]: row j of a token looks up its expert in plane j, which
+        // get_rows does in one op with the ids transposed ([n_tokens, n_used]: ids[t, j] reads plane j)
+        const size_t ts = ggml_element_size(tab.t);
+        ggml_tensor * planes = ggml_view_3d(ctx, tab.t, 2, E, n_used, 2 * ts, 2 * E * ts,
+                                            (size_t) L->table_row * tab.t->nb[1]);
+        ggml_tensor * pairs = ggml_get_rows(ctx, planes, ggml_transpose(ctx, selected_experts)); // [2, n_tok, n_used]
+        ggml_format_name(pairs, "ffn_moe_slot_pairs-%d", il);
+        // laid out [n_used, n_tokens, 2]: the slots, then the experts, each in the router's order, so the slot path's
+        // ids are the first plane as it is. Speculated, they go to the layer's row of the device's log, which the host
+        // reads once after the ubatch, and the slot path reads its ids from what was logged (so the copy runs first)
+        ggml_tensor * by_row = ggml_permute(ctx, pairs, 2, 1, 0, 3);
+        ggml_tensor * flat = speculate
+                ? ggml_cpy(ctx, by_row, ggml_view_3d(ctx, tab.spec_log, n_used, n_tok, 2, n_used * ts, n * ts,
+                                                     (size_t) L->table_row * tab.spec_log->nb[1]))
+                : ggml_cont(ctx, by_row);
+        ggml_format_name(flat, speculate ? "ffn_moe_spec_log-%d" : "ffn_moe_slot_flat-%d", il);
+        ggml_tensor * slot_ids = ggml_view_2d(ctx, flat, n_used, n_tok, n_used * ts, 0);
         ggml_format_name(slot_ids, "ffn_moe_slot_ids-%d", il);
         slots->split_built = true;
         if (speculate) {
@@ -371,7 +367,8 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         // [n_embd + 2 n_used, n_tokens]: each token's input, then its (slot, expert) pairs as floats. Stock's host
         // layer reads back its input and its expert ids; this reads back one tensor
         ggml_tensor * pack = ggml_concat(ctx, ggml_reshape_2d(ctx, ffn_inp, D, n_tok),
-                                         ggml_reshape_2d(ctx, ggml_cast(ctx, pairs, GGML_TYPE_F32), 2 * n_used, n_tok),
+                                         ggml_reshape_2d(ctx, ggml_cast(ctx, ggml_permute(ctx, pairs, 0, 2, 1, 3),
+                                                                        GGML_TYPE_F32), 2 * n_used, n_tok),
                                          0);
         ggml_format_name(pack, "ffn_moe_host_pack-%d", il);
         ggml_tensor * unpack_args[2] = { pack, slots->cpu_anchor }; // the anchor keeps the op on the CPU

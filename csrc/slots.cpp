@@ -242,7 +242,7 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         }
     }
     for (auto * buft : bufts) {
-        ggml_init_params ip = { 3 * ggml_tensor_overhead(), nullptr, true };
+        ggml_init_params ip = { 2 * ggml_tensor_overhead(), nullptr, true };
         ggml_context * ctx = ggml_init(ip);
         if (!ctx) {
             return LLAMA_PYSPECTER_ERR_NO_MEMORY;
@@ -251,8 +251,6 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         llama_pyspecter_table tab;
         tab.t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, (int64_t) row_len(s), (int64_t) s->layers.size());
         ggml_format_name(tab.t, "pyspecter.remap.%zu", s->tables.size());
-        tab.offs = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, s->n_used);
-        ggml_format_name(tab.offs, "pyspecter.remap_offs.%zu", s->tables.size());
         tab.spec_log = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, (int64_t) 2 * s->n_used * PYSPECTER_SPEC_MAX_TOKENS,
                                           (int64_t) s->layers.size());
         ggml_format_name(tab.spec_log, "pyspecter.spec_log.%zu", s->tables.size());
@@ -264,11 +262,6 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         ggml_backend_buffer_clear(buf, 0);
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // get_rows runs on the device
         tab.image.assign(row_len(s) * s->layers.size(), 0);
-        std::vector<float> offs(s->n_used);
-        for (int32_t j = 0; j < s->n_used; ++j) {
-            offs[j] = (float) j * (float) s->n_expert; // exact: the table has far fewer than 2^24 rows
-        }
-        ggml_backend_tensor_set(tab.offs, offs.data(), 0, offs.size() * sizeof(float));
         s->tables.push_back(std::move(tab));
     }
     for (auto & L : s->layers) {

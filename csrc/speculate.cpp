@@ -21,10 +21,10 @@ namespace {
 
 constexpr int32_t MAX_BACKOFF = 64;
 
-// A row a slot path computed from a zero slot: its expert was not resident.
-bool any_zero(const llama_pyspecter_layer * L, const int32_t * pairs, int32_t n_rows) {
+// A row a slot path computed from a zero slot: its expert was not resident (the log's row starts with the slots).
+bool any_zero(const llama_pyspecter_layer * L, const int32_t * slots, int32_t n_rows) {
     for (int32_t i = 0; i < n_rows; ++i) {
-        if (pyspecter_is_zero_slot(L, pairs[2 * i])) {
+        if (pyspecter_is_zero_slot(L, slots[i])) {
             return true;
         }
     }
