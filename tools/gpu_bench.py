@@ -11,7 +11,8 @@ What it does, each step bounded by --until (an epoch second: the lease's end, le
      by bench to match, shown), stock --cpu-moe, the layer plan, the engine (and stock-device once, the floor of
      host synchronisations every graph has), teacher-forced on real text, one run each;
   3. a markdown table (ms per token, host switches per MoE layer from llama.cpp's split count and the
-     synchronisations counted as the scheduler ran, upload GB/s beside the link measured at start, hit rate, the
+     synchronisations counted as the scheduler ran, upload GB/s over the token and while copying beside the
+     link measured at start, hit rate, the
      cost model's prediction) to OUT/gpu_bench.md, ready for docs/BENCHMARKS.md, and everything to
      OUT/gpu_bench.json (--json: printed too).
 
@@ -119,6 +120,9 @@ def rows(bench: dict) -> list[dict]:
             "device_launch_ms": p.get("device_launch_ms_per_token"),
             # what a token moved over its own time: the issue's "effective" rate (58.8 MB in an 11.8 ms token)
             "upload_gbps": p["bytes_per_token"] / (tpot * 1e6) if p.get("bytes_per_token") else 0.0,
+            # ... and the copies' own rate (bytes over their batches' time, start to landing): near the link's, the
+            # uploads are fine and the token's time went elsewhere; far below it, the copies themselves are slow
+            "upload_busy_gbps": p.get("upload_busy_gbps"),
             # stock's rows have no slots: a hit rate would say nothing
             "link_gbps": link, "hit_rate": None if name.startswith("stock") else p.get("hit_rate"),
             # ubatches per token run with no host visit at all (speculated to hit), and those a miss ran again
@@ -166,7 +170,8 @@ def markdown(report: dict) -> str:
              "",
              "| VRAM for experts | placement | ms per token | ÷ stock `--n-cpu-moe` | host switches per MoE layer "
              "(splits / taken) | host syncs per MoE layer (counted, over the floor) | ms per token: host waits / "
-             "CPU splits / device launches | upload GB/s (link) | hit rate | predicted ms (measured costs / refitted) "
+             "CPU splits / device launches | upload GB/s: over the token / while copying (link) | hit rate "
+             "| predicted ms (measured costs / refitted) "
              "| logits bit-equal to stock `--cpu-moe`'s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["sets"]:
@@ -184,7 +189,8 @@ def markdown(report: dict) -> str:
                 f"| {_f(r['host_syncs_per_moe_layer'], '.2f')} "
                 f"| {_f(r.get('host_wait_ms'), '.2f')} / {_f(r.get('host_split_ms'), '.2f')} / "
                 f"{_f(r.get('device_launch_ms'), '.2f')} "
-                f"| {r['upload_gbps']:.2f} ({_f(r['link_gbps'], '.1f')}) | {_f(r['hit_rate'], '.1%')}{_spec(r)} "
+                f"| {r['upload_gbps']:.2f} / {_f(r.get('upload_busy_gbps'), '.2f')} ({_f(r['link_gbps'], '.1f')}) "
+                f"| {_f(r['hit_rate'], '.1%')}{_spec(r)} "
                 f"| {_f(r['predicted_ms'], '.2f')} / {_f(r['predicted_calibrated_ms'], '.2f')} "
                 f"| {'-' if same is None else 'yes' if same else 'NO'} |")
     lines += ["", "- on a GPU, placements that compute a layer's experts on different sides differ in the last bits "
