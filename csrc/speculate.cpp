@@ -31,6 +31,18 @@ bool any_zero(const llama_pyspecter_layer * L, const int32_t * slots, int32_t n_
     return false;
 }
 
+// The scheduler's backend on the device a tensor's buffer is in (null: none, e.g. a host buffer).
+ggml_backend_t backend_holding(ggml_backend_sched * sched, const ggml_tensor * t) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_get_device(b) == dev) {
+            return b;
+        }
+    }
+    return nullptr;
+}
+
 } // namespace
 
 void llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
@@ -102,18 +114,30 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
         st->last_hit = s->counters.miss_rows == st->miss_rows0;
         return false;
     }
-    ggml_backend_sched_synchronize(sched);
     const int32_t n_used = s->n_used, n_rows = n_used * st->n_tokens;
     const size_t row = (size_t) 2 * n_used * PYSPECTER_SPEC_MAX_TOKENS;
-    thread_local std::vector<int32_t> log;
-    bool missed = false;
-    for (size_t t = 0; t < s->tables.size() && !missed; ++t) {
-        const auto & tab = s->tables[t];
-        log.resize(row * tab.spec_log->ne[1]);
-        ggml_backend_tensor_get(tab.spec_log, log.data(), 0, log.size() * sizeof(int32_t));
-        for (auto * L : st->layers) {
-            missed = missed || (L->table == (int32_t) t && any_zero(L, log.data() + row * L->table_row, n_rows));
+    // each table's log is copied on its device's stream behind the ubatch, so that the one wait for the scheduler
+    // covers the copy too (a get after it would wait on the device a second time: on CUDA a copy and a stream sync)
+    thread_local std::vector<std::vector<int32_t>> logs;
+    thread_local std::vector<ggml_backend_t> from;
+    logs.resize(s->tables.size());
+    from.assign(s->tables.size(), nullptr);
+    for (size_t t = 0; t < s->tables.size(); ++t) {
+        ggml_tensor * log = s->tables[t].spec_log;
+        logs[t].resize(row * log->ne[1]);
+        if ((from[t] = backend_holding(sched, log))) {
+            ggml_backend_tensor_get_async(from[t], log, logs[t].data(), 0, logs[t].size() * sizeof(int32_t));
         }
+    }
+    ggml_backend_sched_synchronize(sched);
+    for (size_t t = 0; t < s->tables.size(); ++t) {
+        if (!from[t]) {
+            ggml_backend_tensor_get(s->tables[t].spec_log, logs[t].data(), 0, logs[t].size() * sizeof(int32_t));
+        }
+    }
+    bool missed = false;
+    for (auto * L : st->layers) {
+        missed = missed || any_zero(L, logs[L->table].data() + row * L->table_row, n_rows);
     }
     s->counters.spec_ubatches++;
     st->last_hit = !missed;
@@ -125,13 +149,9 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
         return true;
     }
     st->backoff = 0;
-    // every row hit: the host-side routing of each layer, in forward order (one table: the log read above)
+    // every row hit: the host-side routing of each layer, in forward order, from the logs read above
     for (auto * L : st->layers) {
-        if (s->tables.size() > 1) {
-            ggml_backend_tensor_get(s->tables[L->table].spec_log, log.data() + row * L->table_row,
-                                    row * L->table_row * sizeof(int32_t), row * sizeof(int32_t));
-        }
-        pyspecter_route_settled(L, log.data() + row * L->table_row, st->n_tokens, n_used);
+        pyspecter_route_settled(L, logs[L->table].data() + row * L->table_row, st->n_tokens, n_used);
     }
     return false;
 }
