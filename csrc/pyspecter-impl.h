@@ -352,6 +352,8 @@ void pyspecter_late_settle(llama_pyspecter_layer * L, bool settled); // the wait
 void pyspecter_mark_passed(llama_pyspecter_layer * L);  // the layer's route op has started in this ubatch
 // a context is going away (speculate.cpp's llama_pyspecter_context_gone): uploads stop ordering after its backends
 void pyspecter_compute_gone(llama_pyspecter_slots * s, const void * sched);
+// The scheduler's backend on a device (null: it has none there).
+ggml_backend_t pyspecter_sched_backend(ggml_backend_sched * sched, ggml_backend_dev_t dev);
 
 // Speculation. speculate.cpp decides per ubatch and hands route.cpp's graph builder the scheduler's state for the
 // graph this thread may build next (null: none, the split form), which the builder records the graph's form and

@@ -483,6 +483,16 @@ int32_t llama_pyspecter_set_slot(llama_model * model, int32_t il, int32_t expert
 // The scheduler's backend per device of a device layer. The first time a backend is taken it is synchronised here
 // on the compute thread, so its stream exists before an upload thread records an event on it (CUDA makes a
 // backend's stream on first use).
+ggml_backend_t pyspecter_sched_backend(ggml_backend_sched * sched, ggml_backend_dev_t dev) {
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_get_device(b) == dev) {
+            return b;
+        }
+    }
+    return nullptr;
+}
+
 static void take_compute_backends(llama_pyspecter_slots * s, ggml_backend_sched * sched) {
     std::lock_guard<std::mutex> lk(s->compute_mu);
     if (s->compute_sched == sched) {
@@ -494,13 +504,9 @@ static void take_compute_backends(llama_pyspecter_slots * s, ggml_backend_sched 
                                                   [&](const auto & c) { return c.first == L->dev; })) {
             continue;
         }
-        for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
-            ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
-            if (ggml_backend_get_device(b) == L->dev) {
-                ggml_backend_synchronize(b);
-                s->compute.emplace_back(L->dev, b);
-                break;
-            }
+        if (ggml_backend_t b = pyspecter_sched_backend(sched, L->dev)) {
+            ggml_backend_synchronize(b);
+            s->compute.emplace_back(L->dev, b);
         }
     }
     s->compute_sched = sched;

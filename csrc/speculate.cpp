@@ -31,18 +31,6 @@ bool any_zero(const llama_pyspecter_layer * L, const int32_t * slots, int32_t n_
     return false;
 }
 
-// The scheduler's backend on the device a tensor's buffer is in (null: none, e.g. a host buffer).
-ggml_backend_t backend_holding(ggml_backend_sched * sched, const ggml_tensor * t) {
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
-    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
-        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
-        if (ggml_backend_get_device(b) == dev) {
-            return b;
-        }
-    }
-    return nullptr;
-}
-
 } // namespace
 
 void llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
@@ -125,7 +113,8 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
     for (size_t t = 0; t < s->tables.size(); ++t) {
         ggml_tensor * log = s->tables[t].spec_log;
         logs[t].resize(row * log->ne[1]);
-        if ((from[t] = backend_holding(sched, log))) {
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(log->buffer));
+        if ((from[t] = pyspecter_sched_backend(sched, dev))) {
             ggml_backend_tensor_get_async(from[t], log, logs[t].data(), 0, logs[t].size() * sizeof(int32_t));
         }
     }

@@ -12,8 +12,8 @@ What it does, each step bounded by --until (an epoch second: the lease's end, le
      host synchronisations every graph has), teacher-forced on real text, one run each;
   3. a markdown table (ms per token, host switches per MoE layer from llama.cpp's split count and the
      synchronisations counted as the scheduler ran, upload GB/s over the token and while copying beside the
-     link measured at start, hit rate, the
-     cost model's prediction) to OUT/gpu_bench.md, ready for docs/BENCHMARKS.md, and everything to
+     link measured at start, hit rate, the cost model's prediction) to OUT/gpu_bench.md, ready for
+     docs/BENCHMARKS.md, and everything to
      OUT/gpu_bench.json (--json: printed too).
 
 The time guard: the first budget runs if --min-first-s are left; each later one only if what is left exceeds the
