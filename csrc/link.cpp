@@ -31,3 +31,15 @@ void llama_pyspecter_set_link_gbps(llama_model * model, double gbps) {
         s->link.gbps = gbps;
     }
 }
+
+void llama_pyspecter_link::begin() {
+    std::lock_guard<std::mutex> lk(mu);
+    if (active++ == 0) {
+        active_ns = pyspecter_now_ns();
+    }
+}
+
+int64_t llama_pyspecter_link::end() {
+    std::lock_guard<std::mutex> lk(mu);
+    return --active == 0 ? pyspecter_now_ns() - active_ns : 0;
+}

@@ -42,17 +42,24 @@ struct pyspecter_ahead_map {
 
 // One device's upload stream, through ggml's generic backend API: a backend instance of its own for the device
 // (ggml_backend_dev_init; on CUDA that is a stream of its own), copies issued with set_tensor_async (from the
-// model's pinned host copy where the device has a host buffer type), and one event per batch (an expert's kinds),
-// synchronized before the batch counts as landed. A slot is mapped (remap_set) only after its upload has landed,
-// and the device sees a new mapping only at the next fence, so no table ever points at a slot being written.
-// Devices that report no async copies or no events copy synchronously (ggml_backend_tensor_set), as does every
-// device with SPECTER_SYNC_UPLOADS=1.
+// model's pinned host copy where the device has a host buffer type), and one event per batch (an expert's kinds,
+// or a layer's misses), synchronized before the batch counts as landed. A slot is mapped (remap_set) only after
+// its upload has landed, and the device sees a new mapping only at the next fence, so no table ever points at a
+// slot being written. Several batches are in flight at once, each awaiting its own event from `events` (threads
+// that issue while another's batch is on the wire keep the link busy through the first's landing); the stream
+// orders them. Devices that report no async copies or no events copy synchronously (ggml_backend_tensor_set), as
+// does every device with SPECTER_SYNC_UPLOADS=1.
+constexpr int32_t PYSPECTER_UPLOADS_IN_FLIGHT = 4; // batches a stream holds issued and not yet landed
+
 struct pyspecter_upload_stream {
     ggml_backend_dev_t   dev     = nullptr;
     ggml_backend_t       backend = nullptr;
-    ggml_backend_event_t event   = nullptr;
     ggml_backend_event_t after_compute = nullptr; // recorded on the compute stream, waited on by this one
-    std::mutex           mu; // one batch at a time: the upload thread, native readers and callers' threads share it
+    std::mutex           mu; // one issuer at a time (copies, event records); the upload thread, readers, callers
+    std::vector<ggml_backend_event_t> events; // PYSPECTER_UPLOADS_IN_FLIGHT of them, freed with the stream
+    // guarded by mu: the events no batch in flight holds (a batch takes one to record after its copies)
+    std::vector<ggml_backend_event_t> free_events;
+    std::condition_variable event_freed;
 
     pyspecter_upload_stream() = default;
     pyspecter_upload_stream(const pyspecter_upload_stream &) = delete;
@@ -176,6 +183,7 @@ struct llama_pyspecter_counters {
     // device tables (llama_pyspecter_device_stats)
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
     std::atomic<int64_t> async_batches{0}; // upload batches sent on an upload stream and awaited by their event
+    std::atomic<int64_t> inflight_peak{0}; // most batches one upload stream held in flight at once
     std::atomic<int64_t> compute_orders{0}; // upload batches ordered after the device's queued compute
     std::atomic<int64_t> spec_ubatches{0}, spec_redos{0}; // speculated ubatches; of which a row missed (speculate.cpp)
 };
@@ -187,6 +195,15 @@ struct llama_pyspecter_link {
     int64_t free_ns = 0;
 
     void throttle(int64_t t0_ns, size_t nbytes); // returns once nbytes started at t0 would be through
+
+    // The time some upload batch was in flight (counters.upload_ns), overlapping batches counted once: a batch
+    // begins at its first copy and ends once landed (throttle included). end() returns the time to add.
+    void    begin();
+    int64_t end();
+
+private:
+    int32_t active = 0;     // mu held
+    int64_t active_ns = 0;  // since when some batch has been in flight
 };
 
 // The upload thread: a FIFO of copies. Tickets are issued in order and finish in order, so "finished up to t" is
@@ -396,14 +413,57 @@ int32_t pyspecter_run_copy(llama_pyspecter_counters & counters, F && copy) noexc
 // owns the streams; slot allocation calls it.
 pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s, ggml_backend_dev_t dev);
 
+// Copies into one layer's slots that land together (uploads.cpp). On the layer's upload stream each copy is issued
+// asynchronously and land() records one event after them and waits for it: only then have they landed (the caller
+// maps the slots after that, and the sources may be reused). Without a stream each copy is synchronous. The emulated
+// link is charged for the batch's bytes either way. The stream is locked per copy, not per batch, so other
+// threads' batches go out between this one's copies and while it is awaited: that is how several are in flight.
+class pyspecter_upload_batch {
+public:
+    explicit pyspecter_upload_batch(llama_pyspecter_layer * L);
+    ~pyspecter_upload_batch(); // left without land() (an exception): waits for what was issued, whose sources live on
+    pyspecter_upload_batch(const pyspecter_upload_batch &) = delete;
+    pyspecter_upload_batch & operator=(const pyspecter_upload_batch &) = delete;
+
+    // n bytes into slot, at byte `at` of the slot's expert (a chunk of it)
+    void copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n, size_t at = 0);
+    // n bytes of slot, at byte `at` of its expert, made 0xFF (NaN): fault injection's garbage
+    void poison(ggml_tensor * slot_t, int32_t slot, size_t n, size_t at = 0);
+    // a host copy's bytes that live on a device, read back here: alive until the batch has landed
+    void * readback(size_t n);
+    void land();
+
+private:
+    void                 first_use(); // st->mu held where there is a stream
+    ggml_backend_event_t record();    // an event after the copies issued so far; release() gives it back
+    void                 release(ggml_backend_event_t ev);
+
+    llama_pyspecter_layer *           L;
+    pyspecter_upload_stream *         st;
+    int64_t                           t0;
+    size_t                            bytes  = 0;
+    bool                              issued = false; // async copies not yet awaited
+    bool                              used   = false; // ordered after the device's queued compute
+    std::vector<std::vector<uint8_t>> readbacks;
+};
+
 // Copies one expert (all kinds) from the model's host copy into a slot; one kind of one expert from a file (fd at
 // offset, through the page-aligned buf of buf_size bytes) into a slot. Both run on any thread; the caller counts
-// failures (pyspecter_run_copy).
+// failures (pyspecter_run_copy). load_into issues an expert's copies in a batch the caller lands.
 int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
+int32_t pyspecter_load_into(pyspecter_upload_batch & b, llama_pyspecter_layer * L, int32_t expert, int32_t slot);
 // one kind of one expert's bytes (nbytes, the slot's whole expert) into a slot
 int32_t pyspecter_write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes);
 int32_t pyspecter_read_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int fd, int64_t offset,
                            void * buf, size_t buf_size, bool drop_cache);
+
+// Several experts of one layer, (expert, slot) each, from its host copy into their slots as one batch: one event
+// awaited for all. through(slot, load) runs one expert's load and returns its status (a caller's fault injection
+// may refuse it); landed[i] says whether load i landed.
+using pyspecter_load_fn = std::function<int32_t()>;
+void pyspecter_load_batch(llama_pyspecter_layer * L, const std::vector<std::pair<int32_t, int32_t>> & loads,
+                          std::vector<uint8_t> & landed,
+                          const std::function<int32_t(int32_t slot, const pyspecter_load_fn & load)> & through);
 
 // O_DIRECT wants file offset, length and memory aligned to this (a page; every block size we meet divides it)
 constexpr int64_t PYSPECTER_IO_ALIGN = 4096;

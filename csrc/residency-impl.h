@@ -133,7 +133,7 @@ struct pyspecter_residency {
     bool batching = false;
     // under mu: a routing call's scratch, kept so the op allocates nothing per call
     std::vector<int32_t> needed, missing;
-    std::vector<uint8_t> taken, keep;
+    std::vector<uint8_t> taken, keep, landed; // landed: which of `loads` did (miss_wait)
     std::vector<std::pair<int32_t, int32_t>> loads; // (expert, slot)
     std::vector<pyspecter_read *> landing, reads, freeing;
 

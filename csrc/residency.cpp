@@ -280,15 +280,16 @@ static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const 
         return;
     }
     if (R->p.fd < 0) {
-        // from RAM: a copy on this thread costs less than the hand-off to a reader it would wait for anyway
+        // from RAM: a copy on this thread costs less than the hand-off to a reader it would wait for anyway; the
+        // call's misses go out as one batch, one event awaited for all of them
         const int64_t t0 = pyspecter_now_ns(), cpu0 = pyspecter_op_cpu_ns();
-        for (auto [e, slot] : loads) {
-            c.uploads++;
-            const int32_t rc = pyspecter_run_copy(c, [&] {
-                return R->faults.apply(L, -1, slot, 0, 0, [&] { return pyspecter_load_one(L, e, slot); });
-            });
-            if (rc == LLAMA_PYSPECTER_OK) {
-                residency_map(R, L, e, slot);
+        c.uploads += (int64_t) loads.size();
+        pyspecter_load_batch(L, loads, R->landed, [&](int32_t slot, const pyspecter_load_fn & load) {
+            return R->faults.apply(L, -1, slot, 0, 0, load);
+        });
+        for (size_t i = 0; i < loads.size(); ++i) {
+            if (R->landed[i]) {
+                residency_map(R, L, loads[i].first, loads[i].second);
             }
         }
         c.wait_ns += pyspecter_now_ns() - t0;
@@ -705,7 +706,8 @@ int32_t llama_pyspecter_residency_init(llama_model * model, const llama_pyspecte
         R->chunk = (chunk + PYSPECTER_IO_ALIGN - 1) / PYSPECTER_IO_ALIGN * PYSPECTER_IO_ALIGN;
         R->read_buf = std::min(R->buf_size, (size_t) R->chunk);
         R->max_chunks = LLAMA_PYSPECTER_N_KINDS * ((R->buf_size + (size_t) R->chunk - 1) / (size_t) R->chunk);
-        R->start(std::max(1, params->n_readers));
+        // from RAM to a device's upload stream, a reader per batch in flight: each awaits its batch's landing
+        R->start(std::max(params->fd < 0 && !s->streams.empty() ? PYSPECTER_UPLOADS_IN_FLIGHT : 1, params->n_readers));
         s->res = std::move(R);
         return LLAMA_PYSPECTER_OK;
     });

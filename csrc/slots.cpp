@@ -55,8 +55,8 @@ bool pyspecter_is_repacked(const ggml_tensor * t) {
 //
 
 pyspecter_upload_stream::~pyspecter_upload_stream() {
-    if (event) {
-        ggml_backend_event_free(event);
+    for (auto * ev : events) {
+        ggml_backend_event_free(ev);
     }
     if (after_compute) {
         ggml_backend_event_free(after_compute);
@@ -87,9 +87,17 @@ pyspecter_upload_stream * pyspecter_upload_stream_for(llama_pyspecter_slots * s,
     auto st = std::make_unique<pyspecter_upload_stream>();
     st->dev     = dev;
     st->backend = ggml_backend_dev_init(dev, nullptr);
-    st->event   = st->backend ? ggml_backend_event_new(dev) : nullptr;
-    st->after_compute = st->event ? ggml_backend_event_new(dev) : nullptr;
-    if (!st->backend || !st->event || !st->after_compute) {
+    bool made = st->backend != nullptr;
+    for (int32_t i = 0; made && i < PYSPECTER_UPLOADS_IN_FLIGHT; ++i) {
+        ggml_backend_event_t ev = ggml_backend_event_new(dev);
+        made = ev != nullptr;
+        if (made) {
+            st->events.push_back(ev);
+        }
+    }
+    st->free_events = st->events;
+    st->after_compute = made ? ggml_backend_event_new(dev) : nullptr;
+    if (!st->after_compute) {
         LLAMA_LOG_WARN("pyspecter: %s: no upload stream of its own, uploads stay synchronous\n",
                 ggml_backend_dev_name(dev));
         return nullptr; // st frees what it got

@@ -135,108 +135,140 @@ int32_t llama_pyspecter_uploads::wait(int64_t ticket) {
 // copies
 //
 
-// The copies of one upload into a layer's slots. On the layer's upload stream they are issued asynchronously and
-// land() records one event after them and waits for it: only then has the upload landed (the caller maps the slot
-// after that, and its source may be reused). Without a stream each copy is synchronous. The emulated link is
-// charged for the batch's bytes either way.
-class upload_batch {
-public:
-    explicit upload_batch(llama_pyspecter_layer * L) : L(L), st(L->stream), t0(pyspecter_now_ns()) {
-        if (st) {
-            lk = std::unique_lock<std::mutex>(st->mu);
+pyspecter_upload_batch::pyspecter_upload_batch(llama_pyspecter_layer * L)
+    : L(L), st(L->stream), t0(pyspecter_now_ns()) {}
+
+pyspecter_upload_batch::~pyspecter_upload_batch() {
+    try {
+        if (issued) {
+            ggml_backend_event_t ev = record();
+            ggml_backend_event_synchronize(ev);
+            release(ev);
+        }
+    } catch (...) {
+        // a mutex that cannot be locked: nothing left to wait with
+    }
+    if (used) {
+        try {
+            L->parent->counters.upload_ns += L->parent->link.end();
+        } catch (...) {
         }
     }
+}
 
-    upload_batch(const upload_batch &) = delete;
-    upload_batch & operator=(const upload_batch &) = delete;
-
-    ~upload_batch() {
-        if (st && bytes) { // left early (an exception): the copies issued still read their sources, so wait
-            ggml_backend_event_record(st->event, st->backend);
-            ggml_backend_event_synchronize(st->event);
-        }
+void pyspecter_upload_batch::copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n, size_t at) {
+    const size_t off = (size_t) slot * slot_t->nb[2] + at;
+    if (const int64_t us = L->parent->upload_fault_us) {
+        // fault injection (tests): the bytes of a copy in flight are undefined, so make them NaN for a while
+        // before the real ones land; a kernel that reads the slot in that window (mapped before its upload
+        // landed, or still read for the expert it held) turns the logits NaN
+        poison(slot_t, slot, n, at);
+        std::this_thread::sleep_for(std::chrono::microseconds(us));
     }
-
-    // n bytes into slot, at byte `at` of the slot's expert (a chunk of it)
-    void copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n, size_t at = 0) {
-        const size_t off = (size_t) slot * slot_t->nb[2] + at;
-        if (!after_compute) {
-            order_after_compute();
-            after_compute = true;
-        }
-        if (const int64_t us = L->parent->upload_fault_us) {
-            // fault injection (tests): the bytes of a copy in flight are undefined, so make them NaN for a while
-            // before the real ones land; a kernel that reads the slot in that window (mapped before its upload
-            // landed, or still read for the expert it held) turns the logits NaN
-            poison(slot_t, slot, n, at);
-            std::this_thread::sleep_for(std::chrono::microseconds(us));
-        }
-        if (st) {
-            ggml_backend_tensor_set_async(st->backend, slot_t, src, off, n);
-        } else {
-            ggml_backend_tensor_set(slot_t, src, off, n);
-        }
-        bytes += n;
+    if (st) {
+        std::lock_guard<std::mutex> lk(st->mu);
+        first_use();
+        ggml_backend_tensor_set_async(st->backend, slot_t, src, off, n);
+        issued = true;
+    } else {
+        first_use();
+        ggml_backend_tensor_set(slot_t, src, off, n);
     }
+    bytes += n;
+}
 
-    // n bytes of slot, at byte `at` of its expert, made 0xFF (NaN): fault injection's garbage
-    void poison(ggml_tensor * slot_t, int32_t slot, size_t n, size_t at = 0) {
-        if (!after_compute) {
-            order_after_compute();
-            after_compute = true;
-        }
-        ggml_backend_tensor_memset(slot_t, 0xFF, (size_t) slot * slot_t->nb[2] + at, n);
-    }
-
-    void land() {
-        if (st && bytes) {
-            ggml_backend_event_record(st->event, st->backend);
-            ggml_backend_event_synchronize(st->event);
-            L->parent->counters.async_batches++;
-        }
-        auto * s = L->parent;
-        s->link.throttle(t0, bytes);
-        s->counters.upload_bytes += (int64_t) bytes;
-        s->counters.upload_ns += pyspecter_now_ns() - t0;
-        bytes = 0;
-    }
-
-private:
-    // A device slot may still be read for the expert it held by kernels queued before the eviction reached the
-    // table (the layer's split already launched): the copy waits for the device work queued so far. On the upload
-    // stream that is an event the stream waits on (the host goes on); a synchronous copy, on another stream of
-    // the device's, waits on the host. CPU slots are read by the compute thread itself: nothing to wait for.
-    void order_after_compute() {
-        if (L->miss_slot < 0) {
-            return;
-        }
-        auto * s = L->parent;
-        std::lock_guard<std::mutex> lk_compute(s->compute_mu);
-        for (const auto & [dev, backend] : s->compute) {
-            if (dev != L->dev) {
-                continue;
-            }
-            if (st && st->after_compute) {
-                ggml_backend_event_record(st->after_compute, backend);
-                ggml_backend_event_wait(st->backend, st->after_compute);
-            } else {
-                ggml_backend_synchronize(backend);
-            }
-            s->counters.compute_orders++;
-        }
-    }
-
-    llama_pyspecter_layer *      L;
-    pyspecter_upload_stream *    st;
+void pyspecter_upload_batch::poison(ggml_tensor * slot_t, int32_t slot, size_t n, size_t at) {
     std::unique_lock<std::mutex> lk;
-    int64_t                      t0;
-    size_t                       bytes = 0;
-    bool                         after_compute = false;
-};
+    if (st) {
+        lk = std::unique_lock<std::mutex>(st->mu);
+    }
+    first_use();
+    ggml_backend_tensor_memset(slot_t, 0xFF, (size_t) slot * slot_t->nb[2] + at, n);
+}
+
+void * pyspecter_upload_batch::readback(size_t n) {
+    readbacks.emplace_back(n);
+    return readbacks.back().data();
+}
+
+// The emulated link's time counts as the batch's flight: its event is held until the throttle lets it land.
+void pyspecter_upload_batch::land() {
+    auto * s = L->parent;
+    ggml_backend_event_t ev = issued ? record() : nullptr;
+    if (ev) {
+        ggml_backend_event_synchronize(ev);
+        s->counters.async_batches++;
+    }
+    s->link.throttle(t0, bytes);
+    if (ev) {
+        release(ev);
+    }
+    s->counters.upload_bytes += (int64_t) bytes;
+    if (used) {
+        s->counters.upload_ns += s->link.end();
+        used = false;
+    }
+    bytes = 0;
+    readbacks.clear();
+}
+
+// One of the stream's events, recorded after this batch's copies (taking one waits while every event is held by a
+// batch in flight). The caller synchronizes it outside the stream's lock, so other threads issue meanwhile, and
+// gives it back (release) once the batch has landed.
+ggml_backend_event_t pyspecter_upload_batch::record() {
+    std::unique_lock<std::mutex> lk(st->mu);
+    st->event_freed.wait(lk, [&] { return !st->free_events.empty(); });
+    ggml_backend_event_t ev = st->free_events.back();
+    st->free_events.pop_back();
+    ggml_backend_event_record(ev, st->backend);
+    issued = false;
+    auto & peak = L->parent->counters.inflight_peak;
+    const int64_t n = (int64_t) (st->events.size() - st->free_events.size());
+    for (int64_t cur = peak.load(); n > cur && !peak.compare_exchange_weak(cur, n);) {
+    }
+    return ev;
+}
+
+void pyspecter_upload_batch::release(ggml_backend_event_t ev) {
+    {
+        std::lock_guard<std::mutex> lk(st->mu);
+        st->free_events.push_back(ev);
+    }
+    st->event_freed.notify_one();
+}
+
+// A device slot may still be read for the expert it held by kernels queued before the eviction reached the table
+// (the layer's split already launched): the batch's first copy waits for the device work queued so far. On the
+// upload stream that is an event the stream waits on (the host goes on); a synchronous copy, on another stream of
+// the device's, waits on the host. CPU slots are read by the compute thread itself: nothing to wait for.
+void pyspecter_upload_batch::first_use() {
+    if (used) {
+        return;
+    }
+    used = true;
+    L->parent->link.begin();
+    if (L->miss_slot < 0) {
+        return;
+    }
+    auto * s = L->parent;
+    std::lock_guard<std::mutex> lk_compute(s->compute_mu);
+    for (const auto & [dev, backend] : s->compute) {
+        if (dev != L->dev) {
+            continue;
+        }
+        if (st) {
+            ggml_backend_event_record(st->after_compute, backend);
+            ggml_backend_event_wait(st->backend, st->after_compute);
+        } else {
+            ggml_backend_synchronize(backend);
+        }
+        s->counters.compute_orders++;
+    }
+}
 
 int32_t pyspecter_poison_range(llama_pyspecter_layer * L, int32_t kind, int32_t slot, int64_t lo, int64_t hi) {
     return pyspecter_guarded(__func__, [&]() -> int32_t {
-        upload_batch b(L);
+        pyspecter_upload_batch b(L);
         for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
             if (L->slot[k] && (kind < 0 || k == kind)) {
                 const size_t n = L->slot[k]->nb[2];
@@ -249,15 +281,13 @@ int32_t pyspecter_poison_range(llama_pyspecter_layer * L, int32_t kind, int32_t 
 }
 
 int32_t pyspecter_write_one(llama_pyspecter_layer * L, int32_t kind, int32_t slot, const void * src, size_t nbytes) {
-    upload_batch b(L);
+    pyspecter_upload_batch b(L);
     b.copy(L->slot[kind], slot, src, nbytes);
     b.land();
     return LLAMA_PYSPECTER_OK;
 }
 
-int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
-    std::vector<std::vector<uint8_t>> readback; // sources read back from a device: alive until the batch has landed
-    upload_batch b(L);
+int32_t pyspecter_load_into(pyspecter_upload_batch & b, llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
     for (int k = 0; k < LLAMA_PYSPECTER_N_KINDS; ++k) {
         ggml_tensor * h = L->host[k];
         if (!h) {
@@ -267,16 +297,42 @@ int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t sl
         if (h->buffer && ggml_backend_buffer_is_host(h->buffer)) {
             b.copy(L->slot[k], slot, (const char *) h->data + (size_t) expert * n, n);
         } else if (pyspecter_is_repacked(h)) {
-            b.land(); // what was issued lands before the error is reported
             return LLAMA_PYSPECTER_ERR_REPACKED; // can't be read back (get_tensor is null); refused at init already
         } else {
-            readback.emplace_back(n); // device-resident host copy: read it back
-            ggml_backend_tensor_get(h, readback.back().data(), (size_t) expert * n, n);
-            b.copy(L->slot[k], slot, readback.back().data(), n);
+            void * back = b.readback(n); // device-resident host copy: read it back
+            ggml_backend_tensor_get(h, back, (size_t) expert * n, n);
+            b.copy(L->slot[k], slot, back, n);
         }
     }
-    b.land();
     return LLAMA_PYSPECTER_OK;
+}
+
+void pyspecter_load_batch(llama_pyspecter_layer * L, const std::vector<std::pair<int32_t, int32_t>> & loads,
+                          std::vector<uint8_t> & landed,
+                          const std::function<int32_t(int32_t slot, const pyspecter_load_fn & load)> & through) {
+    auto & c = L->parent->counters;
+    landed.assign(loads.size(), 0);
+    const int32_t rc = pyspecter_run_copy(c, [&] {
+        pyspecter_upload_batch b(L);
+        for (size_t i = 0; i < loads.size(); ++i) {
+            const auto [e, slot] = loads[i];
+            landed[i] = pyspecter_run_copy(c, [&] {
+                return through(slot, [&] { return pyspecter_load_into(b, L, e, slot); });
+            }) == LLAMA_PYSPECTER_OK;
+        }
+        b.land();
+        return LLAMA_PYSPECTER_OK;
+    });
+    if (rc != LLAMA_PYSPECTER_OK) {
+        landed.assign(loads.size(), 0); // the batch itself failed: nothing counts as landed
+    }
+}
+
+int32_t pyspecter_load_one(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
+    pyspecter_upload_batch b(L);
+    const int32_t rc = pyspecter_load_into(b, L, expert, slot);
+    b.land(); // what was issued lands before an error is reported
+    return rc;
 }
 
 static int32_t layer_for_upload(const llama_model * model, int32_t il, llama_pyspecter_layer ** out) {
@@ -347,7 +403,7 @@ int32_t pyspecter_land_range(llama_pyspecter_layer * L, int32_t kind, int32_t sl
     if (got < (size_t) (offset + hi - start)) {
         return LLAMA_PYSPECTER_ERR_IO; // short: an error, or the end of the file came first
     }
-    upload_batch b(L);
+    pyspecter_upload_batch b(L);
     b.copy(L->slot[kind], slot, (const char *) buf + (offset + lo - start), (size_t) (hi - lo), (size_t) lo);
     b.land();
     return LLAMA_PYSPECTER_OK;

@@ -305,9 +305,10 @@ class ExpertCache:
 
     def counters(self) -> dict:
         out = self._residency_counters()
-        # speculated ubatches (device slot layers): computed with no host path, and those a missed row redid
+        # speculated ubatches (device slot layers): computed with no host path, and those a missed row redid; the
+        # most upload batches a device stream held in flight at once
         d = native.device_stats(self.model.ptr)
-        out.update(spec_ubatches=d.spec_ubatches, spec_redos=d.spec_redos)
+        out.update(spec_ubatches=d.spec_ubatches, spec_redos=d.spec_redos, upload_inflight_peak=d.inflight_peak)
         return out
 
     def _residency_counters(self) -> dict:

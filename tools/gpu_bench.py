@@ -120,9 +120,10 @@ def rows(bench: dict) -> list[dict]:
             "device_launch_ms": p.get("device_launch_ms_per_token"),
             # what a token moved over its own time: the issue's "effective" rate (58.8 MB in an 11.8 ms token)
             "upload_gbps": p["bytes_per_token"] / (tpot * 1e6) if p.get("bytes_per_token") else 0.0,
-            # ... and the copies' own rate (bytes over their batches' time, start to landing): near the link's, the
-            # uploads are fine and the token's time went elsewhere; far below it, the copies themselves are slow
-            "upload_busy_gbps": p.get("upload_busy_gbps"),
+            # ... and the copies' own rate (bytes over the time some batch was in flight, first copy to landing): near
+            # the link's, the uploads are fine and the token's time went elsewhere; far below it, the copies
+            # themselves are slow; and the most batches one stream held in flight at once (1: no overlap)
+            "upload_busy_gbps": p.get("upload_busy_gbps"), "upload_inflight_peak": p.get("upload_inflight_peak"),
             # stock's rows have no slots: a hit rate would say nothing
             "link_gbps": link, "hit_rate": None if name.startswith("stock") else p.get("hit_rate"),
             # ubatches per token run with no host visit at all (speculated to hit), and those a miss ran again
@@ -170,7 +171,8 @@ def markdown(report: dict) -> str:
              "",
              "| VRAM for experts | placement | ms per token | ÷ stock `--n-cpu-moe` | host switches per MoE layer "
              "(splits / taken) | host syncs per MoE layer (counted, over the floor) | ms per token: host waits / "
-             "CPU splits / device launches | upload GB/s: over the token / while copying (link) | hit rate "
+             "CPU splits / device launches | upload GB/s: over the token / while copying (link); most batches in "
+             "flight | hit rate "
              "| predicted ms (measured costs / refitted) "
              "| logits bit-equal to stock `--cpu-moe`'s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -189,7 +191,8 @@ def markdown(report: dict) -> str:
                 f"| {_f(r['host_syncs_per_moe_layer'], '.2f')} "
                 f"| {_f(r.get('host_wait_ms'), '.2f')} / {_f(r.get('host_split_ms'), '.2f')} / "
                 f"{_f(r.get('device_launch_ms'), '.2f')} "
-                f"| {r['upload_gbps']:.2f} / {_f(r.get('upload_busy_gbps'), '.2f')} ({_f(r['link_gbps'], '.1f')}) "
+                f"| {r['upload_gbps']:.2f} / {_f(r.get('upload_busy_gbps'), '.2f')} ({_f(r['link_gbps'], '.1f')}); "
+                f"{r.get('upload_inflight_peak') or '-'} "
                 f"| {_f(r['hit_rate'], '.1%')}{_spec(r)} "
                 f"| {_f(r['predicted_ms'], '.2f')} / {_f(r['predicted_calibrated_ms'], '.2f')} "
                 f"| {'-' if same is None else 'yes' if same else 'NO'} |")

@@ -420,6 +420,7 @@ struct llama_pyspecter_device_stats {
     int64_t compute_orders;  // upload batches ordered after the device work queued before them (device layers)
     int64_t spec_ubatches;   // ubatches computed speculated: no host path, every row from a slot
     int64_t spec_redos;      // ... of which a row missed: computed again with host paths
+    int64_t inflight_peak;   // most upload batches one stream held issued and not yet landed at once
 };
 LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
                                                    struct llama_pyspecter_device_stats * out);
@@ -456,7 +457,7 @@ struct llama_pyspecter_stats {
     int64_t route_ns;        // time in the routing op (and the wait op of late experts), hooks and waits included
     int64_t hook_ns;         // time in the routing and wait hooks
     int64_t upload_bytes;    // bytes copied into slots
-    int64_t upload_ns;       // time spent copying (throttle included)
+    int64_t upload_ns;       // time some copy was in flight, overlapping ones counted once (throttle included)
     int64_t upload_failures; // accepted uploads whose copy failed
     // native residency
     int64_t needed;           // distinct experts asked for, summed over routing calls

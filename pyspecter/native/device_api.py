@@ -38,6 +38,7 @@ class DeviceStats(ctypes.Structure):
         ("compute_orders", ctypes.c_int64),  # upload batches ordered after the device work queued before them
         ("spec_ubatches", ctypes.c_int64),  # ubatches computed speculated: no host path, every row from a slot
         ("spec_redos", ctypes.c_int64),  # ... of which a row missed: computed again with host paths
+        ("inflight_peak", ctypes.c_int64),  # most upload batches one stream held issued and not yet landed at once
     ]
 
     fences: int
@@ -49,6 +50,7 @@ class DeviceStats(ctypes.Structure):
     compute_orders: int
     spec_ubatches: int
     spec_redos: int
+    inflight_peak: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}

@@ -159,7 +159,7 @@ class Stats(ctypes.Structure):
         ("route_ns", ctypes.c_int64),  # time in the routing op, hook included
         ("hook_ns", ctypes.c_int64),  # time in the routing and wait hooks
         ("upload_bytes", ctypes.c_int64),  # bytes copied into slots
-        ("upload_ns", ctypes.c_int64),  # time spent copying (throttle included)
+        ("upload_ns", ctypes.c_int64),  # time some copy was in flight, overlapping ones once (throttle included)
         ("upload_failures", ctypes.c_int64),  # accepted uploads whose copy failed
         # native residency
         ("needed", ctypes.c_int64),  # distinct experts asked for, summed over routing calls

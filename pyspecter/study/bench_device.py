@@ -20,14 +20,16 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
     decode's ``native.sync_counts`` over ``n_tokens`` tokens), what the scheduler actually did per token: splits
     computed, switches between host and device taken, and the host's waits for the device (stream or event
     synchronisations), with the same two-per-graph floor taken out per MoE layer; and the time in those waits, in
-    the host's splits and in launching the device's. Also the uploads' own rate, GB/s: bytes over their batches'
-    summed time, each from its start to its landing (a wait for the stream's earlier work included), to read beside
-    the link's rate and the bytes a token moved over its own time (None where nothing moved)."""
+    the host's splits and in launching the device's. Also the uploads' own rate, GB/s: bytes over the time some
+    batch was in flight, from its first copy to its landing (a wait for the stream's earlier work included;
+    overlapping batches counted once), to read beside the link's rate and the bytes a token moved over its own time
+    (None where nothing moved); and the most batches a device stream held in flight at once."""
     if not on_device or splits is None:
         return {}
     out = {"splits_per_token": splits, "host_switches_per_moe_layer": (splits - 2) / n_moe_layers}
     upload_ns = sum(c.get("upload_ns", 0) for c in counters or [])
     out["upload_busy_gbps"] = sum(c.get("upload_bytes", 0) for c in counters or []) / upload_ns if upload_ns else None
+    out["upload_inflight_peak"] = max((c.get("upload_inflight_peak", 0) for c in counters or []), default=0)
     out.update(spec_columns(counters or [], n_tokens))
     if syncs and n_tokens > 0 and syncs.get("device_computes", 0) + syncs.get("host_computes", 0) > 0:
         per = {k: v / n_tokens for k, v in syncs.items()}

@@ -293,7 +293,9 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     for p in ("on-demand-lru", "on-demand-cpu"):
         assert pol[p]["splits_per_token"] == pol["stock-cpu-moe"]["splits_per_token"]
         assert pol[p]["bytes_per_token"] > 0 and pol[p]["upload_busy_gbps"] > 0  # the copies' own rate, where any
+        assert pol[p]["upload_inflight_peak"] >= 1  # batches awaited by their event on the device's upload stream
     assert pol["stock-cpu-moe"]["upload_busy_gbps"] is None  # stock moves nothing
+    assert pol["stock-cpu-moe"]["upload_inflight_peak"] == 0
     assert pol["plan"]["same_tokens_as_stock"]
     assert pol["plan"]["splits_per_token"] <= pol["stock-cpu-moe"]["splits_per_token"]
     lp = out["layer_plan"]

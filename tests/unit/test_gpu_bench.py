@@ -29,8 +29,8 @@ def _bench(with_floor: bool) -> dict:
                             "bytes_per_token": 0, "hit_rate": 1.0, "predicted_ms": 19.0, "same_logits_as_stock": True},
         "plan": {"tpot_ms": 16.0, "host_switches_per_moe_layer": 1.0, "host_syncs_per_token": 128.0,
                  "host_wait_ms_per_token": 3.5, "host_split_ms_per_token": 6.25, "device_launch_ms_per_token": 0.5,
-                 "bytes_per_token": 40e6, "upload_busy_gbps": 20.0, "hit_rate": 0.8, "predicted_ms": 15.0,
-                 "same_logits_as_stock": True},
+                 "bytes_per_token": 40e6, "upload_busy_gbps": 20.0, "upload_inflight_peak": 3, "hit_rate": 0.8,
+                 "predicted_ms": 15.0, "same_logits_as_stock": True},
         "engine": {"skipped": "no room"},
     }
     if with_floor:
@@ -60,8 +60,9 @@ def test_rows_and_floor(gb) -> None:
     # where the time went: bench's three device times, per token; a row without them shows dashes
     assert "| 2.50 | 3.50 / 6.25 / 0.50 |" in md
     assert "| - / - / - |" in md
-    # uploads: over the token's time / while copying (the link at start); stock moves nothing
-    assert "| 2.50 / 20.00 (50.0) |" in md and "| 0.00 / - (50.0) |" in md
+    # uploads: over the token's time / while copying (the link at start); the most batches in flight; stock moves
+    # nothing
+    assert "| 2.50 / 20.00 (50.0); 3 |" in md and "| 0.00 / - (50.0); - |" in md
     # every row has as many cells as the header
     table = [ln for ln in md.splitlines() if ln.startswith("|")]
     assert len({ln.count("|") for ln in table}) == 1, table
