@@ -262,7 +262,7 @@ struct llama_pyspecter_slots {
     int32_t n_expert = 0;
     int32_t n_used   = 0; // experts a token uses (the model's top-k): rows per token, zero slots per device layer
     bool poison = false;  // SPECTER_POISON_SLOTS=1: device slots start as NaN, not zeros (tests: reads before writes)
-    int64_t upload_fault_us = 0; // SPECTER_UPLOAD_FAULT_US=N: each copy NaN-fills its bytes, waits N us, then copies
+    int64_t upload_fault_us = 0; // SPECTER_UPLOAD_FAULT_US=N: a batch copies NaN; its real bytes land N us after
     std::vector<std::unique_ptr<llama_pyspecter_layer>> layers; // by layer index; null for dense layers
     struct slot_ref {
         llama_pyspecter_layer * layer;
@@ -445,6 +445,13 @@ private:
     bool                              issued = false; // async copies not yet awaited
     bool                              used   = false; // ordered after the device's queued compute
     std::vector<std::vector<uint8_t>> readbacks;
+    struct late_copy {
+        ggml_tensor * t;
+        size_t        off;
+        const void *  src;
+        size_t        n;
+    };
+    std::vector<late_copy> late; // fault injection (upload_fault_us): the real bytes, written when the batch lands
 };
 
 // Copies one expert (all kinds) from the model's host copy into a slot; one kind of one expert from a file (fd at

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -158,12 +159,15 @@ pyspecter_upload_batch::~pyspecter_upload_batch() {
 
 void pyspecter_upload_batch::copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n, size_t at) {
     const size_t off = (size_t) slot * slot_t->nb[2] + at;
-    if (const int64_t us = L->parent->upload_fault_us) {
-        // fault injection (tests): the bytes of a copy in flight are undefined, so make them NaN for a while
-        // before the real ones land; a kernel that reads the slot in that window (mapped before its upload
-        // landed, or still read for the expert it held) turns the logits NaN
-        poison(slot_t, slot, n, at);
-        std::this_thread::sleep_for(std::chrono::microseconds(us));
+    if (L->parent->upload_fault_us) {
+        // fault injection (tests): a copy's bytes are undefined until its batch has landed, whatever order the
+        // device runs its commands in (RPC runs them in order, CUDA's streams do not). So what is issued is NaN,
+        // and land() writes the real bytes, later, once the batch's event has passed: a kernel that reads the slot
+        // before the batch landed (mapped too early) turns the logits NaN
+        void * nan = readback(n);
+        std::memset(nan, 0xFF, n);
+        late.push_back({ slot_t, off, src, n });
+        src = nan;
     }
     if (st) {
         std::lock_guard<std::mutex> lk(st->mu);
@@ -198,6 +202,13 @@ void pyspecter_upload_batch::land() {
     if (ev) {
         ggml_backend_event_synchronize(ev);
         s->counters.async_batches++;
+    }
+    if (!late.empty()) { // fault injection: the real bytes, a while after the batch's NaN landed
+        std::this_thread::sleep_for(std::chrono::microseconds(s->upload_fault_us));
+        for (const auto & c : late) {
+            ggml_backend_tensor_set(c.t, c.src, c.off, c.n);
+        }
+        late.clear();
     }
     s->link.throttle(t0, bytes);
     if (ev) {

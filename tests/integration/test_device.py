@@ -504,10 +504,12 @@ def native_greedy_steps(ctx: native.Context, prompt: list[int], n: int):
 @pytest.mark.parametrize("miss, ordered", [("cpu", False), ("wait", False), ("wait", True)])
 def test_uploads_that_land_late_are_never_read_early(miss: str, ordered: bool, rpc: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault injection in the upload path (SPECTER_UPLOAD_FAULT_US): every copy first fills its bytes with NaN and
-    lands its real ones 3 ms later, as a copy on another stream is undefined until its event. Under eviction at
-    top-k slots, with misses computed on the host or awaited (ordered: in the same ubatch, by the wait op), no
-    kernel may read a slot in that window: the logits stay stock's to the bit."""
+    """Fault injection in the upload path (SPECTER_UPLOAD_FAULT_US): every batch copies NaN, and its real bytes
+    land 3 ms after its event has passed, as a copy on another stream is undefined until its batch has landed
+    (RPC would otherwise run it before anything queued later). Under eviction at top-k slots, with misses computed
+    on the host or awaited (ordered: in the same ubatch, by the wait op, several reads in flight at once), no
+    kernel may read a slot in that window: the logits stay stock's to the bit. With reap mapping reads still in
+    flight, the host and ordered cases fail."""
     monkeypatch.setenv("SPECTER_UPLOAD_FAULT_US", "3000")
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
@@ -516,6 +518,8 @@ def test_uploads_that_land_late_are_never_read_early(miss: str, ordered: bool, r
     assert r["uploads"] > 0
     assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0, (r["stock_tokens"], r["slot_tokens"])
     assert r["contract_ok"], r["contract"]
+    if ordered:  # a layer's misses are read side by side: the readers keep several batches on the wire
+        assert r["device_tables"]["inflight_peak"] >= 2, r["device_tables"]
 
 
 def test_teacher_forced_verify_on_rpc_device_meets_the_contract(rpc: str) -> None:
