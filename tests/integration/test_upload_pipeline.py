@@ -5,29 +5,23 @@ tokens stay stock's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from test_device import LONG_PROMPT, _stock_greedy, native_greedy_steps, rpc_device
+from test_device import (
+    LONG_PROMPT,
+    _stock_greedy,
+    native_greedy_steps,
+    poisoned_slots,  # noqa: F401 (an autouse fixture: device slots start as NaN)
+    rpc,  # noqa: F401 (a fixture: the strict server)
+)
 
 from pyspecter import native
 from pyspecter.cache import ExpertCache
 from pyspecter.layout import read_layout
 from pyspecter.models.tiny import build_tiny
-from pyspecter.native.devices import Device
+from pyspecter.native.devices import open_device
 from pyspecter.tiers import EmulatedTier
 
 IN_FLIGHT = 4  # PYSPECTER_UPLOADS_IN_FLIGHT: the events an upload stream has
-
-
-@pytest.fixture(scope="module")
-def dev() -> Iterator[Device]:
-    yield from rpc_device()
-
-
-@pytest.fixture(autouse=True)
-def poisoned_slots(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECTER_POISON_SLOTS", "1")
 
 
 def prompt_tokens(path) -> list[int]:
@@ -36,7 +30,7 @@ def prompt_tokens(path) -> list[int]:
 
 
 @pytest.mark.parametrize("sync", [False, True])
-def test_prefetches_from_ram_keep_several_batches_in_flight(sync: bool, dev: Device,
+def test_prefetches_from_ram_keep_several_batches_in_flight(sync: bool, rpc: str,  # noqa: F811
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefetches of every layer's experts, read from RAM by the readers over an emulated link slow enough that each
     batch is on the wire for milliseconds: the stream holds more than one batch at once and never more than its
@@ -44,6 +38,7 @@ def test_prefetches_from_ram_keep_several_batches_in_flight(sync: bool, dev: Dev
     Without a stream (SPECTER_SYNC_UPLOADS=1) each copy is synchronous and none is counted in flight."""
     if sync:
         monkeypatch.setenv("SPECTER_SYNC_UPLOADS", "1")
+    dev = open_device(rpc)
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
     toks = prompt_tokens(path)
@@ -75,10 +70,11 @@ def test_prefetches_from_ram_keep_several_batches_in_flight(sync: bool, dev: Dev
             cache.close()
 
 
-def test_a_layers_waited_misses_land_as_one_batch(dev: Device) -> None:
+def test_a_layers_waited_misses_land_as_one_batch(rpc: str) -> None:  # noqa: F811
     """Misses awaited in the routing op (miss mode wait, top-k slots, so the prompt misses several experts a
     layer): the call's copies go out as one batch awaited by one event, so there are fewer batches than uploads,
     and the tokens are stock's."""
+    dev = open_device(rpc)
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
     toks = prompt_tokens(path)
