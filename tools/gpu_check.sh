@@ -51,7 +51,8 @@
 # Then one table (stdout and $OUT/table.txt) whose failed rows give the cause found in the output (a traceback's
 # exception and where, else the first error line; a timeout or a signal such as SEGV), and under it the device
 # rows' host round trips beside their time per token (llama.cpp's splits of the one-token graph, host switches per
-# MoE layer: stock --cpu-moe, stock --n-cpu-moe at equal memory, our plan; also $OUT/device_table.txt),
+# MoE layer: stock --cpu-moe, stock --n-cpu-moe at equal memory, our plan; and for rows that uploaded, the bytes a
+# token, the copies' own GB/s and the most batches in flight; also $OUT/device_table.txt),
 # $OUT/results.json (every step; the JSON that verify and
 # bench printed), $OUT/build_log_tail.txt, $OUT/bench.json and $OUT/gpu_check.log (every command's output).
 #
@@ -358,6 +359,10 @@ def device_table(bench_json, out):
         # where the token went (bench's device times): host waits, CPU splits, device launches; the rest is copies
         times = "/".join(f"{p[k]:.2f}" if k in p else "-" for k in
                          ("host_wait_ms_per_token", "host_split_ms_per_token", "device_launch_ms_per_token"))
+        if p.get("bytes_per_token") and p.get("upload_busy_gbps"):  # what moved, its rate, batches in flight
+            note = (note + "; " if note else "") + (f"uploads {p['bytes_per_token'] / 1e6:.1f} MB/token, "
+                                                    f"{p['upload_busy_gbps']:.1f} GB/s while copying, "
+                                                    f"{p.get('upload_inflight_peak', '-')} in flight at most")
         if p.get("spec_ubatches_per_token"):  # ubatches with no host visit, and those a miss ran again
             note = (note + "; " if note else "") + (f"speculated {p['spec_ubatches_per_token']:.2f}/token, "
                                                     f"redone {p.get('spec_redos_per_token', 0.0):.2f}")
