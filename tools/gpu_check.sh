@@ -5,6 +5,7 @@
 #                                            ignored): the pinned sdist trimmed to ~11 MiB and a wheelhouse of every
 #                                            runtime dependency (pyproject's, transitively, read now) for the GPU
 #                                            machine's Python: 3.12 x86_64, else GPU_CHECK_PYVER / GPU_CHECK_ARCH;
+#                                            and bench-qwen3moe's learned predictor (fitted here first if need be);
 #                                            fails when .gpu/ is over the device tool's 64 MiB carry limit
 #   bash tools/gpu_check.sh --list-requirements   what --prepare starts from: pyproject's dependencies
 #   bash tools/gpu_check.sh                  on the GPU machine, from the repository root, with .gpu/ carried along
@@ -35,9 +36,10 @@
 #   5. bench: `verify --forced` of the bench model (the contract on teacher-forced real text), then one VRAM
 #      budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
-#      and slot layers the cost model chooses at the budget), on-demand-lru and specter (with a draft made by
-#      `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device and them; what is missing is a
-#      row saying so
+#      and slot layers the cost model chooses at the budget), on-demand-lru, learned (layer-ahead prefetches: its
+#      predictor, fitted by --prepare, is carried in .gpu/predictors and used only for the same model file) and
+#      specter (with a draft made by `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device
+#      and them; what is missing is a row saying so
 #   6. big (issue 42's GPU benchmark; GPU_CHECK_BIG=0 leaves it out): tools/gpu_bench.py builds big-qwen3moe-q4
 #      (Qwen3-30B-A3B's shapes, Q4_0 experts, ~17 GB, made here from random bytes: nothing carried) and benches it
 #      at 8 GiB and 16 GiB of VRAM for experts (GPU_CHECK_BIG_MODEL, GPU_CHECK_BIG_BUDGETS): stock --n-cpu-moe N at
@@ -129,7 +131,17 @@ if [ "${1:-}" = "--prepare" ]; then
     "${PIP_CLEAN[@]}" "$PY" -m pip install --dry-run --no-index --find-links .gpu/wheels "${TARGET[@]}" \
         --target "$scratch" -r .gpu/wheels/requirements.txt | grep -i '^would install' || exit 2
     rmdir "$scratch"
-    ls -l .gpu/llama-src.tar.gz .gpu/wheels
+    # the bench model's learned predictor, for step 5's `learned` row (layer-ahead prefetches beside LRU's coverage
+    # in the same run): fitted here once (cached; ~2 min on two cores), carried, not fitted in the lease's time
+    rm -rf .gpu/predictors
+    mkdir -p .gpu/predictors || exit 2
+    read -r model side < <("$PY" -c 'from pyspecter.models.catalog import resolve_model
+from pyspecter.learned import sidecar_path
+m = resolve_model("bench-qwen3moe", predictor=False)
+print(m, sidecar_path(m))') || exit 2
+    [ -f "$side" ] || "$PY" -m pyspecter fit-predictor "$model" || exit 2
+    cp "$side" .gpu/predictors/ || exit 2
+    ls -l .gpu/llama-src.tar.gz .gpu/wheels .gpu/predictors
     size=$(du -sb .gpu | cut -f1)
     echo ".gpu: $((size / 1024 / 1024)) MiB (Python $PYVER $ARCH wheels: $(du -sh .gpu/wheels | cut -f1))"
     # the device tool carries at most 64 MiB of ignored paths in all
@@ -340,7 +352,8 @@ def device_table(bench_json, out):
     layer plan (and the other device rows bench ran), one table ($OUT/device_table.txt). Splits and switches are
     those the scheduler took per decode token where bench counted them, else llama.cpp's planned count."""
     r = last_json(bench_json)
-    order = ["stock-cpu-moe", "stock-n-cpu-moe", "plan", "stock-device", "all-resident", "on-demand-lru", "specter"]
+    order = ["stock-cpu-moe", "stock-n-cpu-moe", "plan", "stock-device", "all-resident", "on-demand-lru", "learned",
+             "specter"]
     pol = r["policies"]
     names = [n for n in order if n in pol] + [n for n in pol if n not in order]
     lines = [f"{r['model'].rsplit('/', 1)[-1]} on {r.get('device')}, budget {r['budget']}",
@@ -761,6 +774,25 @@ if [ "$BUILT" = 1 ]; then
                 st=$(status_of $rc) detail=$(why $rc "$f")
             fi
             record "$name" "$st" "$SECS" "$detail"
+        fi
+        # learned: layer-ahead predictions prefetched, its coverage beside on-demand-lru's in the same run. Its
+        # predictor comes from --prepare (.gpu/predictors, into the cache) and serves only the model file it was
+        # fitted on: a model built here with other bytes leaves the row out, saying so
+        if [ "$model_rc" = 0 ] && [[ " $have " == *" learned "* ]]; then
+            if "$PY" -c 'import shutil, sys
+from pathlib import Path
+from pyspecter.learned import predictors_dir, sidecar_path
+from pyspecter.models.catalog import resolve_model
+for f in Path(sys.argv[2], ".gpu", "predictors").glob("*.npz"):
+    if not (predictors_dir() / f.name).exists():
+        predictors_dir().mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, predictors_dir() / f.name)
+sys.exit(0 if sidecar_path(resolve_model(sys.argv[1], predictor=False)).exists() else 1)' "$MODEL" "$REPO" 2>> "$LOG"
+            then
+                pols+=(learned)
+            else
+                record "bench learned" skip 0 "no predictor for this model file (--prepare carries bench-qwen3moe's)"
+            fi
         fi
         draft_args=()
         if [ "$model_rc" = 0 ] && [[ " ${pols[*]} " == *" specter "* ]]; then
