@@ -429,12 +429,13 @@ public:
     void copy(ggml_tensor * slot_t, int32_t slot, const void * src, size_t n, size_t at = 0);
     // n bytes of slot, at byte `at` of its expert, made 0xFF (NaN): fault injection's garbage
     void poison(ggml_tensor * slot_t, int32_t slot, size_t n, size_t at = 0);
-    // a host copy's bytes that live on a device, read back here: alive until the batch has landed
-    void * readback(size_t n);
+    // n bytes of scratch alive until the batch has landed: a copy's source (a host copy read back from a device,
+    // fault injection's NaN)
+    void * keep(size_t n);
     void land();
 
 private:
-    void                 first_use(); // st->mu held where there is a stream
+    void                 order_after_compute(); // once, before the batch first writes a slot; st->mu held if st
     ggml_backend_event_t record();    // an event after the copies issued so far; release() gives it back
     void                 release(ggml_backend_event_t ev);
 
@@ -443,8 +444,9 @@ private:
     int64_t                           t0;
     size_t                            bytes  = 0;
     bool                              issued = false; // async copies not yet awaited
-    bool                              used   = false; // ordered after the device's queued compute
-    std::vector<std::vector<uint8_t>> readbacks;
+    bool                              ordered = false; // after the device's queued compute
+    bool                              timing  = false; // a copy issued: the link's busy clock counts this batch
+    std::vector<std::vector<uint8_t>> kept;
     struct late_copy {
         ggml_tensor * t;
         size_t        off;

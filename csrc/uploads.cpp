@@ -149,7 +149,7 @@ pyspecter_upload_batch::~pyspecter_upload_batch() {
     } catch (...) {
         // a mutex that cannot be locked: nothing left to wait with
     }
-    if (used) {
+    if (timing) {
         try {
             L->parent->counters.upload_ns += L->parent->link.end();
         } catch (...) {
@@ -164,18 +164,22 @@ void pyspecter_upload_batch::copy(ggml_tensor * slot_t, int32_t slot, const void
         // device runs its commands in (RPC runs them in order, CUDA's streams do not). So what is issued is NaN,
         // and land() writes the real bytes, later, once the batch's event has passed: a kernel that reads the slot
         // before the batch landed (mapped too early) turns the logits NaN
-        void * nan = readback(n);
+        void * nan = keep(n);
         std::memset(nan, 0xFF, n);
         late.push_back({ slot_t, off, src, n });
         src = nan;
     }
+    if (!timing) {
+        timing = true;
+        L->parent->link.begin();
+    }
     if (st) {
         std::lock_guard<std::mutex> lk(st->mu);
-        first_use();
+        order_after_compute();
         ggml_backend_tensor_set_async(st->backend, slot_t, src, off, n);
         issued = true;
     } else {
-        first_use();
+        order_after_compute();
         ggml_backend_tensor_set(slot_t, src, off, n);
     }
     bytes += n;
@@ -186,13 +190,13 @@ void pyspecter_upload_batch::poison(ggml_tensor * slot_t, int32_t slot, size_t n
     if (st) {
         lk = std::unique_lock<std::mutex>(st->mu);
     }
-    first_use();
+    order_after_compute();
     ggml_backend_tensor_memset(slot_t, 0xFF, (size_t) slot * slot_t->nb[2] + at, n);
 }
 
-void * pyspecter_upload_batch::readback(size_t n) {
-    readbacks.emplace_back(n);
-    return readbacks.back().data();
+void * pyspecter_upload_batch::keep(size_t n) {
+    kept.emplace_back(n);
+    return kept.back().data();
 }
 
 // The emulated link's time counts as the batch's flight: its event is held until the throttle lets it land.
@@ -215,12 +219,12 @@ void pyspecter_upload_batch::land() {
         release(ev);
     }
     s->counters.upload_bytes += (int64_t) bytes;
-    if (used) {
+    if (timing) {
         s->counters.upload_ns += s->link.end();
-        used = false;
+        timing = false;
     }
     bytes = 0;
-    readbacks.clear();
+    kept.clear();
 }
 
 // One of the stream's events, recorded after this batch's copies (taking one waits while every event is held by a
@@ -252,12 +256,11 @@ void pyspecter_upload_batch::release(ggml_backend_event_t ev) {
 // (the layer's split already launched): the batch's first copy waits for the device work queued so far. On the
 // upload stream that is an event the stream waits on (the host goes on); a synchronous copy, on another stream of
 // the device's, waits on the host. CPU slots are read by the compute thread itself: nothing to wait for.
-void pyspecter_upload_batch::first_use() {
-    if (used) {
+void pyspecter_upload_batch::order_after_compute() {
+    if (ordered) {
         return;
     }
-    used = true;
-    L->parent->link.begin();
+    ordered = true;
     if (L->miss_slot < 0) {
         return;
     }
@@ -310,7 +313,7 @@ int32_t pyspecter_load_into(pyspecter_upload_batch & b, llama_pyspecter_layer * 
         } else if (pyspecter_is_repacked(h)) {
             return LLAMA_PYSPECTER_ERR_REPACKED; // can't be read back (get_tensor is null); refused at init already
         } else {
-            void * back = b.readback(n); // device-resident host copy: read it back
+            void * back = b.keep(n); // device-resident host copy: read it back
             ggml_backend_tensor_get(h, back, (size_t) expert * n, n);
             b.copy(L->slot[k], slot, back, n);
         }
