@@ -84,10 +84,11 @@ struct llama_pyspecter_layer {
     // have nothing to wait for (set by the first, cleared by the routing op)
     std::atomic<bool> late_settled{false};
     std::vector<int32_t> owner; // slot -> expert, -1 when free
-    // Where non-resident rows point in the slot matmul: -1 on the CPU (its kernel skips negative ids), else the first
-    // of n_zero all-zero slots after the real ones. A device kernel takes no negative id and no id twice in one
-    // token (CUDA's MUL_MAT_ID groups a token's rows by expert and leaves a repeated one unwritten), so the miss in
-    // row j of a token reads zero slot j: one per row a token has.
+    // Where non-resident rows point in the slot matmul. miss_slot: -1 on the CPU, else n_slots (a device layer). A
+    // miss is a negative id, a zero row, where the layer's kernel takes one (the CPU, CUDA, RPC:
+    // llama_pyspecter_zero_slots); elsewhere a kernel takes neither a negative id nor an id twice in one token
+    // (its MUL_MAT_ID groups a token's rows by expert and leaves a repeated one unwritten), so the layer holds
+    // n_zero all-zero slots after the real ones and the miss in row j of a token reads zero slot j.
     int32_t miss_slot = -1;
     int32_t n_zero = 0;
     llama_pyspecter_slots * parent = nullptr;
@@ -260,7 +261,7 @@ struct pyspecter_spec {
 struct llama_pyspecter_slots {
     int32_t n_slots  = 0;
     int32_t n_expert = 0;
-    int32_t n_used   = 0; // experts a token uses (the model's top-k): rows per token, zero slots per device layer
+    int32_t n_used   = 0; // experts a token uses (the model's top-k): rows per token, table planes per device layer
     bool poison = false;  // SPECTER_POISON_SLOTS=1: device slots start as NaN, not zeros (tests: reads before writes)
     int64_t upload_fault_us = 0; // SPECTER_UPLOAD_FAULT_US=N: a batch copies NaN; its real bytes land N us after
     std::vector<std::unique_ptr<llama_pyspecter_layer>> layers; // by layer index; null for dense layers
@@ -347,13 +348,20 @@ struct llama_pyspecter_slots {
 // Returns LLAMA_PYSPECTER_OK or ERR_ARG.
 int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
 
-// The slot a non-resident expert in row j of a token reads in the slot matmul: -1 on the CPU, zero slot j on a device.
+// The id a non-resident expert in row j of a token has in the slot matmul: -1 (a zero row) where the layer's kernel
+// takes negative ids, else zero slot j.
 inline int32_t pyspecter_zero_slot(const llama_pyspecter_layer * L, int32_t j) {
-    return L->miss_slot < 0 ? -1 : L->miss_slot + j % L->n_zero;
+    return L->n_zero == 0 ? -1 : L->miss_slot + j % L->n_zero;
 }
 
+// An id of the slot matmul that computes nothing: a zero slot or a negative id.
 inline bool pyspecter_is_zero_slot(const llama_pyspecter_layer * L, int32_t slot) {
-    return L->miss_slot >= 0 && slot >= L->miss_slot;
+    return slot < 0 || (L->n_zero > 0 && slot >= L->miss_slot);
+}
+
+// An id a device layer's slot matmul may be given: a slot, a zero slot, or -1 where misses are negative ids.
+inline bool pyspecter_valid_slot_id(const llama_pyspecter_layer * L, int32_t id, int32_t n_slots) {
+    return L->n_zero == 0 ? id >= -1 && id < n_slots : id >= 0 && id < n_slots + L->n_zero;
 }
 
 llama_pyspecter_slots * pyspecter_slots_of(const llama_model * model);

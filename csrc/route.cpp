@@ -125,7 +125,6 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     int64_t hit = 0;
     bool missed = false; // some row's expert not resident (late rows included): the layer's CPU counts as a miss's
-    const int32_t n_alloc = s->n_slots + L->n_zero;
     for (int32_t i = 0; i < n_used * n_tokens; ++i) {
         const int32_t e = host_ids[i];
         const int32_t zero = pyspecter_zero_slot(L, i % n_used); // distinct per row of a token, as a device needs
@@ -146,9 +145,10 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         if (with_late) {
             late_ids[i] = late >= 0 ? late : zero;
         }
-        // a device kernel reads a negative id as a huge unsigned one: on a device every id is a slot or a zero slot
-        GGML_ASSERT(L->miss_slot < 0 || ((uint32_t) slot_ids[i] < (uint32_t) n_alloc &&
-                                         (!with_late || (uint32_t) late_ids[i] < (uint32_t) n_alloc)));
+        // a device kernel reads an id outside its slots out of bounds: on a device every id is a slot, a zero slot,
+        // or -1 where its kernel takes negative ids
+        GGML_ASSERT(L->miss_slot < 0 || (pyspecter_valid_slot_id(L, slot_ids[i], s->n_slots) &&
+                                         (!with_late || pyspecter_valid_slot_id(L, late_ids[i], s->n_slots))));
     }
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += (int64_t) n_used * n_tokens - hit;
@@ -339,7 +339,7 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         const auto & tab = slots->tables[L->table];
         const int64_t D = ffn_inp->ne[0], n_tok = selected_experts->ne[1], n_used = selected_experts->ne[0];
         const int64_t E = slots->n_expert, n = n_used * n_tok;
-        GGML_ASSERT(n_used <= L->n_zero && "more rows per token than zero slots");
+        GGML_ASSERT(n_used <= slots->n_used && "more rows per token than table planes");
         // the layer's row as planes [2, n_expert, n_used]: row j of a token looks up its expert in plane j, which
         // get_rows does in one op with the ids transposed ([n_tokens, n_used]: ids[t, j] reads plane j)
         const size_t ts = ggml_element_size(tab.t);
@@ -428,6 +428,15 @@ ggml_tensor * llama_pyspecter_on_path(const llama_pyspecter_slots * slots, ggml_
     return it == slots->on_device.end() ? t : it->second;
 }
 
+// An expert matmul whose ids may be negative, each a zero row (GGML_MUL_MAT_ID_NEGATIVE_ZERO, patches 0001 and
+// 0008): the host path's, and a slot path's where its layer has no zero slots. A device kernel that honours the
+// mark is told so; one with zero slots never sees a negative id and its op stays stock's.
+static ggml_tensor * mm_id(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids, bool negative) {
+    ggml_tensor * t = ggml_mul_mat_id(ctx, w, cur, ids);
+    t->op_params[GGML_MUL_MAT_ID_NEGATIVE_ZERO] = negative ? 1 : 0;
+    return t;
+}
+
 ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspecter_slots * slots,
                                           ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids,
                                           ggml_tensor * route, int path) {
@@ -441,8 +450,9 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
     }
     llama_pyspecter_layer * L = it->second.layer;
     ggml_tensor * slot_w = L->slot[it->second.kind];
+    const bool neg = L->n_zero == 0; // the slot path's misses are negative ids
     if (is_speculated(slots, route)) {
-        return ggml_mul_mat_id(ctx, slot_w, cur, route); // the slot path alone: the route is its ids
+        return mm_id(ctx, slot_w, cur, route, neg); // the slot path alone: the route is its ids
     }
     if (is_split(route)) {
         llama_pyspecter_slots::split_parts parts;
@@ -450,17 +460,17 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
         if (path == 0) {
             // never null: without it the caller would build the host matmul on both paths
             GGML_ASSERT(parts.slot_ids != nullptr && "a split route without its slot ids");
-            return ggml_mul_mat_id(ctx, slot_w, cur, parts.slot_ids);
+            return mm_id(ctx, slot_w, cur, parts.slot_ids, neg);
         }
         // the layer's input, as the host unpacked it (another input, e.g. weighted before the FFN, is read back alone)
         ggml_tensor * host_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], 0);
-        return ggml_mul_mat_id(ctx, w, cur == parts.ffn_inp ? parts.x_host : cur, host_ids);
+        return mm_id(ctx, w, cur == parts.ffn_inp ? parts.x_host : cur, host_ids, true);
     }
 
     ggml_tensor * slot_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], 0);
     ggml_tensor * host_ids = ggml_view_2d(ctx, route, route->ne[0], route->ne[1], route->nb[1], route->nb[2]);
-    ggml_tensor * a = ggml_mul_mat_id(ctx, slot_w, cur, slot_ids);
-    ggml_tensor * b = ggml_mul_mat_id(ctx, w, cur, host_ids);
+    ggml_tensor * a = mm_id(ctx, slot_w, cur, slot_ids, neg);
+    ggml_tensor * b = mm_id(ctx, w, cur, host_ids, true);
     // every row is exact in one term and exactly zero in the other, so the sum is the stock result bit for bit
     ggml_tensor * res = ggml_add(ctx, a, b);
     if (route->ne[2] > 2) {
@@ -468,7 +478,7 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
         ggml_tensor * args[3] = { route, res, slots->cpu_anchor }; // the anchor keeps the op on the CPU
         ggml_tensor * late_ids = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], 1, 1, args,
                                                 slots->cpu_anchor ? 3 : 2, wait_op, 1, (void *) L);
-        res = ggml_add(ctx, res, ggml_mul_mat_id(ctx, slot_w, cur, late_ids));
+        res = ggml_add(ctx, res, mm_id(ctx, slot_w, cur, late_ids, neg));
     }
     return res;
 }

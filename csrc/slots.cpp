@@ -121,16 +121,29 @@ static bool in_host_memory(const ggml_tensor * t) {
     return t->buffer && ggml_backend_buffer_is_host(t->buffer);
 }
 
+int32_t llama_pyspecter_zero_slots(ggml_backend_dev_t dev, int32_t n_used) {
+    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+        return 0; // its kernel (patch 0001) makes every negative id a zero row
+    }
+    const char * env = std::getenv("SPECTER_ZERO_SLOTS"); // the zero-slot path on any device, for tests and A/B runs
+    if (env && std::string(env) == "1") {
+        return n_used;
+    }
+    // CUDA's kernels take a negative id in a marked op (patch 0008); an RPC server's are the CPU's (pyspecter
+    // rpc-server: patch 0001). Any other backend's kernel would read out of bounds
+    const std::string reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
+    return reg == "CUDA" || reg.rfind("RPC", 0) == 0 ? 0 : n_used;
+}
+
 // One MoE layer's slots: a tensor per expert kind, n_alloc experts deep, in one buffer of the layer's device; on a
 // device also a copy of the layer's small per-expert tensors that stay in host memory (the slot path reads them).
 static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32_t il,
                            ggml_tensor * const host[LLAMA_PYSPECTER_N_KINDS]) {
     ggml_backend_dev_t dev = model->dev_layer(il);
     const bool on_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-    // CUDA and friends take neither a negative id nor an id twice in a token, so misses point at zero slots there,
-    // one per row of a token (pyspecter_zero_slot); the patched CPU kernel skips negative ids instead, which saves
-    // a useless matmul.
-    const int32_t n_zero  = on_cpu ? 0 : s->n_used;
+    // where a kernel takes neither a negative id nor an id twice in a token, misses point at zero slots, one per
+    // row of a token (pyspecter_zero_slot); elsewhere at a negative id, which computes nothing
+    const int32_t n_zero  = llama_pyspecter_zero_slots(dev, s->n_used);
     const int32_t n_alloc = s->n_slots + n_zero;
     std::vector<ggml_tensor *> small;
     if (!on_cpu) {
@@ -195,7 +208,7 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     if (!on_cpu) {
         ggml_backend_buffer_clear(buf, s->poison ? 0xFF : 0);
         for (ggml_tensor * t : L->slot) {
-            if (t) {
+            if (t && n_zero > 0) {
                 ggml_backend_tensor_memset(t, 0, (size_t) s->n_slots * t->nb[2], (size_t) n_zero * t->nb[2]);
             }
         }
@@ -209,17 +222,17 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
 }
 
 // Layer L's row of its table (pyspecter-impl.h) from its remap: plane j holds (slot, expert) per expert, zero slot
-// j where not resident. Returns whether anything changed. Every id written is checked against the slot tensor here,
-// where the device's ids are made: a kernel must never see one outside it.
+// j (or -1) where not resident. Returns whether anything changed. Every id written is checked against the slot
+// tensor here, where the device's ids are made: a kernel must never see one outside it.
 static bool fill_row(llama_pyspecter_layer * L, int32_t * row) {
-    const int32_t E = L->parent->n_expert, n_alloc = L->parent->n_slots + L->n_zero;
+    const int32_t E = L->parent->n_expert;
     // the planes differ only in which zero slot a non-resident expert reads, so plane 0 says whether anything
     // changed: at a fence with nothing landed (most decode steps) this costs n_expert compares per layer, not more
     bool changed = false;
-    for (int32_t j = 0; j < L->n_zero && (j == 0 || changed); ++j) {
+    for (int32_t j = 0; j < L->parent->n_used && (j == 0 || changed); ++j) {
         for (int32_t e = 0; e < E; ++e) {
             const int32_t v = L->remap[e] >= 0 ? L->remap[e] : pyspecter_zero_slot(L, j);
-            GGML_ASSERT(v >= 0 && v < n_alloc);
+            GGML_ASSERT(pyspecter_valid_slot_id(L, v, L->parent->n_slots));
             int32_t * pair = row + 2 * ((size_t) j * E + e);
             changed |= pair[0] != v || pair[1] != e;
             pair[0] = v;
@@ -421,11 +434,11 @@ static void unmap_on_device(llama_pyspecter_layer * L, int32_t expert) {
     if (pyspecter_is_zero_slot(L, tab.image[row + 2 * (size_t) expert])) {
         return;
     }
-    for (int32_t j = 0; j < L->n_zero; ++j) { // one write of the span of the planes the expert is in
+    for (int32_t j = 0; j < s->n_used; ++j) { // one write of the span of the planes the expert is in
         tab.image[row + 2 * ((size_t) j * s->n_expert + expert)] = pyspecter_zero_slot(L, j);
     }
     const size_t first = row + 2 * (size_t) expert;
-    const size_t n = 2 * (size_t) (L->n_zero - 1) * s->n_expert + 1;
+    const size_t n = 2 * (size_t) (s->n_used - 1) * s->n_expert + 1;
     ggml_backend_tensor_set(tab.t, &tab.image[first], first * sizeof(int32_t), n * sizeof(int32_t));
     s->counters.eviction_writes++;
 }

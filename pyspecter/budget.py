@@ -13,6 +13,7 @@ import heapq
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -56,6 +57,20 @@ def slots_for_budget(layout: ModelLayout, budget_bytes: int) -> int:
 
 # per MoE layer position j: misses measured with s slots, s = 0..n_expert (a mapping by j, a list, a 2-d array)
 Curves = Mapping[int, Sequence[float]] | Sequence[Sequence[float]]
+
+
+class SlotDevice(Protocol):
+    """What a budget needs of a device (``native.devices.Device``)."""
+
+    def zero_slots(self, n_used: int) -> int: ...
+
+
+def zero_slots(layout: ModelLayout, device: SlotDevice | None) -> int:
+    """All-zero slots a slot layer holds besides its slots, where its misses point: one per expert a token uses
+    on a device whose kernel takes neither a negative expert id nor an id twice in a token, none elsewhere (the
+    CPU, CUDA and RPC take a miss's negative id as a zero row). The rule is csrc's (llama_pyspecter_zero_slots).
+    They are device memory, so they come out of the budget, as stock --n-cpu-moe's every byte does."""
+    return device.zero_slots(layout.n_expert_used) if device is not None else 0
 
 
 def slot_bytes(layout: ModelLayout, counts: Mapping[int, int]) -> int:
@@ -164,10 +179,10 @@ def check_slots(layout: ModelLayout, n_slots: int, *, reserved: int = 0, held: i
 
 
 def smallest_budget(layout: ModelLayout, budget: str, budget_bytes: int, *, draft_bytes: int = 0,
-                    surrogate_bytes: int = 0, predictor_bytes: int = 0) -> None:
+                    surrogate_bytes: int = 0, predictor_bytes: int = 0, zero_bytes: int = 0) -> None:
     """Refuse a budget below the smallest that works, naming that smallest and what it is made of: top-k slots in
-    every layer (twice that with surrogates), and whatever else lives in fast memory (a counted draft, the learned
-    predictor, the surrogates)."""
+    every layer (twice that with surrogates), and whatever else lives in fast memory (a device's zero slots, a
+    counted draft, the learned predictor, the surrogates)."""
     from pyspecter.units import family, fmt_budget_arg, fmt_size
 
     k = layout.n_expert_used
@@ -175,7 +190,8 @@ def smallest_budget(layout: ModelLayout, budget: str, budget_bytes: int, *, draf
     slots = 2 * k if surrogate_bytes else k
     what = (f"{slots} slots per layer (top-{k} for full experts, as many for surrogates)" if surrogate_bytes
             else f"top-{k} slots per layer")
-    parts = [(what, slots * row), ("the draft", draft_bytes), ("the learned predictor", predictor_bytes),
+    parts = [(what, slots * row), ("the device's zero slots", zero_bytes),
+             ("the draft", draft_bytes), ("the learned predictor", predictor_bytes),
              ("the surrogates", surrogate_bytes)]
     parts = [(w, n) for w, n in parts if n]
     need = sum(n for _, n in parts)
@@ -216,11 +232,12 @@ class MemoryPlan:
     def for_budget(cls, layout: ModelLayout, budget: str | None, *, draft_bytes: int = 0,
                    count_draft: bool = True, surrogate_bytes: int = 0, predictor_bytes: int = 0,
                    spread: bool = False, curves: Curves | None = None,
-                   device: bool = False) -> MemoryPlan:
+                   device: SlotDevice | None = None) -> MemoryPlan:
         """What ``budget`` (text, as a user gives it) buys for ``layout`` once the draft (when counted) and the
         surrogates have taken their bytes out of it. spread=True (or ``curves``) spends what whole slot rows leave
-        as ``extra`` slots in some layers (by ``curves``, when given: see ``allocate_slots``); device=True keeps
-        the counts uniform (device slots are real memory up to the largest count in every layer)."""
+        as ``extra`` slots in some layers (by ``curves``, when given: see ``allocate_slots``); a ``device`` keeps
+        the counts uniform (device slots are real memory up to the largest count in every layer) and takes its
+        zero slots out of the budget first (``zero_slots``)."""
         layout.require_moe()
         reserved = layout.n_expert_used if surrogate_bytes else 0
         if budget is None:
@@ -228,8 +245,10 @@ class MemoryPlan:
             check_slots(layout, plan.slots, reserved=reserved)
             return plan
         full = parse_budget(budget, layout.expert_total_bytes)
+        zero = zero_slots(layout, device) * sum(L.expert_bytes for L in layout.layers)
         smallest_budget(layout, budget, full, draft_bytes=draft_bytes if count_draft else 0,
-                        surrogate_bytes=surrogate_bytes, predictor_bytes=predictor_bytes)
+                        surrogate_bytes=surrogate_bytes, predictor_bytes=predictor_bytes, zero_bytes=zero)
+        full -= zero  # what the slots may take
         left = full
         if draft_bytes and count_draft:
             left -= draft_bytes
@@ -246,7 +265,7 @@ class MemoryPlan:
                 raise SpecterError(f"the surrogates ({surrogate_bytes / 2**20:.1f} MiB) do not fit in budget "
                                    f"{budget}; surrogate mode needs {2 * layout.n_expert_used} slots per layer "
                                    "beside them")
-        if (spread or curves is not None) and not device:
+        if (spread or curves is not None) and device is None:
             return cls._spread(layout, budget, full, left, draft_bytes=draft_bytes if count_draft else 0,
                                reserved=reserved, curves=curves)
         slots = slots_for_budget(layout, left)

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter import native
+from pyspecter.budget import zero_slots
 from pyspecter.layerplan import DeviceCosts, LayerPlan, choose_plan, n_cpu_moe_for, predict_us, stock_plan
 from pyspecter.layout import ModelLayout
 from pyspecter.native.devices import Device
@@ -256,11 +257,12 @@ def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes
     placement, no switch to trade."""
     costs = measure(path, layout, device, n_threads=n_threads)
     plan = (stock_plan(layout, 0) if device_bytes >= layout.expert_total_bytes
-            else choose_plan(layout, device_bytes, costs))
+            else choose_plan(layout, device_bytes, costs, zero_slots(layout, device)))
     n_cpu = n_cpu_moe_for(layout, device_bytes)
     return plan, {"plan": plan.describe(layout), "cost_source": cost_source(path, device, n_threads),
                   "kinds": {str(il): k for il, k in sorted(plan.kinds.items())},
-                  "n_slots": plan.n_slots, "device_bytes": plan.device_bytes(layout), "costs": costs.as_dict(),
+                  "n_slots": plan.n_slots, "n_zero": plan.n_zero, "device_bytes": plan.device_bytes(layout),
+                  "costs": costs.as_dict(),
                   "predicted_ms": predict_us(plan, layout, costs) / 1e3, "stock_n_cpu_moe": n_cpu,
                   "predicted_stock_n_cpu_moe_ms": predict_us(stock_plan(layout, n_cpu), layout, costs) / 1e3,
                   "predicted_stock_cpu_moe_ms": predict_us(stock_plan(layout, None), layout, costs) / 1e3}

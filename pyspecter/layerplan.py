@@ -41,6 +41,7 @@ class DeviceCosts:
 class LayerPlan:
     kinds: dict[int, str]  # MoE layer -> full | host | slots
     n_slots: int = 0  # slots per slot layer (0: no slot layer)
+    n_zero: int = 0  # all-zero slots each slot layer holds besides (budget.zero_slots: 0 or top-k, by device)
 
     def __post_init__(self) -> None:
         bad = {k for k in self.kinds.values() if k not in KINDS}
@@ -62,12 +63,9 @@ class LayerPlan:
         return {il: _NATIVE[k] for il, k in self.kinds.items()}
 
     def device_bytes(self, layout: ModelLayout) -> int:
-        """Device memory for experts: a full layer's every expert, a slot layer's slots and its zero slots (one per
-        expert a token uses: a device kernel takes no expert id twice in a token, so each of a token's misses reads
-        its own)."""
+        """Device memory for experts: a full layer's every expert, a slot layer's slots and its zero slots."""
         eb = {L.index: L.expert_bytes for L in layout.layers}
-        zero = layout.n_expert_used
-        return sum(eb[il] * (layout.n_expert if k == "full" else self.n_slots + zero if k == "slots" else 0)
+        return sum(eb[il] * (layout.n_expert if k == "full" else self.n_slots + self.n_zero if k == "slots" else 0)
                    for il, k in self.kinds.items())
 
     def switches_per_token(self) -> int:
@@ -123,18 +121,19 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts) -> floa
     return t
 
 
-def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts) -> LayerPlan:
+def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_zero: int = 0) -> LayerPlan:
     """The plan of least predicted time whose experts fit in ``device_bytes``: f full layers (the last ones, as
     stock), s slot layers of n slots, the rest host, over every f, n and s (slots never fewer than top-k, nor E:
     a layer with every expert is a full layer). Stock's placements are among the candidates in their own right
     (--n-cpu-moe at this memory, which counts each layer's own bytes, first; then --cpu-moe, every layer host), so
     the plan is never predicted slower than either. Of plans predicted alike, the one with fewer host switches wins
     (then the earlier: stock's): a switch is the cost the model knows least well (a stream synchronisation on a
-    GPU, measured apart from its neighbours), so where the model cannot tell, the plan crosses fewer."""
+    GPU, measured apart from its neighbours), so where the model cannot tell, the plan crosses fewer. ``n_zero``:
+    the zero slots a slot layer on the device holds besides its slots (``budget.zero_slots``)."""
     if device_bytes < 0:
         raise SpecterError("negative device memory for experts")
     layers = [L.index for L in sorted(layout.layers, key=lambda L: L.index)]
-    E, k = layout.n_expert, layout.n_expert_used
+    E, k, z = layout.n_expert, layout.n_expert_used, n_zero
     eb = max(L.expert_bytes for L in layout.layers)  # plan by the largest layer: every plan below fits
 
     def better(t: float, plan: LayerPlan) -> bool:
@@ -153,12 +152,12 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts) -> L
         rest = layers[: len(layers) - f]
         full = {il: "full" for il in layers[len(layers) - f:]}
         for n in [0, *range(k, E)]:
-            fit = min(len(rest), left // ((n + k) * eb)) if n else 0  # n slots and k zero slots
+            fit = min(len(rest), left // ((n + z) * eb)) if n else 0  # n slots and z zero slots
             for s in {0, fit}:
                 kinds = {**{il: "host" for il in rest}, **full}
                 for il in rest[len(rest) - s:] if s else []:
                     kinds[il] = "slots"
-                plan = LayerPlan(kinds, n if s else 0)
+                plan = LayerPlan(kinds, n if s else 0, z if s else 0)
                 t = predict_us(plan, layout, costs)
                 if better(t, plan):
                     best = (t, plan)

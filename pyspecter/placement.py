@@ -10,11 +10,11 @@ no second copy of the experts (``Placement.stock``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
-from pyspecter.budget import check_budget_fits, fit_to_memory, parse_budget, slots_for_budget, usable_memory
+from pyspecter.budget import check_budget_fits, fit_to_memory, parse_budget, slots_for_budget, usable_memory, zero_slots
 from pyspecter.errors import SpecterError
 from pyspecter.layerplan import LayerPlan, stock_plan
 from pyspecter.layout import ModelLayout, read_layout
@@ -77,8 +77,7 @@ def device_fit(layout: ModelLayout, device: str) -> DeviceFit:
         raise SpecterError(f"--device {device!r}: not a device")
     free, total = dev.memory()
     room = max(usable_memory(free) - layout.nonexpert_bytes, 0)
-    # each slot layer also holds one all-zero slot per expert a token uses (where its misses point on a device)
-    zero = layout.n_expert_used * layout.expert_total_bytes // layout.n_expert
+    zero = zero_slots(layout, dev) * sum(L.expert_bytes for L in layout.layers)
     slots = slots_for_budget(layout, max(room - zero, 0))
     nonexp = fmt_bytes(layout.nonexpert_bytes)
     if room >= layout.expert_total_bytes:
@@ -188,7 +187,7 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
     if want == "auto":  # the budget asked for is refused before anything is measured on the device
         _check_device_room(device, layout, budget_bytes, draft_bytes)
     if isinstance(want, LayerPlan):
-        plan, info, how = want, None, "as given"
+        plan, info, how = replace(want, n_zero=zero_slots(layout, device)), None, "as given"
     elif isinstance(want, int):
         if want > layout.n_layer:
             raise SpecterError(f"--layer-plan n-cpu-moe:{want}: the model has {layout.n_layer} blocks")
@@ -212,7 +211,7 @@ class SlotCount:
     usable slots of each MoE layer (empty: no slots, every expert resident as in stock llama.cpp); ``others``: what
     takes the rest of the budget, (what, bytes) (a learned predictor, a draft, surrogates, or memory left free);
     ``zero``: on a device, the all-zero slots each slot layer also holds (one per expert a token uses: where its
-    misses point), on top of the slots."""
+    misses point), besides the slots and out of the same budget (``budget.zero_slots``)."""
 
     counts: tuple[int, ...]
     n_expert: int
@@ -244,7 +243,7 @@ class SlotCount:
         else:
             text = f"{self.min}-{self.max} of {self.n_expert} slots per layer (mean {self.mean:.2f})"
         if self.zero:
-            text += f" + {self.zero} zero slots each on the device"
+            text += f" + {self.zero} zero slots each on the device, in the budget"
         if self.others:
             text += "; the rest of the budget: " + ", ".join(f"{what} {fmt_bytes(n)}" for what, n in self.others)
         return text
@@ -274,7 +273,7 @@ def budget_slot_count(layout: ModelLayout, budget: str, model_path: str | os.Pat
     computed in place, so nothing beyond top-k slots is filled and the rest stays free; otherwise the learned
     predictor fitted for the file (or, on the disk tier without one, the router-ahead maps) takes its bytes first:
     all of them where the planner prefetches (a device, an emulated link, router-ahead maps), else only its reuse
-    maps. On a device the counts are uniform, each slot layer with its zero slots on top."""
+    maps. On a device the counts are uniform, and each slot layer's zero slots come out of the budget first."""
     from pyspecter.budget import MemoryPlan
     from pyspecter.learned import LearnedPredictor
     from pyspecter.misses import default_miss
@@ -296,10 +295,12 @@ def budget_slot_count(layout: ModelLayout, budget: str, model_path: str | os.Pat
         pred is not None and pred.meta.get("kind") == "router-ahead")
     if pred is not None and not plans_ahead:
         pred = pred.reuse_only()
+    from pyspecter.native.devices import open_device
+
+    dev = None if host else open_device(device)
     plan = MemoryPlan.for_budget(layout, budget, predictor_bytes=pred.nbytes if pred else 0, spread=True,
-                                 device=not host, curves=pred.miss_curves if pred else None)
-    return slot_count(layout, plan, (predictor_part(pred),) if pred else (), full,
-                      zero=0 if host else layout.n_expert_used)
+                                 device=dev, curves=pred.miss_curves if pred else None)
+    return slot_count(layout, plan, (predictor_part(pred),) if pred else (), full, zero=zero_slots(layout, dev))
 
 
 def budget_slot_text(layout: ModelLayout, budget: str, model_path: str | os.PathLike | None = None, *,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter import native
-from pyspecter.budget import MemoryPlan
+from pyspecter.budget import MemoryPlan, zero_slots
 from pyspecter.cache import ExpertCache
 from pyspecter.engine import SpeculativeDecoder, generate_step
 from pyspecter.errors import SpecterError
@@ -243,7 +243,7 @@ class Session:
                                      count_draft=cfg.draft_counts_in_budget,
                                      surrogate_bytes=self.surrogates.nbytes if self.surrogates else 0,
                                      predictor_bytes=self.predictor.nbytes if self.predictor else 0,
-                                     spread=True, device=self.device is not None,
+                                     spread=True, device=self.device,
                                      curves=self.predictor.miss_curves if self.predictor else None)
 
     def _build(self, dlay: ModelLayout | None) -> None:
@@ -423,9 +423,8 @@ class Session:
         if self.layer_plan is not None:  # slots in the plan's slot layers only
             n = self.layer_plan.plan.n_slots
             return SlotCount(tuple(n for _ in self.layer_plan.plan.layers("slots")), self.layout.n_expert,
-                             tuple(others), zero=self.layout.n_expert_used)
-        return slot_count(self.layout, self.plan, tuple(others), zero=0 if self.device is None
-                          else self.layout.n_expert_used)
+                             tuple(others), zero=self.layer_plan.plan.n_zero)
+        return slot_count(self.layout, self.plan, tuple(others), zero=zero_slots(self.layout, self.device))
 
     def stats(self) -> dict:
         if self.cache is None:  # stock: every expert resident, nothing moves

@@ -32,7 +32,9 @@
 #      the row shows the reference and the bound), else the CPU criterion against stock with the same placement
 #      (identical greedy tokens, max |dlogit| <= 1e-4); plus one prompt of >= 32 tokens per arch (the ubatch where
 #      op offload would kick in); run breadth first (every arch's first case, then every arch's second, ...). A step
-#      the run's budget cuts short, or leaves no time for, is a skip row saying so, not a failure
+#      the run's budget cuts short, or leaves no time for, is a skip row saying so, not a failure. Misses are
+#      negative ids on CUDA (patch 0008, never run on a GPU before); each arch's first case runs again with zero
+#      slots (SPECTER_ZERO_SLOTS=1), and if only the negative-id cases fail, steps 5 and 6 run with zero slots
 #   5. bench: `verify --forced` of the bench model (the contract on teacher-forced real text), then one VRAM
 #      budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
@@ -685,8 +687,10 @@ if [ "$BUILT" = 1 ]; then
 per_arch = []
 for n, s in TINY_MODELS.items():
     half = s.n_expert // 2
-    cs = [(half, "cpu", "short")] + [(k, miss, "short") for k in sorted({s.n_expert_used, half, s.n_expert})
-                                     for miss in ("wait", "cpu") if (k, miss) != (half, "cpu")] + [(half, "cpu", "long")]
+    # misses as negative ids (patch 0008), then the same case with zero slots (SPECTER_ZERO_SLOTS=1): the fallback
+    cs = [(half, "cpu", "short", "neg"), (half, "cpu", "short", "zero")] + [
+        (k, miss, "short", "neg") for k in sorted({s.n_expert_used, half, s.n_expert}) for miss in ("wait", "cpu")
+        if (k, miss) != (half, "cpu")] + [(half, "cpu", "long", "neg")]
     per_arch.append([(n, *c) for c in cs])
 for j in range(max(map(len, per_arch))):
     for a, cs in enumerate(per_arch):
@@ -694,7 +698,7 @@ for j in range(max(map(len, per_arch))):
             print(f"{a:02d}-{j:02d}", *cs[j])' 2> "$WORK/cases.txt")
     [ -n "$cases" ] || record verify FAIL 0 "could not list the fixture models: $(why 1 "$WORK/cases.txt")"
     pids=()
-    while read -r key m slots miss plen; do
+    while read -r key m slots miss plen mode; do
         [ -n "$m" ] || continue
         # PAR cases at a time (GPU_CHECK_PAR: 4 on a GPU, 1 on the dry run's one-client RPC server); each writes
         # its own row, gathered in order below
@@ -708,13 +712,15 @@ for j in range(max(map(len, per_arch))):
             STEPS=$WORK/verify/$key.row
             name="verify $m slots=$slots miss=$miss"
             [ "$plen" = long ] && name="$name (long prompt)"
-            f="$WORK/verify/$m-$slots-$miss-$plen.json"
+            zero=0
+            [ "$mode" = zero ] && name="$name (zero slots)" && zero=1
+            f="$WORK/verify/$m-$slots-$miss-$plen-$mode.json"
             if [ "$plen" = long ]; then
-                run "$name" 90 "$VERIFY_UNTIL" "$f" "$PY" -m pyspecter verify "$m" --slots "$slots" --miss "$miss" \
-                    --device "$DEVICE" --json --prompt "$LONG_PROMPT"
+                run "$name" 90 "$VERIFY_UNTIL" "$f" env SPECTER_ZERO_SLOTS=$zero "$PY" -m pyspecter verify "$m" \
+                    --slots "$slots" --miss "$miss" --device "$DEVICE" --json --prompt "$LONG_PROMPT"
             else
-                run "$name" 90 "$VERIFY_UNTIL" "$f" "$PY" -m pyspecter verify "$m" --slots "$slots" --miss "$miss" \
-                    --device "$DEVICE" --json
+                run "$name" 90 "$VERIFY_UNTIL" "$f" env SPECTER_ZERO_SLOTS=$zero "$PY" -m pyspecter verify "$m" \
+                    --slots "$slots" --miss "$miss" --device "$DEVICE" --json
             fi
             rc=$RC
             # from the JSON verify printed (the contract where it reports one); without any, the cause of the crash
@@ -730,6 +736,22 @@ for j in range(max(map(len, per_arch))):
     done <<< "$cases"
     for pid in "${pids[@]}"; do wait "$pid"; done
     cat "$WORK"/verify/*.row >> "$STEPS" 2>/dev/null
+    # a device slot layer's misses are negative ids (CUDA: patch 0008, never run on a GPU before this script). If
+    # cases fail with them and every zero-slot case passes, the benches below run with zero slots instead, so the
+    # lease still measures speed; the row says so
+    neg_bad=$(cat "$WORK"/verify/*.row 2>/dev/null | awk -F'\t' '$1 !~ /zero slots/ && $2 != "ok" && $2 != "skip"' | wc -l)
+    zero_ok=$(cat "$WORK"/verify/*.row 2>/dev/null | awk -F'\t' '$1 ~ /zero slots/ && $2 == "ok"' | wc -l)
+    zero_bad=$(cat "$WORK"/verify/*.row 2>/dev/null | awk -F'\t' '$1 ~ /zero slots/ && $2 != "ok" && $2 != "skip"' | wc -l)
+    if [ "$neg_bad" -gt 0 ] && [ "$zero_ok" -gt 0 ] && [ "$zero_bad" = 0 ]; then
+        export SPECTER_ZERO_SLOTS=1
+        record "misses as negative ids (patch 0008)" FAIL 0 "$neg_bad verify case(s) failed with them, every \
+zero-slot case passed: steps 5 and 6 run with SPECTER_ZERO_SLOTS=1"
+    elif [ "$neg_bad" = 0 ]; then
+        record "misses as negative ids (patch 0008)" ok 0 "every verify case ran with them (no zero slots) and passed"
+    else
+        record "misses as negative ids (patch 0008)" FAIL 0 "$neg_bad case(s) failed with them, $zero_bad with zero \
+slots: not the ids alone"
+    fi
 else
     record verify skip 0 "no build"
 fi

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 27
+#define LLAMA_PYSPECTER_VERSION 28
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,11 +58,17 @@ typedef void (*llama_pyspecter_route_cb)(void * user_data, int32_t il, int32_t n
                                          const int32_t * ids, const float * weights);
 
 // Allocate n_slots expert slots in every MoE layer, on the layer's device, with the layer's expert tensor types
-// (plus n_used all-zero slots on non-CPU devices, where misses point: row j of a token reads zero slot j, since a
-// device kernel takes no expert id twice in a token). Call after loading the model and before
-// creating a context on it. All experts start non-resident. CPU slots are not touched here, so a slot takes memory
+// (plus llama_pyspecter_zero_slots of them, all-zero, where misses point on a device whose kernel takes no negative
+// id: row j of a token reads zero slot j, since such a kernel also takes no expert id twice in a token; elsewhere a
+// miss is a negative id, a zero row). Call after loading the model and before creating a context on it. All experts start non-resident. CPU slots are not touched here, so a slot takes memory
 // only once an expert is written into it. Returns 0, or a negative status.
 LLAMA_API int32_t llama_pyspecter_slots_init(struct llama_model * model, int32_t n_slots);
+
+// The all-zero slots a slot layer on dev holds besides its slots: 0 where dev's mul_mat_id takes a negative id as
+// a zero row in an op marked GGML_MUL_MAT_ID_NEGATIVE_ZERO (the CPU, patch 0001; CUDA, patch 0008; RPC, whose
+// server computes with the CPU's kernels), else n_used; n_used everywhere but the CPU under SPECTER_ZERO_SLOTS=1.
+// They are device memory: a budget counts them (pyspecter's budget.zero_slots asks here).
+LLAMA_API int32_t llama_pyspecter_zero_slots(ggml_backend_dev_t dev, int32_t n_used);
 
 // A layer plan: what each MoE layer is. Only slot layers get slots and a routing op; host and full layers keep
 // stock llama.cpp's graph, with their experts wherever the model load put them (host layers: in host memory, as
@@ -90,7 +96,7 @@ LLAMA_API size_t  llama_pyspecter_slots_nbytes (const struct llama_model * model
 // On a device the slot matmul reads a remap table on the device, so residency reaches it in two ways: a new
 // mapping at the next fence (before each ubatch's graph runs: one copy per device), an eviction at once when the
 // layer may still run in the ubatch in flight, so that its slot can be overwritten as soon as set_slot returns.
-// The host computes exactly the rows the device sent to its zero slot, whatever the table held.
+// The host computes exactly the rows the device sent to a zero slot or a negative id, whatever the table held.
 LLAMA_API int32_t llama_pyspecter_slot_of  (const struct llama_model * model, int32_t il, int32_t expert);
 LLAMA_API int32_t llama_pyspecter_expert_in(const struct llama_model * model, int32_t il, int32_t slot);
 LLAMA_API int32_t llama_pyspecter_set_slot (struct llama_model * model, int32_t il, int32_t expert, int32_t slot);
@@ -444,8 +450,9 @@ LLAMA_API void    llama_pyspecter_get_sync_counts(struct llama_pyspecter_sync_co
 LLAMA_API void    llama_pyspecter_sync_counts_reset(void);
 // Layer il's row of its device's remap table, read back from the device: a plane per row j of a token (n_used
 // of them), (slot, expert) per expert in each, 2 * n_expert * n_used int32 into out (n at least that). The slot
-// matmul's ids are get_rows over it, so every slot in it must be a slot or the layer's zero slot j (n_slots + j),
-// never negative, and a token's rows never share one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS,
+// matmul's ids are get_rows over it, so every slot in it must be a slot or, for an expert not resident, -1 where
+// the device takes negative ids, else the layer's zero slot j (n_slots + j), so that a token's rows never share
+// one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS,
 // or LLAMA_PYSPECTER_ERR_ARG (no such device layer, or n too small).
 LLAMA_API int32_t llama_pyspecter_read_table(const struct llama_model * model, int32_t il, int32_t * out, int32_t n);
 

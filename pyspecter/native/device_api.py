@@ -85,7 +85,7 @@ def llama_pyspecter_read_table(model: ModelPtr, il: int, out: Any, n: int, /) ->
 
 def read_table(model: ModelPtr, il: int, n_expert: int, n_used: int) -> list[list[tuple[int, int]]]:
     """Device layer il's remap table as the device holds it: per row j of a token, (slot, expert) per expert (zero
-    slot j where the expert is not resident)."""
+    slot j, or -1 where the device takes negative ids, when the expert is not resident)."""
     buf = (_i32 * (2 * n_expert * n_used))()
     rc = slots().read_table(model, il, buf, len(buf))
     if rc != len(buf):
@@ -135,6 +135,18 @@ class SyncCounts(ctypes.Structure):
 def llama_pyspecter_count_syncs(dev: int, /) -> int:
     """Count dev's (a ggml_backend_dev_t) synchronisations from now on: its backends made after this call."""
     ...
+
+
+@ctypes_function("llama_pyspecter_zero_slots", [ctypes.c_void_p, _i32], _i32)
+def llama_pyspecter_zero_slots(dev: int, n_used: int, /) -> int:
+    """The all-zero slots a slot layer on dev (a ggml_backend_dev_t) holds besides its slots: 0 where its kernel
+    takes a negative expert id as a zero row (CPU, CUDA, RPC), else n_used (SPECTER_ZERO_SLOTS=1: every device)."""
+    ...
+
+
+def zero_slots(dev: int, n_used: int) -> int:
+    """``llama_pyspecter_zero_slots``: the rule lives in C, beside the allocation it sizes."""
+    return slots().zero_slots(dev, n_used)
 
 
 @ctypes_function("llama_pyspecter_get_sync_counts", [ctypes.POINTER(SyncCounts)], None)

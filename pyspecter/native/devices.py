@@ -122,6 +122,13 @@ class Device:
         ggml().ggml_backend_dev_memory(self.ptr, ctypes.byref(free), ctypes.byref(total))
         return free.value, total.value
 
+    def zero_slots(self, n_used: int) -> int:
+        """All-zero slots a slot layer on this device holds besides its slots (0 where its kernel takes a miss's
+        negative id, else one per expert a token uses): device memory a budget counts."""
+        from pyspecter.native.device_api import zero_slots
+
+        return zero_slots(self.ptr, n_used)
+
     def host_buffer_type(self) -> int | None:
         """The device's pinned host buffer type (CUDA_Host), or None (RPC has none): where experts stay."""
         return ggml().ggml_backend_dev_host_buffer_type(self.ptr) or None

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter import native
-from pyspecter.budget import MemoryPlan, allocate_slots, check_slots, parse_budget, slots_for_budget, split_counts
+from pyspecter.budget import MemoryPlan, allocate_slots, check_slots, parse_budget, split_counts, zero_slots
 from pyspecter.cache import ExpertCache
 from pyspecter.devcosts import plan_for
 from pyspecter.errors import SpecterError
@@ -239,19 +239,20 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         if p in DEVICE_POLICIES and dev is None:
             raise SpecterError(f"policy {p} needs --device")
     budget_bytes = parse_budget(budget or "50%", layout.expert_total_bytes)
+    say = progress or (lambda *_: None)
     extra: dict[int, int] = {}  # the baselines' slots beyond whole rows, as the engine spends its budget
     if slots is None:
-        slots = slots_for_budget(layout, budget_bytes)
-        if dev is None:  # device slots are uniform (one count for all layers)
+        if dev is None:
             slots, extra = split_counts(allocate_slots(layout, budget_bytes))
+        else:  # uniform, after the device's zero slots (budget.zero_slots), as a session spends it
+            slots = MemoryPlan.for_budget(layout, str(budget_bytes), device=dev).slots
     else:
-        budget_bytes = slots * sum(L.expert_bytes for L in layout.layers)
+        budget_bytes = (slots + zero_slots(layout, dev)) * sum(L.expert_bytes for L in layout.layers)
     check_slots(layout, slots)
     make_tier(tier)  # validate early
     sur_slots = slots
     if "surrogate" in policies:  # the surrogates live in fast memory too: fewer slots for the same budget
-        if progress is not None:
-            progress("surrogate: choosing each expert's neurons", 0, 0)
+        say("surrogate: choosing each expert's neurons", 0, 0)
         sur_bytes = Surrogates(layout, select_neurons(path, surrogate_width)).nbytes
         sur_slots = MemoryPlan.for_budget(layout, str(budget_bytes), surrogate_bytes=sur_bytes).slots
     learned_slots = slots
@@ -259,9 +260,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         from pyspecter.learned import LearnedPredictor
 
         learned_bytes = LearnedPredictor.load(path).nbytes
-        learned_slots = slots_for_budget(layout, max(budget_bytes - learned_bytes, 0))
-        check_slots(layout, learned_slots)
-    say = progress or (lambda *_: None)
+        learned_slots = MemoryPlan.for_budget(layout, str(budget_bytes), predictor_bytes=learned_bytes,
+                                              device=dev).slots  # refuses fewer than top-k
     sets = prompt_sets(path, items, prompt_len)
     mode = default_mode(path, forced)
     texts = None

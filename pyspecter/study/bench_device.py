@@ -80,7 +80,7 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     n_cpu = info["stock_n_cpu_moe"]
     plans = {"stock-cpu-moe": stock_plan(layout, None), "stock-n-cpu-moe": stock_plan(layout, n_cpu),
              "stock-device": stock_plan(layout, 0),
-             "plan": LayerPlan({int(il): k for il, k in info["kinds"].items()}, info["n_slots"])}
+             "plan": LayerPlan({int(il): k for il, k in info["kinds"].items()}, info["n_slots"], info["n_zero"])}
     costs = DeviceCosts(**info["costs"])
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):

@@ -157,7 +157,7 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
             predictor = predictor.reuse_only()
         if budget_bytes:  # as the engine spends its budget: the predictor's bytes out, the rest by layer
             mp = MemoryPlan.for_budget(layout, str(budget_bytes), predictor_bytes=predictor.nbytes, spread=True,
-                                       curves=predictor.miss_curves)
+                                       curves=predictor.miss_curves, device=model.device)
             slots, extra = mp.slots, mp.extra
         return ExpertCache(model, layout, slots, policy="predicted", miss="wait", tier=make_tier(tier),
                            record=True, ordered=True, extra=extra, reuse=predictor, duel=False,

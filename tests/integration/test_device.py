@@ -6,6 +6,7 @@ llama.cpp's op offload would send a host-weight matmul, with our negative ids, t
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -122,6 +123,20 @@ def test_slots_on_rpc_device_are_exact(name: str, share: str, miss: str, rpc: st
         assert r["hit_rate"] == 1.0 and r["contract"]["bound"] == 0.0
     else:
         assert r["uploads"] > 0
+
+
+@pytest.mark.parametrize("miss", ["wait", "cpu"])
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_zero_slots_on_rpc_device_are_exact(name: str, miss: str, rpc: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECTER_ZERO_SLOTS=1: misses read all-zero slots, one per row of a token, as on a device whose kernel
+    takes no negative id (and on CUDA where patch 0008 failed): the same exactness, with the slots NaN-poisoned, so
+    a zero slot left unwritten would show."""
+    monkeypatch.setenv("SPECTER_ZERO_SLOTS", "1")
+    path = build_tiny(name)
+    lay = read_layout(path)
+    r = verify(path, slots=lay.n_expert // 2, miss=miss, prompt=LONG_PROMPT, n_tokens=12, device=rpc)
+    assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0, (r["stock_tokens"], r["slot_tokens"])
+    assert r["contract"]["finite"] and r["contract_ok"] and r["uploads"] > 0, r["contract"]
 
 
 def mixed_plans(lay) -> list[LayerPlan]:
@@ -284,6 +299,12 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     assert out["device"].startswith("RPC")
     pol = out["policies"]
     assert pol["stock-n-cpu-moe"]["n_cpu_moe"] == 2  # 4 MoE layers, half the expert bytes on the device
+    # equal device memory: the slot rows' slots (and zero slots, where the device has them) fit the budget stock
+    # gets whole, and spend it
+    lay = read_layout(build_tiny("tiny-qwen3moe"))
+    row = sum(L.expert_bytes for L in lay.layers)
+    zero = lay.n_expert_used if os.environ.get("SPECTER_ZERO_SLOTS") == "1" else 0  # RPC takes negative ids
+    assert (out["slots_per_layer"] + zero) * row <= out["budget_bytes"] < (out["slots_per_layer"] + 1 + zero) * row
     assert pol["on-demand-lru"]["same_tokens_as_stock"] and pol["on-demand-cpu"]["same_tokens_as_stock"]
     assert pol["stock-n-cpu-moe"]["same_tokens_as_stock"]
     # host round trips: a slot layer costs what a --cpu-moe layer does; the plan is never predicted slower
@@ -303,8 +324,7 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     assert lp["predicted_ms"] <= lp["predicted_stock_cpu_moe_ms"] + 1e-9
     assert lp["device_bytes"] <= out["budget_bytes"]
     # the plan bench ran is the cost model's choice from the costs it reports
-    lay = read_layout(build_tiny("tiny-qwen3moe"))
-    chosen = choose_plan(lay, out["budget_bytes"], DeviceCosts(**lp["costs"]))
+    chosen = choose_plan(lay, out["budget_bytes"], DeviceCosts(**lp["costs"]), lp["n_zero"])
     assert lp["kinds"] == {str(il): k for il, k in sorted(chosen.kinds.items())}
 
 
@@ -441,16 +461,20 @@ def test_bad_layer_plan_is_one_line_exit_2(args: list[str]) -> None:
     assert r.stderr.strip().count("\n") == 0 and "--layer-plan" in r.stderr
 
 
-@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("sync, zero", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("miss", ["cpu", "wait"])
-def test_uploads_on_their_own_stream_and_no_negative_id_on_the_device(miss: str, sync: bool, rpc: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_uploads_on_their_own_stream_and_the_table_names_slots_or_misses(miss: str, sync: bool, zero: bool, rpc: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A device that reports async copies and events (RPC does, as CUDA) gets an upload stream of its own: every
     upload is one batch awaited by its event before it counts as landed; SPECTER_SYNC_UPLOADS=1 (and a device
     without them) copies synchronously. Either way stock's tokens, and the remap table the device holds, read back
-    between tokens under heavy eviction, names only slots or the zero slot: no negative id reaches a kernel."""
+    between tokens under heavy eviction, names only slots or what a miss reads: -1 where the device's kernel takes
+    a negative id as a zero row (RPC, CUDA), else (SPECTER_ZERO_SLOTS=1, other devices) zero slot j for row j,
+    never a negative id."""
     if sync:
         monkeypatch.setenv("SPECTER_SYNC_UPLOADS", "1")
+    if zero:
+        monkeypatch.setenv("SPECTER_ZERO_SLOTS", "1")
     dev = open_device(rpc)
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
@@ -469,8 +493,9 @@ def test_uploads_on_their_own_stream_and_no_negative_id_on_the_device(miss: str,
                         planes = native.read_table(m.ptr, L.index, lay.n_expert, lay.n_expert_used)
                         for j, table in enumerate(planes):
                             assert [x for _, x in table] == list(range(lay.n_expert))
-                            # a resident expert's slot, or zero slot j (n_slots + j) for row j of a token
-                            assert all(0 <= slot < n_slots or slot == n_slots + j for slot, _ in table), table
+                            # a resident expert's slot, or zero slot j (n_slots + j) for row j of a token, or -1
+                            miss = n_slots + j if zero else -1
+                            assert all(0 <= slot < n_slots or slot == miss for slot, _ in table), table
                             assert [s for s, _ in table if s < n_slots] == [s for s, _ in planes[0] if s < n_slots]
                 cache.check()
             assert out == ref

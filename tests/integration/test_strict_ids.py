@@ -51,6 +51,9 @@ SCRIPT = textwrap.dedent("""
         ids[1, 0] = n_as
     elif case == "twice":
         ids[2] = [3, 3]
+    elif case.startswith("negative"):  # rows computed elsewhere: zero rows, as many in a token as it has
+        ids[1, 0] = -1
+        ids[2] = [-1, -1]
 
     def put(t, arr):
         arr = np.ascontiguousarray(arr)
@@ -70,12 +73,17 @@ SCRIPT = textwrap.dedent("""
         t = base.ggml_new_tensor_2d(ctx, I32, n_used, n_tok)
         put(t, ids)
     out = base.ggml_mul_mat_id(ctx, a, b, t)  # ggml [N, n_used, n_tok]
+    if case == "negative-marked":  # op_params[GGML_MUL_MAT_ID_NEGATIVE_ZERO], the last (patch 0001's ggml.h)
+        class Head(ctypes.Structure):  # struct ggml_tensor up to its op_params
+            _fields_ = [("type", ctypes.c_int), ("buffer", vp), ("ne", i64 * 4), ("nb", ctypes.c_size_t * 4),
+                        ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16)]
+        Head.from_address(out).op_params[15] = 1
     g = base.ggml_new_graph(ctx)
     base.ggml_build_forward_expand(g, out)
     assert cpu.ggml_graph_compute_with_ctx(ctx, g, 2) == 0
     got = np.ctypeslib.as_array(ctypes.cast(base.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)),
                                 shape=(n_tok, n_used, N))
-    want = np.einsum("tjnk,tjk->tjn", A[ids], B)
+    want = np.einsum("tjnk,tjk->tjn", A[np.maximum(ids, 0)], B) * (ids >= 0)[..., None]
     print("max_err", float(np.abs(got - want).max()), flush=True)
 """)
 
@@ -99,8 +107,17 @@ def test_strided_ids_compute_the_product_when_lenient() -> None:
     assert _max_err(_run("strided", "lenient")) < 1e-4
 
 
+def test_negative_ids_are_zero_rows_where_the_op_says_so() -> None:
+    """Patch 0001: a negative id is a zero row on the CPU, marked or not; strict (0006) accepts one only in an op
+    marked GGML_MUL_MAT_ID_NEGATIVE_ZERO, what CUDA's kernels honour (0008), several in a token included."""
+    for mode in ("strict", "lenient"):
+        assert _max_err(_run("negative-marked", mode)) < 1e-4
+    assert _max_err(_run("negative", "lenient")) < 1e-4
+
+
 @pytest.mark.parametrize(("case", "message"), [
     ("range", "expert id 4 (token 1, row 0) outside [0, 4)"),
+    ("negative", "expert id -1 (token 1, row 0) outside [0, 4)"),
     ("twice", "expert id 3 twice in token 2 (rows 0 and 1)"),
     ("strided", "a token's expert ids are 12 bytes apart, not contiguous"),
 ])

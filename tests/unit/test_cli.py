@@ -187,7 +187,8 @@ def test_one_slot_count_says_what_takes_the_rest() -> None:
     assert (s.min, s.max, round(s.mean, 2)) == (2, 8, 5.33)
     assert str(s) == "2-8 of 16 slots per layer (mean 5.33); the rest of the budget: the learned predictor 5.00 MiB"
     assert str(SlotCount((8,) * 30, 16)) == "8/16 slots per layer"
-    assert str(SlotCount((4,) * 3, 16, zero=2)) == "4/16 slots per layer + 2 zero slots each on the device"
+    assert str(SlotCount((4,) * 3, 16, zero=2)) == ("4/16 slots per layer + 2 zero slots each on the device, in the "
+                                                    "budget")
     assert str(NO_SLOTS) == "no slots (every expert resident)" and NO_SLOTS.as_stats()["slots_max"] == 0
 
 

@@ -194,7 +194,7 @@ def _stale(old: str, new: str, count: int = 1) -> str:
 
 @pytest.mark.parametrize("old, new, says", [
     (f"C API v{c_api_version()}", f"C API v{c_api_version() - 2}", "C API"),
-    ("seven small patches", "3 small patches", "patches"),
+    ("eight small patches", "3 small patches", "patches"),
     ("(7/16 expert slots, disk)", "(8/16 expert slots, disk)", "pyspecter row"),
     ("budget 50%, tier disk: 7-8 of 16 slots per layer", "budget 50%, tier disk: 8/16 slots per layer",
      "inspect line"),

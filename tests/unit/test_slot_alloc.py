@@ -8,7 +8,15 @@ import random
 import numpy as np
 import pytest
 
-from pyspecter.budget import CURVE_MIN_GAIN, MemoryPlan, allocate_slots, slot_bytes, slots_for_budget, split_counts
+from pyspecter.budget import (
+    CURVE_MIN_GAIN,
+    MemoryPlan,
+    allocate_slots,
+    slot_bytes,
+    slots_for_budget,
+    split_counts,
+    zero_slots,
+)
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
@@ -190,7 +198,32 @@ def test_plan_spread_spends_the_remainder_and_default_is_unchanged() -> None:
     assert [plan.usable_in(il) for il in range(4)] == [6, 6, 5, 5]
     assert plan.slots * 400 + slot_bytes(lay, plan.extra) <= 2250
     # a device keeps uniform counts
-    assert MemoryPlan.for_budget(lay, "2250", spread=True, device=True) == plain
+    assert MemoryPlan.for_budget(lay, "2250", spread=True, device=_Dev(0)) == plain
+    # and its zero slots (top-2 a layer: 800 bytes), where it has them, come out of the budget first
+    assert MemoryPlan.for_budget(lay, "2250", spread=True, device=_Dev(2)) == MemoryPlan(slots=3, budget_bytes=1450)
+
+
+class _Dev:
+    """A device as a budget sees it: how many zero slots its slot layers hold (csrc decides; 0 or top-k)."""
+
+    def __init__(self, zero: int) -> None:
+        self.zero = zero
+
+    def zero_slots(self, n_used: int) -> int:
+        return self.zero
+
+
+def test_a_devices_zero_slots_are_in_its_budget() -> None:
+    """Where a device's kernel takes no negative id, its slot layers hold top-k zero slots besides their slots:
+    device memory like any other, so the smallest budget names them and the slots are what is left (stock
+    --n-cpu-moe gets every byte at equal memory). Where it takes them (CPU, CUDA, RPC), a miss costs nothing."""
+    lay = _layout([100] * 4, n_expert=16, k=2)
+    assert zero_slots(lay, _Dev(2)) == 2 and zero_slots(lay, None) == 0
+    assert MemoryPlan.for_budget(lay, "1600", device=_Dev(2)).slots == 2  # 2 slots + 2 zero slots a layer
+    assert MemoryPlan.for_budget(lay, "1600", device=_Dev(0)).slots == 4
+    assert MemoryPlan.for_budget(lay, "1600").slots == 4
+    with pytest.raises(SpecterError, match="zero slots"):
+        MemoryPlan.for_budget(lay, "1599", device=_Dev(2))
 
 
 def test_plan_spread_by_curves() -> None:
