@@ -391,6 +391,22 @@ def device_table(bench_json, out):
     Path(out, "device_table.txt").write_text(text + "\n")
 
 
+def zero_fallback(*row_files):
+    """STATUS<tab>DETAIL<tab>FALLBACK of the verify rows: whether misses as negative ids (CUDA: patch 0008) held,
+    and FALLBACK 1 when only they failed (every zero-slot case passed), so that the benches run with zero slots."""
+    rows = [(line.rstrip("\n").split("\t") + [""] * 4)[:4] for f in row_files for line in open(f) if line.strip()]
+    neg = [r for r in rows if "(zero slots)" not in r[0]]
+    zero = [r for r in rows if "(zero slots)" in r[0]]
+    neg_bad, zero_bad = (sum(r[1] not in ("ok", "skip") for r in rs) for rs in (neg, zero))
+    if not neg_bad:
+        print("ok\tevery verify case ran with them (no zero slots) and passed\t0")
+    elif not zero_bad and any(r[1] == "ok" for r in zero):
+        print(f"FAIL\t{neg_bad} verify case(s) failed with them, every zero-slot case passed: steps 5 and 6 run "
+              "with SPECTER_ZERO_SLOTS=1\t1")
+    else:
+        print(f"FAIL\t{neg_bad} case(s) failed with them, {zero_bad} with zero slots: not the ids alone\t0")
+
+
 def table(steps, out, total, dry, device, work):
     out, work = Path(out), Path(work)
     rows = [(line.rstrip("\n").split("\t") + [""] * 4)[:4] for line in open(steps) if line.strip()]
@@ -739,18 +755,10 @@ for j in range(max(map(len, per_arch))):
     # a device slot layer's misses are negative ids (CUDA: patch 0008, never run on a GPU before this script). If
     # cases fail with them and every zero-slot case passes, the benches below run with zero slots instead, so the
     # lease still measures speed; the row says so
-    neg_bad=$(cat "$WORK"/verify/*.row 2>/dev/null | awk -F'\t' '$1 !~ /zero slots/ && $2 != "ok" && $2 != "skip"' | wc -l)
-    zero_ok=$(cat "$WORK"/verify/*.row 2>/dev/null | awk -F'\t' '$1 ~ /zero slots/ && $2 == "ok"' | wc -l)
-    zero_bad=$(cat "$WORK"/verify/*.row 2>/dev/null | awk -F'\t' '$1 ~ /zero slots/ && $2 != "ok" && $2 != "skip"' | wc -l)
-    if [ "$neg_bad" -gt 0 ] && [ "$zero_ok" -gt 0 ] && [ "$zero_bad" = 0 ]; then
-        export SPECTER_ZERO_SLOTS=1
-        record "misses as negative ids (patch 0008)" FAIL 0 "$neg_bad verify case(s) failed with them, every \
-zero-slot case passed: steps 5 and 6 run with SPECTER_ZERO_SLOTS=1"
-    elif [ "$neg_bad" = 0 ]; then
-        record "misses as negative ids (patch 0008)" ok 0 "every verify case ran with them (no zero slots) and passed"
-    else
-        record "misses as negative ids (patch 0008)" FAIL 0 "$neg_bad case(s) failed with them, $zero_bad with zero \
-slots: not the ids alone"
+    if verdict=$("$PY" "$GC" zero-fallback "$WORK"/verify/*.row 2>> "$LOG"); then
+        IFS=$'\t' read -r st detail fallback <<< "$verdict"
+        [ "$fallback" = 1 ] && export SPECTER_ZERO_SLOTS=1
+        record "misses as negative ids (patch 0008)" "$st" 0 "$detail"
     fi
 else
     record verify skip 0 "no build"

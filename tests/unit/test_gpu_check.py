@@ -191,3 +191,19 @@ def test_the_probe_row_names_every_measurement(gc, tmp_path: Path, capsys: pytes
     gc.probe_detail(str(f))
     row = capsys.readouterr().out
     assert row.startswith("sync 7.2 us, host visit 31.0 us;") and "zero-copy reads 1.5 GB/s" in row
+
+
+def test_the_benches_fall_back_to_zero_slots_only_where_negative_ids_alone_failed(gc, tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    """Patch 0008 never ran on a GPU before gpu_check: if only the negative-id verify cases fail and every zero-slot
+    case passes, steps 5 and 6 run with SPECTER_ZERO_SLOTS=1 (the lease still measures speed); otherwise not."""
+    def verdict(*rows: tuple[str, str]) -> list[str]:
+        f = tmp_path / "v.row"
+        f.write_text("".join(f"verify {name}\t{st}\t1\tdetail\n" for name, st in rows))
+        gc.zero_fallback(str(f))
+        return capsys.readouterr().out.rstrip("\n").split("\t")
+
+    assert verdict(("a", "ok"), ("a (zero slots)", "ok"), ("b", "skip"))[::2] == ["ok", "0"]
+    assert verdict(("a", "FAIL"), ("a (zero slots)", "ok"), ("b", "TIMEOUT"))[::2] == ["FAIL", "1"]
+    assert verdict(("a", "FAIL"), ("a (zero slots)", "FAIL"))[::2] == ["FAIL", "0"]
+    assert verdict(("a", "FAIL"), ("a (zero slots)", "skip"))[::2] == ["FAIL", "0"]  # nothing shows zero slots work
