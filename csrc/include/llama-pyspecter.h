@@ -60,8 +60,9 @@ typedef void (*llama_pyspecter_route_cb)(void * user_data, int32_t il, int32_t n
 // Allocate n_slots expert slots in every MoE layer, on the layer's device, with the layer's expert tensor types
 // (plus llama_pyspecter_zero_slots of them, all-zero, where misses point on a device whose kernel takes no negative
 // id: row j of a token reads zero slot j, since such a kernel also takes no expert id twice in a token; elsewhere a
-// miss is a negative id, a zero row). Call after loading the model and before creating a context on it. All experts start non-resident. CPU slots are not touched here, so a slot takes memory
-// only once an expert is written into it. Returns 0, or a negative status.
+// miss is a negative id, a zero row). Call after loading the model and before creating a context on it. All
+// experts start non-resident. CPU slots are not touched here, so a slot takes memory only once an expert is written
+// into it. Returns 0, or a negative status.
 LLAMA_API int32_t llama_pyspecter_slots_init(struct llama_model * model, int32_t n_slots);
 
 // The all-zero slots a slot layer on dev holds besides its slots: 0 where dev's mul_mat_id takes a negative id as
@@ -452,8 +453,8 @@ LLAMA_API void    llama_pyspecter_sync_counts_reset(void);
 // of them), (slot, expert) per expert in each, 2 * n_expert * n_used int32 into out (n at least that). The slot
 // matmul's ids are get_rows over it, so every slot in it must be a slot or, for an expert not resident, -1 where
 // the device takes negative ids, else the layer's zero slot j (n_slots + j), so that a token's rows never share
-// one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS,
-// or LLAMA_PYSPECTER_ERR_ARG (no such device layer, or n too small).
+// one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS, or LLAMA_PYSPECTER_ERR_ARG (no such device
+// layer, or n too small).
 LLAMA_API int32_t llama_pyspecter_read_table(const struct llama_model * model, int32_t il, int32_t * out, int32_t n);
 
 // Counters since the last reset (all zero when slots are not enabled).
