@@ -84,6 +84,12 @@ def _spec(r: dict) -> str:
     return f", speculated {spec:.2f}/token, {(r.get('redone_per_token') or 0.0) / spec:.0%} redone"
 
 
+def _zero(bench: dict) -> str:
+    """What a slot row's misses read: negative ids (CUDA: patch 0008), or zero slots beside the slots."""
+    z = bench.get("zero_slots")
+    return "misses as ?" if z is None else "misses as negative ids" if z == 0 else f"{z} zero slots a slot layer"
+
+
 def _f(x: object, fmt: str) -> str:
     return format(x, fmt) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
 
@@ -300,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         lp = b.get("layer_plan") or {}
         report["notes"].append(
             f"{budget} ({_f(b.get('budget_pct'), '.0f')}% of the experts): link {_f(b.get('link_gbps'), '.1f')} GB/s "
-            f"measured at start; plan {lp.get('plan', '-')} from costs {lp.get('cost_source', '-')}; "
+            f"measured at start; {b.get('slots', '-')}, {_zero(b)}; plan {lp.get('plan', '-')} from costs "
+            f"{lp.get('cost_source', '-')}; "
             f"refitted {json.dumps({k: round(v, 2) for k, v in (lp.get('calibrated') or {}).items()})}; "
             f"bench took {bsecs:.0f}s")
     floor_syncs(report["sets"], floor)

@@ -295,14 +295,13 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     n_prompt_tokens, n_decode = sum(map(len, sets)), n * len(sets)
     out: dict = {"model": str(path), "draft": str(draft) if draft else None, "arch": layout.arch, "tier": tier,
                  "device": dev.name if dev else "CPU", "emulated": tier.startswith("emulated"),
-                 "budget": budget, "slots_per_layer": slots, "n_expert": layout.n_expert,
+                 "budget": budget, "slots_per_layer": slots, "zero_slots": zero_slots(layout, dev),
+                 "n_expert": layout.n_expert,
                  "slots": str(SlotCount(tuple(slots + extra.get(L.index, 0) for L in layout.layers), layout.n_expert)),
                  "engine_slots": budget_slot_text(  # generate's slots beside the baselines', which take it whole
                      layout, str(budget_bytes), path, tier=tier, device=device),
                  "n_expert_used": layout.n_expert_used, "n_moe_layers": len(layout.layers),
-                 "prompts": str(prompts) if prompts is not None else
-                 PACKAGED if split else None,
-                 "split": split,
+                 "prompts": str(prompts) if prompts is not None else PACKAGED if split else None, "split": split,
                  "n_prompts": len(sets), "prompt_tokens": n_prompt_tokens, "decode_tokens": n, "decode": mode,
                  "repeat": repeat, "n_threads": n_threads, "link_gbps": link_gbps,
                  "memory_cap": next(iter(caps.values()), uncapped)["memory_cap"],

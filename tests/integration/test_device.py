@@ -304,6 +304,7 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     lay = read_layout(build_tiny("tiny-qwen3moe"))
     row = sum(L.expert_bytes for L in lay.layers)
     zero = lay.n_expert_used if os.environ.get("SPECTER_ZERO_SLOTS") == "1" else 0  # RPC takes negative ids
+    assert out["zero_slots"] == zero
     assert (out["slots_per_layer"] + zero) * row <= out["budget_bytes"] < (out["slots_per_layer"] + 1 + zero) * row
     assert pol["on-demand-lru"]["same_tokens_as_stock"] and pol["on-demand-cpu"]["same_tokens_as_stock"]
     assert pol["stock-n-cpu-moe"]["same_tokens_as_stock"]

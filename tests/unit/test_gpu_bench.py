@@ -92,3 +92,11 @@ def test_the_floor_comes_from_a_bench_of_the_same_arch(gb, tmp_path: Path) -> No
     sets = [{"budget": "8GiB", "n_moe_layers": 48, "rows": gb.rows(_bench(False))}]
     gb.floor_syncs(sets, 8.0)
     assert sets[0]["rows"][0]["host_syncs_per_moe_layer"] == pytest.approx((104 - 8) / 48)
+
+
+def test_each_budget_says_what_its_misses_read(gb) -> None:
+    """A GPU table's slot rows mean something else with zero slots (patch 0008 failed there, or another device):
+    each budget's note says which, from bench's JSON."""
+    assert gb._zero({"zero_slots": 0}) == "misses as negative ids"
+    assert gb._zero({"zero_slots": 8}) == "8 zero slots a slot layer"
+    assert gb._zero({}) == "misses as ?"  # a bench from before the field
