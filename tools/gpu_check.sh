@@ -24,8 +24,9 @@
 #      key; the bindings are used through PYTHONPATH (--print-root), whatever the interpreter has linked
 #   3. device: nvidia-smi; the probe (tools/gpu_probe.cu, compiled with nvcc, the CUDA runtime alone, seconds):
 #      a host wait's and a host visit's floor, one expert uploaded or read zero-copy from pinned host memory, H2D
-#      rates pinned and pageable, to $OUT/gpu_probe.json; and `pyspecter inspect tiny-qwen3moe --device cuda0`
-#      (the device enumerates, memory)
+#      rates pinned and pageable, to $OUT/gpu_probe.json; `pyspecter inspect tiny-qwen3moe --device cuda0`
+#      (the device enumerates, memory); and tools/mmid_check.py: patch 0008's negative ids on each MUL_MAT_ID
+#      kernel path it touches (mmvq, its several-token kernel, MMQ, MMF, the fused gate+up+GLU), against the CPU
 #   4. verify: every fixture arch (pyspecter/models/tiny.py TINY_MODELS) with --device cuda0, slots k, E/2 and E,
 #      misses wait and cpu; verify's `contract_ok` decides where its JSON has one (the GPU contract: never NaN/inf,
 #      every expert in a slot = stock-device, with misses no further from stock-device than stock's --cpu-moe run;
@@ -689,6 +690,21 @@ if [ "$BUILT" = 1 ]; then
     fi
 else
     record "inspect --device $DEVICE" skip 0 "no build"
+fi
+# patch 0008's contract on this device's own kernels (tools/mmid_check.py, seconds): each MUL_MAT_ID path it touches
+# gives zero rows for negative ids and the CPU's product elsewhere; a kernel that reads through one aborts, named by
+# the last case the script announced
+if [ "$BUILT" = 1 ]; then
+    run "mmid_check" 60 "$DEADLINE" "$WORK/mmid.txt" "$PY" tools/mmid_check.py --device "$DEVICE"
+    if [ "$RC" = 0 ]; then
+        record "mul_mat_id negative ids (patch 0008)" ok "$SECS" "$(grep -c '^ok ' "$WORK/mmid.txt") kernel \
+paths: negative rows zero, the others the CPU's"
+    else
+        record "mul_mat_id negative ids (patch 0008)" "$(status_of $RC)" "$SECS" "$(grep '^FAIL' "$WORK/mmid.txt" \
+| head -3 | tr '\n' ' ')$(grep 'mmid_check: .* \.\.\.$' "$WORK/mmid.txt" | tail -1); $(why $RC "$WORK/mmid.txt")"
+    fi
+else
+    record "mul_mat_id negative ids (patch 0008)" skip 0 "no build"
 fi
 
 # --- 4. verify ----------------------------------------------------------------------------------------------------

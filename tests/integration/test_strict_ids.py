@@ -126,3 +126,25 @@ def test_strict_aborts_where_a_gpu_kernel_would_not_survive(case: str, message: 
     assert r.returncode == -signal.SIGABRT, (r.returncode, r.stdout, r.stderr)
     assert "strict ids:" in r.stderr and message in r.stderr, r.stderr
     assert "max_err" not in r.stdout
+
+
+def test_mmid_check_holds_on_the_strict_rpc_device() -> None:
+    """tools/mmid_check.py, gpu_check's probe of patch 0008 on a GPU's own kernels, run here against the strict RPC
+    device (the CPU's kernels, 0001, held to CUDA's contract by 0006): every case it has holds, so on a GPU a failing
+    case is the kernel's, not the harness's. Its marks are what strict accepts (an unmarked negative id aborts)."""
+    import json
+    from pathlib import Path
+
+    from test_device import free_port, start_server, stop_server
+
+    port = free_port()
+    proc = start_server(port)
+    try:
+        r = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "tools" / "mmid_check.py"), "--device",
+                            f"rpc:127.0.0.1:{port}", "--json"], capture_output=True, text=True, timeout=300)
+    finally:
+        stop_server(proc)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ok"] and len(out["cases"]) == 8
+    assert all(c["negative_rows"] > 0 and c["negative_rows_zero"] for c in out["cases"])
