@@ -360,7 +360,8 @@ inline bool pyspecter_is_zero_slot(const llama_pyspecter_layer * L, int32_t slot
 }
 
 // An id a device layer's slot matmul may be given: a slot, a zero slot, or -1 where misses are negative ids.
-inline bool pyspecter_valid_slot_id(const llama_pyspecter_layer * L, int32_t id, int32_t n_slots) {
+inline bool pyspecter_valid_slot_id(const llama_pyspecter_layer * L, int32_t id) {
+    const int32_t n_slots = L->parent->n_slots;
     return L->n_zero == 0 ? id >= -1 && id < n_slots : id >= 0 && id < n_slots + L->n_zero;
 }
 

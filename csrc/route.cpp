@@ -147,8 +147,8 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         // a device kernel reads an id outside its slots out of bounds: on a device every id is a slot, a zero slot,
         // or -1 where its kernel takes negative ids
-        GGML_ASSERT(L->miss_slot < 0 || (pyspecter_valid_slot_id(L, slot_ids[i], s->n_slots) &&
-                                         (!with_late || pyspecter_valid_slot_id(L, late_ids[i], s->n_slots))));
+        GGML_ASSERT(L->miss_slot < 0 || (pyspecter_valid_slot_id(L, slot_ids[i]) &&
+                                         (!with_late || pyspecter_valid_slot_id(L, late_ids[i]))));
     }
     s->counters.hit_rows  += hit;
     s->counters.miss_rows += (int64_t) n_used * n_tokens - hit;

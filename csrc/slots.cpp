@@ -232,7 +232,7 @@ static bool fill_row(llama_pyspecter_layer * L, int32_t * row) {
     for (int32_t j = 0; j < L->parent->n_used && (j == 0 || changed); ++j) {
         for (int32_t e = 0; e < E; ++e) {
             const int32_t v = L->remap[e] >= 0 ? L->remap[e] : pyspecter_zero_slot(L, j);
-            GGML_ASSERT(pyspecter_valid_slot_id(L, v, L->parent->n_slots));
+            GGML_ASSERT(pyspecter_valid_slot_id(L, v));
             int32_t * pair = row + 2 * ((size_t) j * E + e);
             changed |= pair[0] != v || pair[1] != e;
             pair[0] = v;

@@ -73,6 +73,11 @@ def zero_slots(layout: ModelLayout, device: SlotDevice | None) -> int:
     return device.zero_slots(layout.n_expert_used) if device is not None else 0
 
 
+def zero_slot_bytes(layout: ModelLayout, device: SlotDevice | None) -> int:
+    """``zero_slots`` in every slot layer, in bytes: what a device budget gives them before any slot."""
+    return zero_slots(layout, device) * sum(L.expert_bytes for L in layout.layers)
+
+
 def slot_bytes(layout: ModelLayout, counts: Mapping[int, int]) -> int:
     """Bytes of fast memory that ``counts`` (layer index -> slots) take."""
     size = {L.index: L.expert_bytes for L in layout.layers}
@@ -245,7 +250,7 @@ class MemoryPlan:
             check_slots(layout, plan.slots, reserved=reserved)
             return plan
         full = parse_budget(budget, layout.expert_total_bytes)
-        zero = zero_slots(layout, device) * sum(L.expert_bytes for L in layout.layers)
+        zero = zero_slot_bytes(layout, device)
         smallest_budget(layout, budget, full, draft_bytes=draft_bytes if count_draft else 0,
                         surrogate_bytes=surrogate_bytes, predictor_bytes=predictor_bytes, zero_bytes=zero)
         full -= zero  # what the slots may take

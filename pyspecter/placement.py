@@ -14,7 +14,15 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from pyspecter.budget import check_budget_fits, fit_to_memory, parse_budget, slots_for_budget, usable_memory, zero_slots
+from pyspecter.budget import (
+    check_budget_fits,
+    fit_to_memory,
+    parse_budget,
+    slots_for_budget,
+    usable_memory,
+    zero_slot_bytes,
+    zero_slots,
+)
 from pyspecter.errors import SpecterError
 from pyspecter.layerplan import LayerPlan, stock_plan
 from pyspecter.layout import ModelLayout, read_layout
@@ -77,7 +85,7 @@ def device_fit(layout: ModelLayout, device: str) -> DeviceFit:
         raise SpecterError(f"--device {device!r}: not a device")
     free, total = dev.memory()
     room = max(usable_memory(free) - layout.nonexpert_bytes, 0)
-    zero = zero_slots(layout, dev) * sum(L.expert_bytes for L in layout.layers)
+    zero = zero_slot_bytes(layout, dev)
     slots = slots_for_budget(layout, max(room - zero, 0))
     nonexp = fmt_bytes(layout.nonexpert_bytes)
     if room >= layout.expert_total_bytes:
