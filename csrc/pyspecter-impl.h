@@ -143,6 +143,10 @@ struct llama_pyspecter_layer {
 
     // owner: planner.cpp.
     std::vector<pyspecter_ahead_map> ahead;        // the planner's maps from this layer's router input
+
+    // owner: mapped.cpp. The host copy as the device reads it, where a speculated ubatch's misses are read there
+    // (null: not mapped)
+    ggml_tensor * mapped[LLAMA_PYSPECTER_N_KINDS] = {};
 };
 
 // policy.cpp: e is spared by eviction (on) unless a need wants its slot, or no longer (off): a draft's predictions
@@ -187,6 +191,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> inflight_peak{0}; // most batches one upload stream held in flight at once
     std::atomic<int64_t> compute_orders{0}; // upload batches ordered after the device's queued compute
     std::atomic<int64_t> spec_ubatches{0}, spec_redos{0}; // speculated ubatches; of which a row missed (speculate.cpp)
+    std::atomic<int64_t> mapped_rows{0}; // rows a speculated layer's device read from the host copy (mapped.cpp)
 };
 
 // An emulated link (uploads.cpp charges every copy to it): a virtual clock of when the link is next free.
@@ -291,6 +296,7 @@ struct llama_pyspecter_slots {
         const ggml_tensor * ffn_inp = nullptr;
         ggml_tensor * x_host = nullptr;
         bool speculated = false; // the slot path alone (speculate.cpp): the route is slot_ids itself
+        ggml_tensor * mapped_ids = nullptr; // speculated with misses read from the host copy: their ids, -1 on hits
     };
     mutable std::mutex graph_mu;
     mutable std::unordered_map<const ggml_tensor *, split_parts> split_routes;
@@ -299,6 +305,9 @@ struct llama_pyspecter_slots {
     bool route_weights = false;
     // Speculating that a ubatch hits in every row (speculate.cpp, its owner): on, and each scheduler's state
     std::atomic<bool> speculate{false};
+    // every device slot layer reads its misses from the host copy (mapped.cpp): a speculated ubatch never redoes,
+    // so decode speculates whatever the last ubatch hit. Set before a context, by llama_pyspecter_map_host_experts
+    bool mapped_all = false;
     std::mutex spec_mu;
     std::unordered_map<const void *, pyspecter_spec> spec;
     std::vector<ggml_context *> ctxs;
@@ -357,6 +366,11 @@ inline int32_t pyspecter_zero_slot(const llama_pyspecter_layer * L, int32_t j) {
 // An id of the slot matmul that computes nothing: a zero slot or a negative id.
 inline bool pyspecter_is_zero_slot(const llama_pyspecter_layer * L, int32_t slot) {
     return slot < 0 || (L->n_zero > 0 && slot >= L->miss_slot);
+}
+
+// Whether a device layer's misses are read from the host copy by the device (mapped.cpp) when it is speculated.
+inline bool pyspecter_is_mapped(const llama_pyspecter_layer * L) {
+    return L->mapped[0] || L->mapped[1] || L->mapped[2];
 }
 
 // An id a device layer's slot matmul may be given: a slot, a zero slot, or -1 where misses are negative ids.

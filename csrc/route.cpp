@@ -185,7 +185,13 @@ void pyspecter_route_settled(llama_pyspecter_layer * L, const int32_t * pairs, i
     thread_local std::vector<int32_t> ids;
     ids.assign(pairs + n, pairs + 2 * n); // the experts, after the slots
     after_slot_path(L, nullptr, nullptr, nullptr, ids.data(), n_tokens, n_used);
-    s->counters.hit_rows += n;
+    int64_t hit = 0; // a row that missed was read from the host copy (a mapped layer; any other was redone)
+    for (int32_t i = 0; i < n; ++i) {
+        hit += !pyspecter_is_zero_slot(L, pairs[i]);
+    }
+    s->counters.hit_rows += hit;
+    s->counters.miss_rows += n - hit;
+    s->counters.mapped_rows += n - hit;
     s->counters.route_calls += 1;
 }
 
@@ -306,6 +312,23 @@ static bool speculate_layer(llama_pyspecter_layer * L, bool eligible) {
     return true;
 }
 
+// The ids of a speculated layer's matmuls over the host copy (mapped.cpp), from what its slot path looked up (flat:
+// [n_used, n_tokens, 2], the slots then the experts): the expert where the slot is -1 (a miss), else -1. In F32 on
+// the device, in four small ops between two casts: c = clamp(slot, -1, 0) is -1 on a miss and 0 on a hit, and
+// -(c * (expert + 1)) - 1 is the expert or -1 (exact: ids are far below 2^24). Made from the same lookup as the
+// slot ids, the two agree on every row even while an eviction rewrites the table.
+static ggml_tensor * mapped_ids(ggml_context * ctx, ggml_tensor * flat, int il) {
+    const int64_t n_used = flat->ne[0], n_tok = flat->ne[1];
+    ggml_tensor * f = ggml_cast(ctx, flat, GGML_TYPE_F32);
+    ggml_tensor * slot = ggml_view_2d(ctx, f, n_used, n_tok, f->nb[1], 0);
+    ggml_tensor * expert = ggml_view_2d(ctx, f, n_used, n_tok, f->nb[1], f->nb[2]);
+    ggml_tensor * c = ggml_clamp(ctx, slot, -1.0f, 0.0f);
+    ggml_tensor * m = ggml_mul(ctx, c, ggml_scale_bias(ctx, expert, 1.0f, 1.0f));
+    ggml_tensor * ids = ggml_cast(ctx, ggml_scale_bias(ctx, m, -1.0f, -1.0f), GGML_TYPE_I32);
+    ggml_format_name(ids, "ffn_moe_mapped_ids-%d", il);
+    return ids;
+}
+
 ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspecter_slots * slots, int il,
                                           ggml_tensor * selected_experts, ggml_tensor * weights,
                                           ggml_tensor * ffn_inp, bool allow_split) {
@@ -360,8 +383,9 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         ggml_format_name(slot_ids, "ffn_moe_slot_ids-%d", il);
         slots->split_built = true;
         if (speculate) {
+            ggml_tensor * from_host = pyspecter_is_mapped(L) ? mapped_ids(ctx, flat, il) : nullptr;
             std::lock_guard<std::mutex> lk(slots->graph_mu);
-            slots->split_routes[slot_ids] = { slot_ids, ffn_inp, nullptr, true };
+            slots->split_routes[slot_ids] = { slot_ids, ffn_inp, nullptr, true, from_host };
             return slot_ids; // the route: build_mm_id and on_path know it by its entry
         }
         // [n_embd + 2 n_used, n_tokens]: each token's input, then its (slot, expert) pairs as floats. Stock's host
@@ -451,11 +475,16 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
     llama_pyspecter_layer * L = it->second.layer;
     ggml_tensor * slot_w = L->slot[it->second.kind];
     const bool neg = L->n_zero == 0; // the slot path's misses are negative ids
-    if (is_speculated(slots, route)) {
-        return mm_id(ctx, slot_w, cur, route, neg); // the slot path alone: the route is its ids
+    llama_pyspecter_slots::split_parts parts;
+    if (route->op != GGML_OP_CUSTOM && parts_of(slots, route, &parts) && parts.speculated) {
+        ggml_tensor * res = mm_id(ctx, slot_w, cur, route, neg); // the slot path alone: the route is its ids
+        if (parts.mapped_ids && L->mapped[it->second.kind]) {
+            // the misses, read from the host copy: every row is exact in one term and zero in the other
+            res = ggml_add(ctx, res, mm_id(ctx, L->mapped[it->second.kind], cur, parts.mapped_ids, true));
+        }
+        return res;
     }
     if (is_split(route)) {
-        llama_pyspecter_slots::split_parts parts;
         parts_of(slots, route, &parts);
         if (path == 0) {
             // never null: without it the caller would build the host matmul on both paths

@@ -85,7 +85,8 @@ bool llama_pyspecter_begin_ubatch(llama_pyspecter_slots * s, ggml_backend_sched 
     } else if (st->skip > 0) {
         st->skip--;
     } else {
-        want = on && st->last_hit && n_tokens <= PYSPECTER_SPEC_MAX_TOKENS;
+        // with every layer mapped a speculation never redoes, whatever the last ubatch hit
+        want = on && (st->last_hit || s->mapped_all) && n_tokens <= PYSPECTER_SPEC_MAX_TOKENS;
     }
     pyspecter_build_for(st, want);
     return want != st->built;
@@ -125,8 +126,9 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
         }
     }
     bool missed = false;
-    for (auto * L : st->layers) {
-        missed = missed || any_zero(L, logs[L->table].data() + row * L->table_row, n_rows);
+    for (auto * L : st->layers) { // a mapped layer's device read its misses from the host copy: nothing to redo
+        const int32_t * slots = logs[L->table].data() + row * L->table_row;
+        missed = missed || (!pyspecter_is_mapped(L) && any_zero(L, slots, n_rows));
     }
     s->counters.spec_ubatches++;
     st->last_hit = !missed;
@@ -138,7 +140,8 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
         return true;
     }
     st->backoff = 0;
-    // every row hit: the host-side routing of each layer, in forward order, from the logs read above
+    // every row hit, or a mapped layer's device read it: the host-side routing of each layer, in forward order, from
+    // the logs read above
     for (auto * L : st->layers) {
         pyspecter_route_settled(L, logs[L->table].data() + row * L->table_row, st->n_tokens, n_used);
     }

@@ -65,7 +65,11 @@ class ExpertCache:
         'predicted' (``duel``: only while they miss less than LRU); ahead: a ``LearnedPredictor`` whose
         layer-ahead maps the native planner applies; speculate: on a device, a ubatch after one that hit in every
         row runs with no host visit, and again with its host paths if a row missed (csrc/speculate.cpp: exact
-        either way; off, every device slot layer visits the host every ubatch)."""
+        either way; off, every device slot layer visits the host every ubatch). Miss mode 'mapped' (a device, with
+        speculation): a speculated ubatch's misses are read by the device from the host copy instead of redoing the
+        ubatch (csrc/mapped.cpp), in place where it can (CUDA, pinned host experts), else from a device copy that
+        stands in (the RPC device: the experts' bytes of device memory beyond the budget, ``mapped_copy_bytes``);
+        residency then moves experts as in 'cpu'."""
         layout.require_moe()
         if kinds:
             slot_layers = [L for L in layout.layers if kinds.get(L.index, native.LAYER_SLOTS) == native.LAYER_SLOTS]
@@ -109,6 +113,7 @@ class ExpertCache:
         if rc != 0:
             raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
         self.api.set_speculate(model.ptr, speculate)
+        self.mapped_copy_bytes = self._map_host_experts(model, speculate) if miss == "mapped" else 0
         self.tier = tier or RamTier()
         self.tier.bind(model, layout)
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
@@ -119,9 +124,11 @@ class ExpertCache:
         self.nat: NativeResidency | None = None
         self._recording = record
         if hook:
-            self.nat = NativeResidency(model, layout, self.tier, dict(self._usable), policy=policy, miss=miss,
+            # mapped: residency moves experts as in cpu (the device reads the misses; mapped.cpp)
+            moves = "cpu" if miss == "mapped" else miss
+            self.nat = NativeResidency(model, layout, self.tier, dict(self._usable), policy=policy, miss=moves,
                                        ordered=ordered,
-                                       lookahead=lookahead and miss not in ("cpu", "host"),  # host: nothing moves
+                                       lookahead=lookahead and moves not in ("cpu", "host"),  # host: nothing moves
                                        trace=[] if record else None, reuse=reuse, duel=duel, ahead=ahead,
                                        held=self._held)
             if surrogates is not None:
@@ -288,6 +295,20 @@ class ExpertCache:
             return self.nat.since_start("upload_failures")
         return self.api.stats(self.model.ptr).upload_failures
 
+    @staticmethod
+    def _map_host_experts(model: native.Model, speculate: bool) -> int:
+        """Miss mode 'mapped': the device's view of the host experts (see __init__); the device bytes a copy took."""
+        if model.device is None or not speculate:
+            raise SpecterError("miss mode 'mapped' needs a device (--device) and speculation")
+        if model.device.zero_slots(1):
+            raise SpecterError(f"miss mode 'mapped': {model.device.spec} takes no negative expert ids")
+        rc, nbytes = native.map_host_experts(model.ptr, True)
+        if rc == 0:
+            raise SpecterError("miss mode 'mapped': no slot layer is on the device")
+        if rc < 0:
+            raise SpecterError(f"miss mode 'mapped': could not map the host experts (code {rc})")
+        return nbytes
+
     def faults_injected(self) -> int:
         """Reads the tier's injected faults failed so far (``Tier.faults``; 0 under static residency)."""
         return self.nat.faults_injected() if self.nat is not None else 0
@@ -308,7 +329,8 @@ class ExpertCache:
         # speculated ubatches (device slot layers): computed with no host path, and those a missed row redid; the
         # most upload batches a device stream held in flight at once
         d = native.device_stats(self.model.ptr)
-        out.update(spec_ubatches=d.spec_ubatches, spec_redos=d.spec_redos, upload_inflight_peak=d.inflight_peak)
+        out.update(spec_ubatches=d.spec_ubatches, spec_redos=d.spec_redos, upload_inflight_peak=d.inflight_peak,
+                   mapped_rows=d.mapped_rows)
         return out
 
     def _residency_counters(self) -> dict:

@@ -10,6 +10,11 @@ csrc/surrogate.cpp):
   wait       read the missing experts into slots now (the compute thread waits), then compute them from the slots;
              ``ordered`` refines it: the misses are late experts, computed after the layer's resident ones while
              their reads land;
+  mapped     on a device whose kernels take negative expert ids (CUDA, RPC), with speculation: the device reads
+             a decode ubatch's misses from the host copy in the same graph, so no layer waits for the host whatever
+             it hits (csrc/mapped.cpp); experts move into slots in the background as in ``cpu``. CUDA reads pinned
+             host memory in place, over the link; elsewhere a device copy of every expert stands in (device memory
+             beyond the budget: for tests and the RPC device). Prompt-sized ubatches compute misses as ``cpu``;
   surrogate  APPROXIMATE, opt-in: compute a single-token miss with the expert's surrogate (its most important
              neurons; see surrogate.py) from one of top-k reserved slots, and read the full expert in the
              background for next time. Multi-token ubatches (prefill) wait, as in ``wait``.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 from pyspecter.tiers import Tier
 
-MISS_MODES = ("wait", "cpu", "host", "surrogate")
+MISS_MODES = ("wait", "cpu", "host", "mapped", "surrogate")
 
 
 def computes_in_place(tier: Tier, host_slots: bool) -> bool:

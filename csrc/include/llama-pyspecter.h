@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 28
+#define LLAMA_PYSPECTER_VERSION 29
 
 #ifdef __cplusplus
 extern "C" {
@@ -158,6 +158,18 @@ LLAMA_API void    llama_pyspecter_set_route_weights(struct llama_model * model, 
 // reader needs a layer's input or router weights mid-ubatch (input hooks, learned predictors, route weights):
 // those graphs keep their host paths. SPECTER_SPECULATE=0 in the environment keeps it off (benchmarks' A/B).
 LLAMA_API void    llama_pyspecter_set_speculate(struct llama_model * model, bool enabled);
+// Misses the device reads from the host copy (docs/DEVICES.md, candidate 1): each device slot layer gets a device
+// view of its host experts, and a speculated ubatch adds to each slot matmul one over that view for the rows whose
+// expert is not resident (their slot id is -1), so it never redoes: with speculation on, decode runs with no CPU
+// split and no host wait inside the token whatever it hits, and residency hears the routing after it. The view is
+// the host memory itself where the device's kernels read it in place (CUDA, experts in its pinned host buffer
+// type: no copy, no device memory); elsewhere, with allow_copy, a device copy of every expert stands in (the RPC
+// device in tests: it costs the experts' bytes of device memory, returned in *copy_bytes). Needs a device that
+// takes negative ids (no zero slots: llama_pyspecter_zero_slots). Call after slots_init and before creating a
+// context. Returns the layers mapped (0: none on a device), or LLAMA_PYSPECTER_ERR_NO_SLOTS, ERR_ENABLED (mapped
+// already), ERR_ARG (a layer with zero slots, or host experts the device cannot read and allow_copy 0),
+// ERR_NO_MEMORY.
+LLAMA_API int32_t llama_pyspecter_map_host_experts(struct llama_model * model, int32_t allow_copy, size_t * copy_bytes);
 
 // Called once per MoE layer per ubatch from the compute thread, just before the routing hook, with the layer's
 // router input x: [n_tokens][n_embd] contiguous f32 rows, valid only during the call (learned routing predictors
@@ -428,6 +440,7 @@ struct llama_pyspecter_device_stats {
     int64_t spec_ubatches;   // ubatches computed speculated: no host path, every row from a slot
     int64_t spec_redos;      // ... of which a row missed: computed again with host paths
     int64_t inflight_peak;   // most upload batches one stream held issued and not yet landed at once
+    int64_t mapped_rows;     // rows a speculated mapped layer's device read from the host copy (its misses)
 };
 LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
                                                    struct llama_pyspecter_device_stats * out);

@@ -22,12 +22,13 @@ AutoTierOpt = Annotated[str | None, typer.Option(help="slow tier: ram, disk, emu
                                                       "--budget from the model's size and the memory available "
                                                       "(one line says what and why)")]
 MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host compute, upload in the background), "
-                                                    "host (host compute from the home copy, nothing moved) or wait "
-                                                    "(upload first); default: wait on the disk tier (its host copy "
-                                                    "is on disk too), host on the RAM tier without a device, else "
-                                                    "cpu. surrogate: APPROXIMATE, computes single-token misses "
-                                                    "with a narrow copy of the expert kept in RAM and prints its "
-                                                    "measured perplexity cost")]
+                                                    "host (host compute from the home copy, nothing moved), wait "
+                                                    "(upload first) or mapped (a GPU reads decode misses from "
+                                                    "pinned host memory, upload in the background); default: wait "
+                                                    "on the disk tier (its host copy is on disk too), host on the "
+                                                    "RAM tier without a device, else cpu. surrogate: APPROXIMATE, "
+                                                    "computes single-token misses with a narrow copy of the expert "
+                                                    "kept in RAM and prints its measured perplexity cost")]
 SurrogateOpt = Annotated[float, typer.Option(help="--miss surrogate: fraction of each expert's neurons kept")]
 _FROM_MODEL = "default: the model's recommendation (general.sampling.* in its GGUF), else llama.cpp's"
 TopKOpt = Annotated[int | None, typer.Option("--top-k", help=f"sampling: keep the K most likely tokens (0: off); "
@@ -42,7 +43,7 @@ RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help=f"pena
 BENCH_POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
                   "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
                   "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine",
-                  "plan", "default")
+                  "plan", "default", "on-demand-mapped")
 BENCH_DEFAULTS = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu", "static-hot",
                   "prev-token")
 PromptsOpt = Annotated[Path | None, typer.Option(help="your prompts: a text file, one prompt a line, or JSONL "

@@ -8,6 +8,7 @@ from pyspecter.native.device_api import (
     LAYER_SLOTS,
     count_syncs,
     device_stats,
+    map_host_experts,
     read_table,
     sync_counts,
 )
@@ -46,7 +47,7 @@ __all__ = [
     "ERR_IO", "HIST_NS", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
     "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ReadFaults", "ResidencyParams",
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "count_syncs", "device_stats", "graph_splits",
-    "read_table", "sync_counts",
+    "map_host_experts", "read_table", "sync_counts",
     "ROUTE_CB", "WAIT_CB",
     "batch_invariant", "build_key",
     "Context", "DraftStats", "Model", "SlotAPI", "Stats", "llama_lib", "patch_series_version", "quiet_logs",

@@ -39,6 +39,7 @@ class DeviceStats(ctypes.Structure):
         ("spec_ubatches", ctypes.c_int64),  # ubatches computed speculated: no host path, every row from a slot
         ("spec_redos", ctypes.c_int64),  # ... of which a row missed: computed again with host paths
         ("inflight_peak", ctypes.c_int64),  # most upload batches one stream held issued and not yet landed at once
+        ("mapped_rows", ctypes.c_int64),  # rows a speculated mapped layer's device read from the host copy (misses)
     ]
 
     fences: int
@@ -51,6 +52,7 @@ class DeviceStats(ctypes.Structure):
     spec_ubatches: int
     spec_redos: int
     inflight_peak: int
+    mapped_rows: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -74,6 +76,21 @@ def llama_pyspecter_set_speculate(model: ModelPtr, enabled: bool, /) -> None:
     """Speculate that ubatches hit (csrc/speculate.cpp): a ubatch after one that hit in every row of every device
     slot layer runs with no host path, and again with host paths if a row missed. Off by default."""
     ...
+
+
+@ctypes_function("llama_pyspecter_map_host_experts", [_model, _i32, ctypes.POINTER(ctypes.c_size_t)], _i32)
+def llama_pyspecter_map_host_experts(model: ModelPtr, allow_copy: int, copy_bytes: Any, /) -> int:
+    """Misses the device reads from the host copy (csrc/mapped.cpp): a device view of each device slot layer's host
+    experts, read in place where the device can (CUDA, pinned host experts), else a device copy with allow_copy.
+    Returns the layers mapped or a negative error; *copy_bytes: device bytes the copies took."""
+    ...
+
+
+def map_host_experts(model: ModelPtr, allow_copy: bool) -> tuple[int, int]:
+    """``llama_pyspecter_map_host_experts``: (layers mapped or a negative error, device bytes the copies took)."""
+    nbytes = ctypes.c_size_t(0)
+    rc = slots().map_host_experts(model, int(allow_copy), ctypes.byref(nbytes))
+    return rc, nbytes.value
 
 
 @ctypes_function("llama_pyspecter_read_table", [_model, _i32, ctypes.POINTER(_i32), _i32], _i32)

@@ -31,6 +31,9 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
     out["upload_busy_gbps"] = sum(c.get("upload_bytes", 0) for c in counters or []) / upload_ns if upload_ns else None
     out["upload_inflight_peak"] = max((c.get("upload_inflight_peak", 0) for c in counters or []), default=0)
     out.update(spec_columns(counters or [], n_tokens))
+    copies = [c["mapped_copy_bytes"] for c in counters or [] if "mapped_copy_bytes" in c]
+    if copies:  # misses read from a device copy standing in for the host's (RPC): device memory beyond the budget
+        out["mapped_copy_mb"] = max(copies) / 2**20
     if syncs and n_tokens > 0 and syncs.get("device_computes", 0) + syncs.get("host_computes", 0) > 0:
         per = {k: v / n_tokens for k, v in syncs.items()}
         out.update(splits_computed_per_token=per["device_computes"] + per["host_computes"],
@@ -48,12 +51,13 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
 
 
 def spec_columns(counters: list[dict], n_tokens: int) -> dict:
-    """A slot row's ubatches per decode token that ran with no host path (csrc/speculate.cpp), and those a missed
-    row computed again, averaged over the repeats' ``counters`` (a slot row's cache counters, one per repeat)."""
+    """A slot row's ubatches per decode token that ran with no host path (csrc/speculate.cpp), those a missed
+    row computed again, and the rows the device read from the host copy instead (csrc/mapped.cpp), averaged over
+    the repeats' ``counters`` (a slot row's cache counters, one per repeat)."""
     if n_tokens <= 0 or not any("spec_ubatches" in c for c in counters):
         return {}
     return {f"{k}_per_token": statistics.mean(c.get(k, 0) for c in counters) / n_tokens
-            for k in ("spec_ubatches", "spec_redos")}
+            for k in ("spec_ubatches", "spec_redos", "mapped_rows")}
 
 
 def syncs_over_device(policies: dict, n_moe_layers: int) -> None:

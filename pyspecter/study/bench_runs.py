@@ -170,6 +170,11 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         # wait mode, but a layer's misses are computed after its resident experts, while they land (0005)
         return ExpertCache(model, layout, slots, policy="lru", miss="wait", tier=make_tier(tier), record=True,
                            ordered=True, extra=extra)
+    if policy == "on-demand-mapped":
+        # on-demand-cpu's LRU, its misses read by the device from the host copy in place (CUDA, pinned host
+        # experts), or from a device copy standing in (RPC: over the budget, reported as mapped_copy_mb)
+        return ExpertCache(model, layout, slots, policy="lru", miss="mapped", tier=make_tier(tier), record=True,
+                           extra=extra)
     if policy.startswith("on-demand-"):
         kind = policy.removeprefix("on-demand-")
         t = make_tier(tier)
@@ -265,6 +270,8 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         c = merge_counters(parts)
         if cache:
             c["slots_mean"] = cache.usable_mean()
+            if cache.mapped_copy_bytes:
+                c["mapped_copy_bytes"] = cache.mapped_copy_bytes
         return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens, load_s, first_prefill or 0.0,
                    splits[1] if splits else None, FREE if forced is None else FORCED, digests, syncs)
     finally:

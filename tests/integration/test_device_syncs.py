@@ -30,13 +30,14 @@ def dev() -> Iterator[Device]:
 
 
 def counts(path, lay: ModelLayout, dev: Device, plan: LayerPlan, *, resident: bool = False,
-           weights: list | None = None, speculate: bool = False) -> tuple[int, dict]:
+           weights: list | None = None, speculate: bool = False, mapped: bool = False) -> tuple[int, dict]:
     """(splits of the one-token graph, synchronisation counts per decode token) of a placement: full layers on the
     device, host ones on the host, slot layers with slots (every expert loaded first where ``resident``). With a
     ``weights`` list, a routing hook that reads the router weights appends each decode token's call's [n_used]
-    floats."""
+    floats; ``mapped``: miss mode mapped (the device reads misses from the host copy), else cpu."""
     with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
-        cache = (ExpertCache(m, lay, plan.n_slots, miss="cpu", kinds=plan.native_kinds(), speculate=speculate)
+        cache = (ExpertCache(m, lay, plan.n_slots, miss="mapped" if mapped else "cpu", kinds=plan.native_kinds(),
+                             speculate=speculate)
                  if plan.layers("slots") else None)
         hooks = None
         try:
@@ -104,6 +105,24 @@ def test_counted_synchronisations_follow_the_placement(dev: Device) -> None:
     assert spec["device_computes"] + spec["host_computes"] == device[0]
     assert spec["switches"] == device[1]["switches"]
     assert spec["syncs"] == device[1]["syncs"] + 1 + 1 / N_TOKENS
+
+
+def test_misses_read_from_the_host_copy_take_no_host_split(dev: Device) -> None:
+    """Half the experts in slots, LRU, misses in every token: with the misses read by the device from the host copy
+    (csrc/mapped.cpp; a device copy stands in on RPC) the graph computes as stock-device's does, in one device
+    split a token, with the host waiting once more, for the log: what every-expert-resident speculation takes,
+    whatever the token hits."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    device = counts(path, lay, dev, stock_plan(lay, 0))
+    half = LayerPlan({L_.index: "slots" for L_ in lay.layers}, lay.n_expert // 2)
+    _, mapped = counts(path, lay, dev, half, speculate=True, mapped=True)
+    _, unmapped = counts(path, lay, dev, half, speculate=True)
+    assert mapped["device_computes"] + mapped["host_computes"] == device[0]
+    assert mapped["switches"] == device[1]["switches"]
+    assert mapped["syncs"] == device[1]["syncs"] + 1
+    # without the host copy the misses keep the host paths: a CPU split and two switches a slot layer
+    assert unmapped["switches"] == device[1]["switches"] + 2 * len(lay.layers)
 
 
 def test_router_weights_cross_to_the_host_only_for_a_reader(dev: Device) -> None:

@@ -35,15 +35,16 @@ def poisoned_slots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @contextmanager
-def slotted(path, dev: Device, *, speculate: bool, hook: bool = False,
-            n_slots: int | None = None) -> Iterator[tuple[native.Model, ExpertCache, ModelLayout]]:
+def slotted(path, dev: Device, *, speculate: bool, hook: bool = False, n_slots: int | None = None,
+            mapped: bool = False) -> Iterator[tuple[native.Model, ExpertCache, ModelLayout]]:
     """The model on the device with every MoE layer in slots: every expert resident (hook=False: static residency,
-    warmed) or LRU over n_slots (hook=True)."""
+    warmed) or LRU over n_slots (hook=True); ``mapped``: miss mode mapped (the device reads misses from the host
+    copy), else cpu."""
     lay = read_layout(path)
     plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
     with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
-        cache = ExpertCache(m, lay, n_slots or lay.n_expert, miss="cpu", kinds=plan.native_kinds(), hook=hook,
-                            speculate=speculate)
+        cache = ExpertCache(m, lay, n_slots or lay.n_expert, miss="mapped" if mapped else "cpu",
+                            kinds=plan.native_kinds(), hook=hook, speculate=speculate)
         try:
             if not hook:
                 cache.warm({L.index: list(range(lay.n_expert)) for L in lay.layers})
@@ -60,11 +61,11 @@ def evict(m: native.Model, lay: ModelLayout, step: int) -> None:
 
 
 def decode(path, dev: Device, *, speculate: bool, evicted: int = 0, hook: bool = False, n_slots: int | None = None,
-           on_input: bool = False) -> dict:
-    """Greedy tokens, their logits, the device's counters and the routing the host heard (``slotted``; with
-    static residency ``evicted`` experts of each layer taken out)."""
+           on_input: bool = False, mapped: bool = False) -> dict:
+    """Greedy tokens, their logits, the device's counters, the cache's and the routing the host heard
+    (``slotted``; with static residency ``evicted`` experts of each layer taken out)."""
     heard: list[tuple[int, tuple[int, ...]]] = []
-    with slotted(path, dev, speculate=speculate, hook=hook, n_slots=n_slots) as (m, cache, lay):
+    with slotted(path, dev, speculate=speculate, hook=hook, n_slots=n_slots, mapped=mapped) as (m, cache, lay):
         hooks = Hooks(m, lambda il, n_tok, n_used, ids, _w: heard.append((il, tuple(ids[:n_tok * n_used]))),
                       on_input=(lambda _il, _x: None) if on_input else None)
         try:
@@ -81,9 +82,10 @@ def decode(path, dev: Device, *, speculate: bool, evicted: int = 0, hook: bool =
             hooks.check()
             cache.check()
             stats = native.device_stats(m.ptr).as_dict()
+            counters = cache.counters()
         finally:
             hooks.close()
-    return {"tokens": tokens, "logits": np.stack(logits), "stats": stats, "heard": heard}
+    return {"tokens": tokens, "logits": np.stack(logits), "stats": stats, "heard": heard, "counters": counters}
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])

@@ -1,0 +1,89 @@
+"""Misses the device reads from the host copy (csrc/mapped.cpp) on the RPC device, where a device copy of every
+expert stands in for CUDA's view of pinned host memory: a speculated token that misses is not computed again, its
+missed rows come from the second matmul, and the output is the unspeculated run's bit for bit (strict server, NaN
+slots). What this cannot show: the rate a GPU reads host memory at (gpu_probe's zero_copy_gbps)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from test_device import rpc_device
+from test_speculate import N_TOKENS, decode
+
+from pyspecter import native
+from pyspecter.cache import ExpertCache
+from pyspecter.errors import SpecterError
+from pyspecter.layerplan import LayerPlan
+from pyspecter.layout import read_layout
+from pyspecter.models.tiny import build_tiny
+from pyspecter.native.devices import Device
+
+
+@pytest.fixture(scope="module")
+def dev() -> Iterator[Device]:
+    yield from rpc_device()
+
+
+@pytest.fixture(autouse=True)
+def poisoned_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECTER_POISON_SLOTS", "1")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])
+def test_a_token_that_missed_is_read_from_the_host_copy_exactly(name: str, dev: Device) -> None:
+    """Static residency with every expert of each layer out of its slot but one in two: most rows miss."""
+    path = build_tiny(name)
+    off = decode(path, dev, speculate=False, evicted=2)
+    on = decode(path, dev, speculate=True, evicted=2, mapped=True)
+    assert on["tokens"] == off["tokens"]
+    assert np.array_equal(on["logits"], off["logits"])  # a row in both terms, or in neither, would show here
+    s = on["stats"]
+    # every ubatch ran speculated, none was computed again: the decode tokens and the prompt (7 tokens, under 8)
+    assert s["spec_ubatches"] == N_TOKENS + 1 and s["spec_redos"] == 0, s
+    # the same rows missed; the device read them from the host copy instead of the host computing them
+    assert on["counters"]["miss_rows"] == off["counters"]["miss_rows"]
+    assert s["mapped_rows"] > 0 and off["stats"]["mapped_rows"] == 0
+    # the host heard the same routing, each layer once a token, in order
+    assert on["heard"] == off["heard"]
+
+
+def test_under_lru_the_misses_move_in_after_the_token_and_stay_exact(dev: Device) -> None:
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    off = decode(path, dev, speculate=False, hook=True, n_slots=lay.n_expert // 2)
+    on = decode(path, dev, speculate=True, hook=True, n_slots=lay.n_expert // 2, mapped=True)
+    assert on["tokens"] == off["tokens"]
+    assert np.array_equal(on["logits"], off["logits"])
+    assert on["stats"]["spec_ubatches"] == N_TOKENS + 1 and on["stats"]["spec_redos"] == 0
+    assert on["stats"]["mapped_rows"] > 0
+    assert on["counters"]["uploads"] > 0  # LRU heard the misses from the log and brought them in
+
+
+def test_the_rpc_device_reads_from_a_copy_that_stands_in(dev: Device) -> None:
+    """RPC cannot read this process's memory: a device copy of every expert stands in, and says what it took."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
+    with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="mapped", kinds=plan.native_kinds())
+        try:
+            assert cache.mapped_copy_bytes == lay.expert_total_bytes
+        finally:
+            cache.close()
+
+
+@pytest.mark.parametrize("why", ["zero slots", "no speculation", "no device"])
+def test_mapped_misses_need_negative_ids_speculation_and_a_device(why: str, dev: Device,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    if why == "zero slots":
+        monkeypatch.setenv("SPECTER_ZERO_SLOTS", "1")
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
+    device = None if why == "no device" else dev
+    with native.Model(path, device=device, host_layers=plan.host_layers if device else None) as m:
+        with pytest.raises(SpecterError, match="takes no negative expert ids|needs a device"):
+            ExpertCache(m, lay, lay.n_expert, miss="mapped", kinds=plan.native_kinds(),
+                        speculate=why != "no speculation")
