@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-POLICIES = ("stock-n-cpu-moe", "stock-cpu-moe", "plan", "engine")
+POLICIES = ("stock-n-cpu-moe", "stock-cpu-moe", "plan", "engine", "on-demand-mapped")
 FLOOR = "stock-device"  # every layer on the device: the host synchronisations any graph has; run once
 MARGIN = 1.15  # a later budget's rows must fit in what is left with this much to spare over the first's time
 
@@ -96,7 +96,8 @@ def _f(x: object, fmt: str) -> str:
 
 ROW_NAMES = {"stock-n-cpu-moe": "stock `--n-cpu-moe {n}` (equal VRAM)", "stock-cpu-moe": "stock `--cpu-moe`",
              "plan": "ours, the layer plan ({plan})", "engine": "ours, the engine", "stock-device":
-             "stock, every expert on the device (the floor)"}
+             "stock, every expert on the device (the floor)",
+             "on-demand-mapped": "ours, LRU, decode misses read by the GPU from pinned host memory (`--miss mapped`)"}
 
 
 def rows(bench: dict) -> list[dict]:
@@ -134,6 +135,8 @@ def rows(bench: dict) -> list[dict]:
             "link_gbps": link, "hit_rate": None if name.startswith("stock") else p.get("hit_rate"),
             # ubatches per token run with no host visit at all (speculated to hit), and those a miss ran again
             "speculated_per_token": p.get("spec_ubatches_per_token"), "redone_per_token": p.get("spec_redos_per_token"),
+            # rows the device read from the host copy (--miss mapped), and device memory a copy of it took (0 on CUDA)
+            "mapped_rows_per_token": p.get("mapped_rows_per_token"), "mapped_copy_mb": p.get("mapped_copy_mb"),
             "predicted_ms": p.get("predicted_ms"), "predicted_calibrated_ms": p.get("predicted_calibrated_ms"),
             "same_logits_as_stock": p.get("same_logits_as_stock"),
         })

@@ -28,7 +28,7 @@
 #      (the device enumerates, memory); and tools/mmid_check.py: patch 0008's negative ids on each MUL_MAT_ID
 #      kernel path it touches (mmvq, its several-token kernel, MMQ, MMF, the fused gate+up+GLU), against the CPU
 #   4. verify: every fixture arch (pyspecter/models/tiny.py TINY_MODELS) with --device cuda0, slots k, E/2 and E,
-#      misses wait and cpu; verify's `contract_ok` decides where its JSON has one (the GPU contract: never NaN/inf,
+#      misses wait and cpu, and at E/2 mapped (the GPU reads decode misses from pinned host memory); verify's `contract_ok` decides where its JSON has one (the GPU contract: never NaN/inf,
 #      every expert in a slot = stock-device, with misses no further from stock-device than stock's --cpu-moe run;
 #      the row shows the reference and the bound), else the CPU criterion against stock with the same placement
 #      (identical greedy tokens, max |dlogit| <= 1e-4); plus one prompt of >= 32 tokens per arch (the ubatch where
@@ -39,14 +39,14 @@
 #   5. bench: `verify --forced` of the bench model (the contract on teacher-forced real text), then one VRAM
 #      budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
-#      and slot layers the cost model chooses at the budget), on-demand-lru, learned (layer-ahead prefetches: its
+#      and slot layers the cost model chooses at the budget), on-demand-lru, on-demand-mapped (--miss mapped), learned (layer-ahead prefetches: its
 #      predictor, fitted by --prepare, is carried in .gpu/predictors and used only for the same model file) and
 #      specter (with a draft made by `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device
 #      and them; what is missing is a row saying so
 #   6. big (issue 42's GPU benchmark; GPU_CHECK_BIG=0 leaves it out): tools/gpu_bench.py builds big-qwen3moe-q4
 #      (Qwen3-30B-A3B's shapes, Q4_0 experts, ~17 GB, made here from random bytes: nothing carried) and benches it
 #      at 8 GiB and 16 GiB of VRAM for experts (GPU_CHECK_BIG_MODEL, GPU_CHECK_BIG_BUDGETS): stock --n-cpu-moe N at
-#      equal VRAM, stock --cpu-moe, the layer plan, the engine (the floor of host syncs: stock-device's in step 5's
+#      equal VRAM, stock --cpu-moe, the layer plan, the engine, on-demand-mapped (the floor of host syncs: stock-device's in step 5's
 #      bench of the same architecture, else benched once),
 #      teacher-forced; ms per token, host switches per MoE layer (split count and counted synchronisations), upload
 #      GB/s beside the link, hit rate, the cost model's prediction; $OUT/gpu_bench.md (for docs/BENCHMARKS.md) and
@@ -355,8 +355,8 @@ def device_table(bench_json, out):
     layer plan (and the other device rows bench ran), one table ($OUT/device_table.txt). Splits and switches are
     those the scheduler took per decode token where bench counted them, else llama.cpp's planned count."""
     r = last_json(bench_json)
-    order = ["stock-cpu-moe", "stock-n-cpu-moe", "plan", "stock-device", "all-resident", "on-demand-lru", "learned",
-             "specter"]
+    order = ["stock-cpu-moe", "stock-n-cpu-moe", "plan", "stock-device", "all-resident", "on-demand-lru",
+             "on-demand-mapped", "learned", "specter"]
     pol = r["policies"]
     names = [n for n in order if n in pol] + [n for n in pol if n not in order]
     lines = [f"{r['model'].rsplit('/', 1)[-1]} on {r.get('device')}, budget {r['budget']}",
@@ -396,7 +396,8 @@ def zero_fallback(*row_files):
     """STATUS<tab>DETAIL<tab>FALLBACK of the verify rows: whether misses as negative ids (CUDA: patch 0008) held,
     and FALLBACK 1 when only they failed (every zero-slot case passed), so that the benches run with zero slots."""
     rows = [(line.rstrip("\n").split("\t") + [""] * 4)[:4] for f in row_files for line in open(f) if line.strip()]
-    neg = [r for r in rows if "(zero slots)" not in r[0]]
+    # mapped misses need negative ids but are their own mechanism (a GPU reading host memory): their rows say so
+    neg = [r for r in rows if "(zero slots)" not in r[0] and "miss=mapped" not in r[0]]
     zero = [r for r in rows if "(zero slots)" in r[0]]
     neg_bad, zero_bad = (sum(r[1] not in ("ok", "skip") for r in rs) for rs in (neg, zero))
     if not neg_bad:
@@ -719,8 +720,9 @@ if [ "$BUILT" = 1 ]; then
 per_arch = []
 for n, s in TINY_MODELS.items():
     half = s.n_expert // 2
-    # misses as negative ids (patch 0008), then the same case with zero slots (SPECTER_ZERO_SLOTS=1): the fallback
-    cs = [(half, "cpu", "short", "neg"), (half, "cpu", "short", "zero")] + [
+    # misses as negative ids (patch 0008), then the same case with zero slots (SPECTER_ZERO_SLOTS=1): the fallback;
+    # then misses the GPU reads from pinned host memory (--miss mapped, csrc/mapped.cpp)
+    cs = [(half, "cpu", "short", "neg"), (half, "cpu", "short", "zero"), (half, "mapped", "short", "neg")] + [
         (k, miss, "short", "neg") for k in sorted({s.n_expert_used, half, s.n_expert}) for miss in ("wait", "cpu")
         if (k, miss) != (half, "cpu")] + [(half, "cpu", "long", "neg")]
     per_arch.append([(n, *c) for c in cs])
@@ -782,7 +784,7 @@ fi
 
 # --- 5. bench -----------------------------------------------------------------------------------------------------
 # all-resident beside stock-device: bench then reports the routing round trip per MoE layer
-WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru specter"
+WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru on-demand-mapped specter"
 # step 6's time comes first: the draft specter needs takes a minute and a half to make
 [ "$BIG" = 1 ] && WANT=${WANT/ specter/}
 if [ "$BUILT" = 1 ]; then
