@@ -155,8 +155,9 @@ class Session:
                                    "pyspecter.load(miss='surrogate'), which builds them")
             self.surrogates = Surrogates(self.layout, cfg.surrogate_groups)
         self.draft_bytes = Path(cfg.draft).stat().st_size if cfg.draft else 0
-        # miss mode host moves nothing: no prefetch to plan, no eviction to rank
-        self.predictor = (None if cfg.budget is None or self.miss == "host"
+        # miss mode host moves nothing: no prefetch to plan, no eviction to rank; mapped: a predictor reads each
+        # layer's input mid-token, which keeps the host paths the device's reads of the misses are there to remove
+        self.predictor = (None if cfg.budget is None or self.miss in ("host", "mapped")
                           else load_predictor(cfg.predictor, cfg.model))
         if self.predictor is not None and self.surrogates is not None:
             # approximate misses are measured (quality and speed) against plain eviction, not a predictor's

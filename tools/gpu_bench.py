@@ -111,6 +111,8 @@ def rows(bench: dict) -> list[dict]:
         if p is None:
             continue
         label = ROW_NAMES[name].format(n=p.get("n_cpu_moe", "?"), plan=lp.get("plan", "?"))
+        if p.get("mapped_copy_mb"):  # not a GPU's pinned memory: a copy on the device (RPC) stood in for it
+            label += f", a {p['mapped_copy_mb']:.0f} MiB device copy standing in"
         if "tpot_ms" not in p:
             out.append({"policy": name, "row": label, "skipped": str(p.get("skipped", "no result"))})
             continue

@@ -39,7 +39,8 @@
 #   5. bench: `verify --forced` of the bench model (the contract on teacher-forced real text), then one VRAM
 #      budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
-#      and slot layers the cost model chooses at the budget), on-demand-lru, on-demand-mapped (--miss mapped), learned (layer-ahead prefetches: its
+#      and slot layers the cost model chooses at the budget), on-demand-lru, on-demand-mapped (--miss mapped),
+#      static-hot-mapped (the calibration's hottest experts, misses read by the GPU, nothing uploaded), learned (layer-ahead prefetches: its
 #      predictor, fitted by --prepare, is carried in .gpu/predictors and used only for the same model file) and
 #      specter (with a draft made by `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device
 #      and them; what is missing is a row saying so
@@ -784,7 +785,7 @@ fi
 
 # --- 5. bench -----------------------------------------------------------------------------------------------------
 # all-resident beside stock-device: bench then reports the routing round trip per MoE layer
-WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru on-demand-mapped specter"
+WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru on-demand-mapped static-hot-mapped specter"
 # step 6's time comes first: the draft specter needs takes a minute and a half to make
 [ "$BIG" = 1 ] && WANT=${WANT/ specter/}
 if [ "$BUILT" = 1 ]; then

@@ -43,9 +43,9 @@ from pyspecter.tiers import make_tier
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
             "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine", "plan",
-            "default", "on-demand-mapped")
+            "default", "on-demand-mapped", "static-hot-mapped")
 # need --device; "plan": the layer plan (full, host and slot layers) the cost model chooses at the budget
-DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "plan", "on-demand-mapped")
+DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "plan", "on-demand-mapped", "static-hot-mapped")
 # with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
 DEVICE_DEFAULTS = ("stock-cpu-moe", "stock-n-cpu-moe", "on-demand-lru", "on-demand-cpu", "prev-token", "static-hot")
 APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their quality cost is measured apart)
@@ -268,9 +268,9 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     if mode == FORCED:
         with Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
             texts = forced_tokens(m, len(sets), n)
-    if "static-hot" in policies:
+    if wants_hot := any(p.startswith("static-hot") for p in policies):
         say("static-hot: profiling the calibration prompts", 0, 0)
-    hot = calibration_profile(path, layout, n_threads) if "static-hot" in policies else None
+    hot = calibration_profile(path, layout, n_threads) if wants_hot else None
     if dev is not None:  # what the scheduler actually does per token, beside its split count (device_columns)
         native.count_syncs(dev.ptr)
     say(f"measuring the {tier} tier's link", 0, 0)
@@ -377,7 +377,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                       prefetches=c.get("prefetches", 0))
         if p == "stock-n-cpu-moe":
             out["policies"][p]["n_cpu_moe"] = n_cpu_moe_for(layout, budget_bytes)
-        if p == "static-hot":
+        if p.startswith("static-hot"):
             out["policies"][p]["profile"] = (f"routing of the first {CALIBRATION_TOKENS} tokens of the packaged "
                                              "calibration (tune) prompts")
         if p == "surrogate":

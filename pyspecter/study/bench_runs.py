@@ -139,12 +139,14 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"), hook=policy.endswith("hooked"))
         cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
         return cache
-    if policy == "static-hot":
+    if policy.startswith("static-hot"):
         # the profile's hottest experts, loaded once; no hook, so nothing ever moves and every miss is computed on
-        # the host (as on-demand-cpu computes its misses, without the uploads)
+        # the host (as on-demand-cpu computes its misses, without the uploads); -mapped: by the device, from the
+        # host copy (each miss crosses the link once, never uploaded)
         if hot is None:
             raise SpecterError("static-hot needs a routing profile")
-        cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False, extra=extra)
+        cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False, extra=extra,
+                            miss="mapped" if policy.endswith("-mapped") else "wait")
         cache.warm({il: hot_experts(hot[il], cache.usable(il)) for il in cache.layers})
         return cache
     if policy in ("learned", "learned-evict"):

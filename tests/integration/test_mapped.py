@@ -87,3 +87,22 @@ def test_mapped_misses_need_negative_ids_speculation_and_a_device(why: str, dev:
         with pytest.raises(SpecterError, match="takes no negative expert ids|needs a device"):
             ExpertCache(m, lay, lay.n_expert, miss="mapped", kinds=plan.native_kinds(),
                         speculate=why != "no speculation")
+
+
+def test_a_session_with_mapped_misses_decodes_what_cpu_misses_decode(dev: Device) -> None:
+    """generate's session with --miss mapped, slots in every layer: the tokens of --miss cpu, every decode token
+    speculated and none redone, and no learned predictor (it reads each layer's input mid-token, which would keep
+    the host paths)."""
+    from pyspecter.session import Session, SessionConfig
+
+    path = build_tiny("tiny-qwen3moe")
+    got = {}
+    for miss in ("cpu", "mapped"):
+        with Session(SessionConfig(model=path, budget="50%", device=dev.spec, n_ctx=256, layer_plan="slots",
+                                   miss=miss)) as s:
+            tokens = s.generate(s.target.tokenize("the scheduler counts what it does"), 12, stop_at_eog=False)
+            got[miss] = (tokens, s.cache.counters(), s.predictor)
+    assert got["mapped"][0] == got["cpu"][0]
+    c = got["mapped"][1]
+    assert c["spec_ubatches"] >= 11 and c["spec_redos"] == 0 and c["mapped_rows"] > 0, c
+    assert got["mapped"][2] is None
