@@ -25,7 +25,8 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
                                           ggml_tensor * ffn_inp, bool allow_split);
 
 // How many times build_moe_ffn builds its expert FFN for this route: 2 for a split route (path 0 the slots on the
-// device, path 1 the host copy; the two down projections are added), else 1 (route may be null).
+// device, path 1 the host copy; the two down projections are added) and for a speculated route whose misses the
+// device reads from the host copy (path 1 that copy, on the device: csrc/mapped.cpp), else 1 (route may be null).
 int llama_pyspecter_n_paths(const ggml_tensor * route);
 
 // The expert matmul of w on one path of the route (split), or slot path + host path (+ late path) summed (per
@@ -35,8 +36,9 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
                                           ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids,
                                           ggml_tensor * route, int path);
 
-// A per-expert tensor of the layer (bias, scale) as path `path` of a split route reads it: on path 0, and after the
-// paths are joined, its copy on the device; otherwise t itself (also for null t or route).
+// A per-expert tensor of the layer (bias, scale) as path `path` of a split route reads it: on path 0 (both paths of a
+// mapped route), and after the paths are joined, its copy on the device; otherwise t itself (also for null t or
+// route).
 ggml_tensor * llama_pyspecter_on_path(const llama_pyspecter_slots * slots, ggml_tensor * t,
                                       const ggml_tensor * route, int path);
 

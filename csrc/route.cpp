@@ -420,9 +420,6 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
                           (void *) L);
 }
 
-int llama_pyspecter_n_paths(const ggml_tensor * route) {
-    return is_split(route) ? 2 : 1;
-}
 
 // The parts build_route made for a split or speculated route (found: its entry; otherwise none).
 static bool parts_of(const llama_pyspecter_slots * slots, const ggml_tensor * route,
@@ -443,9 +440,28 @@ static bool is_speculated(const llama_pyspecter_slots * slots, const ggml_tensor
     return route && route->op != GGML_OP_CUSTOM && parts_of(slots, route, &parts) && parts.speculated;
 }
 
+// A speculated route whose misses the device reads from the host copy (mapped.cpp): its ids there, else null.
+static ggml_tensor * mapped_ids_of(const llama_pyspecter_slots * slots, const ggml_tensor * route) {
+    llama_pyspecter_slots::split_parts parts;
+    return slots && route && route->op != GGML_OP_CUSTOM && parts_of(slots, route, &parts) && parts.speculated
+            ? parts.mapped_ids : nullptr;
+}
+
+int llama_pyspecter_n_paths(const ggml_tensor * route) {
+    // a mapped route is known by the graph being built (build_route just made it): its slots are the build's
+    const pyspecter_spec * st = pyspecter_build_state();
+    return is_split(route) || (st && mapped_ids_of(st->owner, route)) ? 2 : 1;
+}
+
 ggml_tensor * llama_pyspecter_on_path(const llama_pyspecter_slots * slots, ggml_tensor * t, const ggml_tensor * route,
                                       int path) {
-    if (!t || !slots || path != 0 || !(is_split(route) || is_speculated(slots, route))) {
+    if (!t || !slots) {
+        return t;
+    }
+    // both paths of a mapped route are on the device; a split route's host path reads the host's own tensors
+    const bool on_device = path == 0 ? is_split(route) || is_speculated(slots, route)
+                                     : path == 1 && mapped_ids_of(slots, route) != nullptr;
+    if (!on_device) {
         return t;
     }
     auto it = slots->on_device.find(t);
@@ -477,12 +493,14 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
     const bool neg = L->n_zero == 0; // the slot path's misses are negative ids
     llama_pyspecter_slots::split_parts parts;
     if (route->op != GGML_OP_CUSTOM && parts_of(slots, route, &parts) && parts.speculated) {
-        ggml_tensor * res = mm_id(ctx, slot_w, cur, route, neg); // the slot path alone: the route is its ids
-        if (parts.mapped_ids && L->mapped[it->second.kind]) {
-            // the misses, read from the host copy: every row is exact in one term and zero in the other
-            res = ggml_add(ctx, res, mm_id(ctx, L->mapped[it->second.kind], cur, parts.mapped_ids, true));
+        if (path == 0) {
+            return mm_id(ctx, slot_w, cur, route, neg); // the slot path: the route is its ids
         }
-        return res;
+        // a mapped route's path 1: the misses, read by the device from the host copy (-1 where the slot path hit);
+        // each row is exact on one path and zero on the other, and the down projections are added
+        ggml_tensor * from_host = L->mapped[it->second.kind];
+        GGML_ASSERT(parts.mapped_ids && from_host && "path 1 of a speculated route that is not mapped");
+        return mm_id(ctx, from_host, cur, parts.mapped_ids, true);
     }
     if (is_split(route)) {
         parts_of(slots, route, &parts);
