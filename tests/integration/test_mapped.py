@@ -90,16 +90,17 @@ def test_mapped_misses_need_negative_ids_speculation_and_a_device(why: str, dev:
 
 
 def test_a_session_with_mapped_misses_decodes_what_cpu_misses_decode(dev: Device) -> None:
-    """generate's session with --miss mapped, slots in every layer: the tokens of --miss cpu, every decode token
-    speculated and none redone, and no learned predictor (it reads each layer's input mid-token, which would keep
-    the host paths)."""
+    """generate's session with --miss mapped (slots in every layer without being told): the tokens of --miss cpu,
+    every decode token speculated and none redone, and no learned predictor (it reads each layer's input mid-token,
+    which would keep the host paths)."""
     from pyspecter.session import Session, SessionConfig
 
     path = build_tiny("tiny-qwen3moe")
     got = {}
-    for miss in ("cpu", "mapped"):
-        with Session(SessionConfig(model=path, budget="50%", device=dev.spec, n_ctx=256, layer_plan="slots",
-                                   miss=miss)) as s:
+    for miss in ("cpu", "mapped"):  # mapped: slots in every layer without being told
+        with Session(SessionConfig(model=path, budget="50%", device=dev.spec, n_ctx=256,
+                                   layer_plan="slots" if miss == "cpu" else None, miss=miss)) as s:
+            assert s.layer_plan is None  # every MoE layer a slot layer
             tokens = s.generate(s.target.tokenize("the scheduler counts what it does"), 12, stop_at_eog=False)
             got[miss] = (tokens, s.cache.counters(), s.predictor)
     assert got["mapped"][0] == got["cpu"][0]
