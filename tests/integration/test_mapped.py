@@ -107,3 +107,24 @@ def test_a_session_with_mapped_misses_decodes_what_cpu_misses_decode(dev: Device
     c = got["mapped"][1]
     assert c["spec_ubatches"] >= 11 and c["spec_redos"] == 0 and c["mapped_rows"] > 0, c
     assert got["mapped"][2] is None
+
+
+def test_a_draft_s_verification_windows_read_their_misses_from_the_host_copy(dev: Device, tmp_path) -> None:
+    """Speculative decoding with a draft: the full model's verification windows (K + 1 tokens, up to 8) are
+    speculated ubatches too, their misses read from the copy, and the accepted tokens are --miss cpu's."""
+    from pyspecter.models.draft import make_draft
+    from pyspecter.session import Session, SessionConfig
+
+    path = build_tiny("tiny-qwen3moe")
+    draft = make_draft(path, tmp_path / "draft.gguf", experts_type="Q4_0", progress=False)
+    got = {}
+    for miss in ("cpu", "mapped"):
+        with Session(SessionConfig(model=path, budget="75%", device=dev.spec, n_ctx=256, draft=draft, k=3,
+                                   adaptive=False, miss=miss)) as s:
+            assert s.decoder is not None and s.layer_plan is None
+            tokens = s.generate(s.target.tokenize("the scheduler counts what it does"), 16, stop_at_eog=False)
+            got[miss] = (tokens, s.cache.counters(), s.decoder.stats.steps)
+    assert got["mapped"][0] == got["cpu"][0]
+    c, steps = got["mapped"][1], got["mapped"][2]
+    assert c["spec_redos"] == 0 and c["mapped_rows"] > 0, c
+    assert c["spec_ubatches"] >= steps, (c, steps)  # every step's verification window, at least
