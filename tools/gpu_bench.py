@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor-from", type=Path, default=None,
                     help="a bench JSON of the same architecture whose stock-device row gives the floor of host "
                          "syncs (gpu_check passes its bench of bench-qwen3moe); else stock-device is benched once")
+    ap.add_argument("--no-mapped", action="store_true",
+                    help="leave out the on-demand-mapped row (gpu_check: its verify cases failed on this GPU)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON too")
     a = ap.parse_args(argv)
     budgets = [b.strip() for b in a.budgets.split(",") if b.strip()]
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             report["sets"].append({"budget": budget, "skipped": f"out of time ({why})"})
             say(f"{budget}: skipped ({why})")
             continue
-        pols = [*POLICIES, *([FLOOR] if i == 0 and floor is None else [])]
+        pols = [*(p for p in POLICIES if not (a.no_mapped and p.endswith("-mapped"))),
+                *([FLOOR] if i == 0 and floor is None else [])]
         say(f"{budget}: bench {','.join(pols)}")
         brc, bout, bsecs = run([*py, "bench", a.model, "--device", a.device, "--budget", budget, "--policies",
                                 ",".join(pols), "--repeat", "1", "-n", str(a.n), "--prompt-tokens",
