@@ -148,11 +148,12 @@ def mixed_plans(lay) -> list[LayerPlan]:
             LayerPlan({il: "host" if i < len(moe) // 2 else "slots" for i, il in enumerate(moe)}, lay.n_expert // 2)]
 
 
-@pytest.mark.parametrize("miss", ["wait", "cpu"])
+@pytest.mark.parametrize("miss", ["wait", "cpu", "mapped"])
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_layer_plans_on_rpc_device_are_exact(name: str, miss: str, rpc: str) -> None:
     """Full, host and slot layers side by side; stock with the same placement (full layers' experts on the
-    device) is the reference."""
+    device) is the reference. Mapped: the slot layers' decode misses read by the device, the host layers'
+    CPU splits kept."""
     path = build_tiny(name)
     lay = read_layout(path)
     for plan in mixed_plans(lay):
@@ -161,6 +162,9 @@ def test_layer_plans_on_rpc_device_are_exact(name: str, miss: str, rpc: str) -> 
         assert r["identical_tokens"], (plan, r["stock_tokens"], r["slot_tokens"])
         assert r["max_abs_logit_diff"] == 0.0, plan
         assert r["splits"] == r["stock_splits"], plan  # a slot layer costs what a host layer does
+        if miss == "mapped":  # the decode tokens ran with no host path in their slot layers, none redone
+            t = r["device_tables"]
+            assert t["spec_ubatches"] >= r["n_tokens"] - 1 and t["spec_redos"] == 0 and t["mapped_rows"] > 0, t
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])
