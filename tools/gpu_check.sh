@@ -313,6 +313,12 @@ def verify_row(path, rc):
     else:
         ok = bool(same) and d <= 1e-4  # a NaN fails too
         detail += " (CPU criterion: verify's JSON has no contract)"
+    if r.get("miss") == "mapped":  # the device read the misses from the host copy: a case where it never did tests
+        t = r.get("device_tables") or {}  # nothing of it (speculation off, say)
+        rows, spec = t.get("mapped_rows", 0), t.get("spec_ubatches", 0)
+        detail += f"; {spec} ubatches speculated, {rows} rows read from the host copy"
+        if not rows and r.get("hit_rate", 1.0) < 1.0:
+            ok, detail = False, detail + " (the mapped path never ran)"
     if rc not in ("0", "1"):  # it printed its result, then failed
         print(f"FAIL\texit {rc} after its result: {detail}")
     else:
@@ -333,6 +339,8 @@ def bench_rows(path, steps, status, secs, cause=""):
         same = p.get("same_tokens_as_stock")
         splits = (f", {p['splits_per_token']} splits/token = {p['host_switches_per_moe_layer']:.2f} host switches "
                   f"per MoE layer" if "splits_per_token" in p else "")
+        if "switches_taken_per_moe_layer" in p:  # as the scheduler ran them (speculated ubatches take none)
+            splits += f" planned, {p['switches_taken_per_moe_layer']:.2f} taken"
         rows.append((f"bench {name}", "ok", "",
                      f"{p['decode_tok_s']:.1f} tok/s, TPOT {p['tpot_ms']:.2f} ms, prefill "
                      f"{p.get('prefill_tok_s', float('nan')):.0f} tok/s, hit {100 * p.get('hit_rate', 1):.0f}%, "

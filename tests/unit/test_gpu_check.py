@@ -149,6 +149,14 @@ def test_verify_rows_use_the_contract_when_verify_reports_one(gc, tmp_path: Path
     st, detail = _row(gc, tmp_path, capsys, _verify_json(contract={**contract, "finite": False, "ok": False},
                                                          contract_ok=False))
     assert st == "DIFF" and "NOT MET" in detail and "NaN/inf" in detail
+    # --miss mapped: the rows read from the host copy are shown, and a case that read none (with misses) failed
+    # to test the mapped path whatever its logits
+    tables = {"spec_ubatches": 16, "mapped_rows": 40}
+    st, detail = _row(gc, tmp_path, capsys, _verify_json(miss="mapped", hit_rate=0.5, device_tables=tables))
+    assert st == "ok" and "16 ubatches speculated, 40 rows read from the host copy" in detail
+    st, detail = _row(gc, tmp_path, capsys, _verify_json(miss="mapped", hit_rate=0.5,
+                                                         device_tables={**tables, "mapped_rows": 0}))
+    assert st == "DIFF" and "never ran" in detail
     # a result, then a crash (a signal): FAIL, whatever the numbers
     assert _row(gc, tmp_path, capsys, _verify_json(), rc="139")[0] == "FAIL"
     # no JSON at all: exit 3, and the script falls back to the cause of the failure
