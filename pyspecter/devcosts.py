@@ -22,6 +22,7 @@ import os
 import socket
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -186,7 +187,42 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
     return costs
 
 
-_FIELDS = ("split_us", "link_gbps", "cpu_row_us", "dev_row_us", "base_us")
+def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs: DeviceCosts, *, reps: int = 5,
+                   n_threads: int = 2, use_cache: bool = True) -> DeviceCosts:
+    """``costs`` with ``map_row_us``: a (token, expert) row the device computes from the host copy (``--miss
+    mapped``). One load of the model with every layer's experts on the host decodes one-token steps twice: as
+    stock --cpu-moe (A), then with every layer a slot layer holding nothing, so that each row is read from the host
+    copy (C). A - C = L (2 split + k cpu_row) - L k map_row, the split and the host row taken from ``costs`` (C's
+    one extra wait a token, for the log, counts in its rows). One load, not two side by side as ``measure`` does:
+    a big model's pinned host copy is most of what it costs. On the RPC device a device copy stands in for the
+    host's memory (csrc/mapped.cpp), so the row measured there is the device's own, not the link's. Cached beside
+    the costs."""
+    from pyspecter.cache import ExpertCache
+
+    key = cache_key(path, device, n_threads) + "|mapped"
+    f = _cache_file()
+    try:
+        known = json.loads(f.read_text()) if f.exists() else {}
+    except ValueError:
+        known = {}
+    if use_cache and key in known:
+        return replace(costs, map_row_us=float(known[key]["map_row_us"]))
+    k, L = layout.n_expert_used, len(layout.layers)
+    with native.Model(path, device=device) as m:
+        steps = [[t] for t in _tokens(m.n_vocab, 1 + reps)]
+        (ta,) = _timed_rounds([m], steps, n_threads)
+        cache = ExpertCache(m, layout, k, miss="mapped", hook=False)  # nothing resident: every row a miss
+        try:
+            (tc,) = _timed_rounds([m], steps, n_threads)
+        finally:
+            cache.close()
+    a_over_c = (statistics.median(ta) - statistics.median(tc)) * 1e6
+    map_row = max((L * (2 * costs.split_us + k * costs.cpu_row_us) - a_over_c) / (L * k), 0.0)
+    _save(key, {"map_row_us": map_row, "source": "measured"})
+    return replace(costs, map_row_us=map_row)
+
+
+_FIELDS = ("split_us", "link_gbps", "cpu_row_us", "dev_row_us", "base_us", "map_row_us")
 
 
 def _costs(entry: dict) -> DeviceCosts:

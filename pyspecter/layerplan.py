@@ -2,7 +2,8 @@
 
   full   all the layer's experts on the device: no routing op and no host round trip (stock's device layers);
   host   all of them in host memory, computed there: two switches per token (stock ``--cpu-moe`` layers);
-  slots  the dynamic cache: the slot path on the device, misses on the host, one host visit (two switches).
+  slots  the dynamic cache: the slot path on the device, misses on the host, one host visit (two switches); with
+         misses the device reads from the host copy (``--miss mapped``) no visit, each miss a row read over the link.
 
 Stock ``--n-cpu-moe N`` (the first N blocks host, the rest full) is one point of this space at its own device
 memory, so the plan chosen at that memory is never predicted slower than it. The model's inputs (the cost of one
@@ -31,10 +32,14 @@ class DeviceCosts:
     cpu_row_us: float  # one (token, expert) row of the expert FFN on the host
     dev_row_us: float  # ... on the device
     base_us: float = 0.0  # everything else of a token (attention, dense layers, output) on the device
+    # a row the device computes from the host copy, its expert read over the link (--miss mapped; None: unmeasured,
+    # ``devcosts.measure_mapped``)
+    map_row_us: float | None = None
 
     def as_dict(self) -> dict[str, float]:
-        return {"split_us": self.split_us, "link_gbps": self.link_gbps, "cpu_row_us": self.cpu_row_us,
-                "dev_row_us": self.dev_row_us, "base_us": self.base_us}
+        out = {"split_us": self.split_us, "link_gbps": self.link_gbps, "cpu_row_us": self.cpu_row_us,
+               "dev_row_us": self.dev_row_us, "base_us": self.base_us}
+        return out if self.map_row_us is None else {**out, "map_row_us": self.map_row_us}
 
 
 @dataclass(frozen=True)
@@ -101,22 +106,30 @@ def hit_rate(n_slots: int, n_expert: int) -> float:
     return min(max(n_slots, 0), n_expert) / n_expert
 
 
-def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts) -> float:
+def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped: bool = False,
+               uploads: bool = True) -> float:
     """Predicted time per decode token: the costs' base plus each MoE layer's experts and switches. A slot layer's
     device path runs all k rows (misses on zero slots), its misses run on the host as well and are uploaded
-    (counted in full: on RPC the link is this machine's CPU)."""
+    (counted in full: on RPC the link is this machine's CPU). ``mapped`` (``--miss mapped``, costs with a
+    ``map_row_us``): a slot layer takes no switch, its hits are device rows and its misses rows the device reads
+    from the host copy; ``uploads`` False: residency moves nothing (static-hot-mapped)."""
+    if mapped and costs.map_row_us is None:
+        raise SpecterError("the costs have no measured row read from the host copy (devcosts.measure_mapped)")
     k = layout.n_expert_used
     h = hit_rate(plan.n_slots, layout.n_expert)
     eb = {L.index: L.expert_bytes for L in layout.layers}
     t = costs.base_us
     for il, kind in plan.kinds.items():
+        miss = k * (1 - h)
         if kind == "full":
             t += k * costs.dev_row_us
         elif kind == "host":
             t += 2 * costs.split_us + k * costs.cpu_row_us
+        elif mapped:
+            t += k * h * costs.dev_row_us + miss * costs.map_row_us
         else:
-            miss = k * (1 - h)
             t += 2 * costs.split_us + k * costs.dev_row_us + miss * costs.cpu_row_us
+        if kind == "slots" and uploads:
             t += miss * eb[il] / (costs.link_gbps * 1e3) if costs.link_gbps > 0 else 0.0
     return t
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from pyspecter.devcosts import calibrate, save_calibration
+from pyspecter.devcosts import calibrate, measure_mapped, save_calibration
 from pyspecter.layerplan import DeviceCosts, LayerPlan, predict_us, stock_plan
 from pyspecter.layout import ModelLayout
 from pyspecter.native.devices import Device
@@ -76,7 +77,9 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     """The cost model beside what bench measured: each device row whose placement the model knows (stock's three,
     the plan) gets the time it predicted; where stock --cpu-moe and --n-cpu-moe both ran, the costs are refitted
     to them (``devcosts.calibrate``), saved for the plan to read from now on, and each row gets the refitted
-    prediction too. Adds ``out["layer_plan"]["calibrated"]``."""
+    prediction too. The mapped rows (``--miss mapped``, every layer slots) are priced with a row read from the host
+    copy, measured once (``devcosts.measure_mapped``). Adds ``out["layer_plan"]["calibrated"]`` (and
+    ``["map_row_us"]``)."""
     info = out.get("layer_plan")
     pol = out["policies"]
     if info is None:
@@ -89,6 +92,15 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):
             pol[name]["predicted_ms"] = predict_us(plan, layout, costs) / 1e3
+    # the mapped rows (every layer slots, misses read by the device from the host copy): a row read so, measured
+    mapped = [n for n in ("on-demand-mapped", "static-hot-mapped") if "tpot_ms" in pol.get(n, {})]
+    every = LayerPlan({L.index: "slots" for L in layout.layers}, out["slots_per_layer"])
+    if mapped:
+        map_row = measure_mapped(path, layout, device, costs, n_threads=n_threads).map_row_us
+        info["map_row_us"] = map_row
+        for name in mapped:
+            pol[name]["predicted_ms"] = predict_us(every, layout, replace(costs, map_row_us=map_row), mapped=True,
+                                                   uploads=name == "on-demand-mapped") / 1e3
     a, b = pol.get("stock-cpu-moe", {}), pol.get("stock-n-cpu-moe", {})
     if "tpot_ms" not in a:
         return
@@ -101,3 +113,6 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):
             pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted) / 1e3
+    for name in mapped:
+        pol[name]["predicted_calibrated_ms"] = predict_us(every, layout, replace(fitted, map_row_us=info["map_row_us"]),
+                                                          mapped=True, uploads=name == "on-demand-mapped") / 1e3

@@ -296,7 +296,8 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
 
     endpoint, _ = own_rpc
     r = run_cli("bench", "tiny-qwen3moe", "--device", endpoint, "--budget", "50%", "--repeat", "1", "-n", "4",
-                "--policies", "stock-cpu-moe,stock-n-cpu-moe,on-demand-lru,on-demand-cpu,plan", "--json", "--free",
+                "--policies", "stock-cpu-moe,stock-n-cpu-moe,on-demand-lru,on-demand-cpu,plan,on-demand-mapped",
+                "--json", "--free",
                 timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -331,6 +332,12 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     # the plan bench ran is the cost model's choice from the costs it reports
     chosen = choose_plan(lay, out["budget_bytes"], DeviceCosts(**lp["costs"]), lp["n_zero"])
     assert lp["kinds"] == {str(il): k for il, k in sorted(chosen.kinds.items())}
+    # --miss mapped: stock's tokens, no host switch taken whatever the token hit, its stand-in copy reported, and
+    # a prediction from a row read from the host copy, measured (devcosts.measure_mapped)
+    m = pol["on-demand-mapped"]
+    assert m["same_tokens_as_stock"] and m["switches_taken_per_moe_layer"] == 0.0 and m["mapped_rows_per_token"] > 0
+    assert m["mapped_copy_mb"] > 0 and lp["map_row_us"] >= 0 and m["predicted_ms"] > 0
+    assert m["predicted_calibrated_ms"] > 0
 
 
 def _stock_greedy(path: Path, dev, toks: list[int], n: int, plan: LayerPlan | None = None) -> tuple[list[int], tuple]:

@@ -162,3 +162,21 @@ def test_a_tie_goes_to_fewer_switches() -> None:
     flat = DeviceCosts(split_us=0.0, link_gbps=2.0, cpu_row_us=40.0, dev_row_us=40.0, base_us=1000.0)
     budget = lay.expert_total_bytes // 2
     assert choose_plan(lay, budget, flat).kinds == stock_plan(lay, n_cpu_moe_for(lay, budget)).kinds
+
+
+def test_a_mapped_slot_layer_takes_no_switch_and_reads_its_misses_from_the_host_copy() -> None:
+    """--miss mapped: a slot layer's hits are device rows, its misses rows read from the host copy, no switch;
+    uploads (LRU) priced as for any slot layer, and none for static residency."""
+    lay = _layout()  # 16 experts, top-2, 8 layers
+    every = LayerPlan({L.index: "slots" for L in lay.layers}, 8)  # half the experts: hit rate 1/2, a miss a token
+    costs = DeviceCosts(split_us=60.0, link_gbps=1.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0, map_row_us=10.0)
+    upload = EB / 1e3  # one expert over a 1 GB/s link, µs
+    assert predict_us(every, lay, costs, mapped=True, uploads=False) == pytest.approx(500 + 8 * (1 * 2.0 + 1 * 10.0))
+    assert predict_us(every, lay, costs, mapped=True) == pytest.approx(500 + 8 * (2.0 + 10.0 + upload))
+    # the same layers with host paths: two switches, every row on the device, the misses on the host too
+    assert predict_us(every, lay, costs) == pytest.approx(500 + 8 * (2 * 60 + 2 * 2.0 + 40.0 + upload))
+    # full and host layers are priced as ever
+    assert predict_us(stock_plan(lay, 4), lay, costs, mapped=True) == predict_us(stock_plan(lay, 4), lay, costs)
+    with pytest.raises(SpecterError, match="no measured row read from the host copy"):
+        predict_us(every, lay, GPU, mapped=True)
+    assert "map_row_us" not in GPU.as_dict() and costs.as_dict()["map_row_us"] == 10.0
