@@ -286,19 +286,23 @@ def cost_source(path: str | Path, device: Device, n_threads: int = 2) -> str:
 
 
 def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes: int,
-             n_threads: int = 2) -> tuple[LayerPlan, dict]:
+             n_threads: int = 2, mapped: bool = False) -> tuple[LayerPlan, dict]:
     """The plan the cost model chooses for ``device_bytes`` of experts on the device, and what it predicts per
     token beside stock's --cpu-moe and --n-cpu-moe at that memory, measured with the host's ``n_threads``. Where
     every expert fits, every layer is full, as the session runs it (``placement.device_layer_plan``): stock's own
-    placement, no switch to trade."""
+    placement, no switch to trade. ``mapped``: slot layers as ``--miss mapped`` runs them, priced with a row read
+    from the host copy (``measure_mapped``)."""
     costs = measure(path, layout, device, n_threads=n_threads)
+    if mapped:
+        costs = measure_mapped(path, layout, device, costs, n_threads=n_threads)
     plan = (stock_plan(layout, 0) if device_bytes >= layout.expert_total_bytes
-            else choose_plan(layout, device_bytes, costs, zero_slots(layout, device)))
+            else choose_plan(layout, device_bytes, costs, zero_slots(layout, device), mapped=mapped))
     n_cpu = n_cpu_moe_for(layout, device_bytes)
     return plan, {"plan": plan.describe(layout), "cost_source": cost_source(path, device, n_threads),
                   "kinds": {str(il): k for il, k in sorted(plan.kinds.items())},
                   "n_slots": plan.n_slots, "n_zero": plan.n_zero, "device_bytes": plan.device_bytes(layout),
                   "costs": costs.as_dict(),
-                  "predicted_ms": predict_us(plan, layout, costs) / 1e3, "stock_n_cpu_moe": n_cpu,
+                  "predicted_ms": predict_us(plan, layout, costs, mapped=mapped) / 1e3, "stock_n_cpu_moe": n_cpu,
+                  "mapped": mapped,
                   "predicted_stock_n_cpu_moe_ms": predict_us(stock_plan(layout, n_cpu), layout, costs) / 1e3,
                   "predicted_stock_cpu_moe_ms": predict_us(stock_plan(layout, None), layout, costs) / 1e3}

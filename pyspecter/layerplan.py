@@ -73,9 +73,10 @@ class LayerPlan:
         return sum(eb[il] * (layout.n_expert if k == "full" else self.n_slots + self.n_zero if k == "slots" else 0)
                    for il, k in self.kinds.items())
 
-    def switches_per_token(self) -> int:
-        """Host<->device switches per token the plan's MoE layers cost (full: 0, host and slots: 2)."""
-        return sum(2 for k in self.kinds.values() if k != "full")
+    def switches_per_token(self, mapped: bool = False) -> int:
+        """Host<->device switches per token the plan's MoE layers cost (full: 0, host and slots: 2; slots whose
+        misses the device reads from the host copy, ``mapped``: 0)."""
+        return sum(2 for k in self.kinds.values() if k == "host" or (k == "slots" and not mapped))
 
     def describe(self, layout: ModelLayout) -> str:
         n = {k: len(self.layers(k)) for k in KINDS}
@@ -134,7 +135,8 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped:
     return t
 
 
-def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_zero: int = 0) -> LayerPlan:
+def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_zero: int = 0,
+                mapped: bool = False) -> LayerPlan:
     """The plan of least predicted time whose experts fit in ``device_bytes``: f full layers (the last ones, as
     stock), s slot layers of n slots, the rest host, over every f, n and s (slots never fewer than top-k, nor E:
     a layer with every expert is a full layer). Stock's placements are among the candidates in their own right
@@ -142,7 +144,8 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
     the plan is never predicted slower than either. Of plans predicted alike, the one with fewer host switches wins
     (then the earlier: stock's): a switch is the cost the model knows least well (a stream synchronisation on a
     GPU, measured apart from its neighbours), so where the model cannot tell, the plan crosses fewer. ``n_zero``:
-    the zero slots a slot layer on the device holds besides its slots (``budget.zero_slots``)."""
+    the zero slots a slot layer on the device holds besides its slots (``budget.zero_slots``); ``mapped``: slot
+    layers priced as ``--miss mapped`` runs them (``predict_us``)."""
     if device_bytes < 0:
         raise SpecterError("negative device memory for experts")
     layers = [L.index for L in sorted(layout.layers, key=lambda L: L.index)]
@@ -151,7 +154,8 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
 
     def better(t: float, plan: LayerPlan) -> bool:
         """Predicted faster than the best so far, or as fast with fewer switches."""
-        return t < best[0] - 1e-9 or (t <= best[0] + 1e-9 and plan.switches_per_token() < best[1].switches_per_token())
+        return t < best[0] - 1e-9 or (t <= best[0] + 1e-9 and
+                                      plan.switches_per_token(mapped) < best[1].switches_per_token(mapped))
 
     stock = stock_plan(layout, n_cpu_moe_for(layout, device_bytes))
     best = (predict_us(stock, layout, costs), stock)
@@ -171,7 +175,7 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
                 for il in rest[len(rest) - s:] if s else []:
                     kinds[il] = "slots"
                 plan = LayerPlan(kinds, n if s else 0, z if s else 0)
-                t = predict_us(plan, layout, costs)
+                t = predict_us(plan, layout, costs, mapped=mapped)
                 if better(t, plan):
                     best = (t, plan)
     return best[1]

@@ -173,14 +173,16 @@ def parse_layer_plan(spec: str) -> str | int:
 
 
 def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str | LayerPlan | None = None, *,
-                      why_not: str | None = None, draft_bytes: int = 0, n_threads: int = 2) -> DevicePlan | None:
+                      why_not: str | None = None, draft_bytes: int = 0, n_threads: int = 2,
+                      mapped: bool = False) -> DevicePlan | None:
     """What each MoE layer is on ``device`` (a ``native.devices.Device``) for ``budget`` (device memory for
     experts; None: all of them): ``spec`` as ``--layer-plan`` gives it (None: auto), or a ``LayerPlan`` itself.
     None: slots in every layer. ``why_not``: what keeps this session on slots in every layer (a draft, the
     surrogates: they index every layer's slots); auto then gives slots, an explicit plan is refused. With no
     budget (the whole model fits the device), auto is every layer full whatever ``why_not`` says: stock's
     placement, no slot to index; ``draft_bytes``: a draft beside it on the device. ``n_threads``: the session's
-    (the cost model's host rows are measured with them)."""
+    (the cost model's host rows are measured with them). ``mapped``: the session's misses are read by the device
+    from the host copy (``--miss mapped``): auto prices its slot layers so (``devcosts.plan_for``)."""
     if spec is None:
         spec = "auto"
     want = spec if isinstance(spec, LayerPlan) else parse_layer_plan(spec)
@@ -205,9 +207,10 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
     else:
         from pyspecter.devcosts import plan_for
 
-        plan, info = plan_for(layout.path, layout, device, budget_bytes, n_threads)
+        plan, info = plan_for(layout.path, layout, device, budget_bytes, n_threads, mapped=mapped)
         how = (f"predicted {info['predicted_ms']:.1f} ms/token vs stock --n-cpu-moe {info['stock_n_cpu_moe']} "
-               f"{info['predicted_stock_n_cpu_moe_ms']:.1f} ms at the same memory")
+               f"{info['predicted_stock_n_cpu_moe_ms']:.1f} ms at the same memory"
+               + (", slot layers' misses read from the host copy" if mapped and plan.layers("slots") else ""))
     if want != "auto":
         _check_device_room(device, layout, plan.device_bytes(layout))
     return DevicePlan(plan, f"layer plan: {plan.describe(layout)}; {how}", info)

@@ -167,10 +167,9 @@ class Session:
         # which the learned predictor's tables index
         why_not = "a draft" if cfg.draft else "surrogates" if self.surrogates else None
         why_not = why_not or (f"the {self.tier.name} tier" if self.tier.name != "ram" else None)
-        # --miss mapped: slots in every layer where nothing says otherwise (the cost model prices a slot layer's host
-        # visit, which a layer whose misses the device reads never takes)
-        plan_spec = "slots" if cfg.layer_plan is None and self.miss == "mapped" and cfg.budget else cfg.layer_plan
-        self.layer_plan = device_layer_plan(self.layout, self.device, cfg.budget, plan_spec, why_not=why_not,
+        # --miss mapped: the cost model prices slot layers without the host visit they no longer take
+        self.layer_plan = device_layer_plan(self.layout, self.device, cfg.budget, cfg.layer_plan, why_not=why_not,
+                                            mapped=self.miss == "mapped",
                                             draft_bytes=self.draft_bytes, n_threads=cfg.n_threads) \
             if self.device is not None else None
         if self.layer_plan is not None:

@@ -41,6 +41,9 @@ def inspect(
     draft_tokens: Annotated[int, typer.Option(help="--draft: tokens the target generates per eval prompt")] = 32,
     k: Annotated[int, typer.Option("-k", help="--draft: tokens drafted ahead (acceptance at K)")] = 3,
     threads: ThreadsOpt = 1,
+    mapped: Annotated[bool, typer.Option("--mapped", help="--device: price the layer plan as --miss mapped runs it "
+                                                         "(slot layers' misses read by the device from pinned host "
+                                                         "memory, no host visit; measured on the model)")] = False,
 ) -> None:
     """Show a MoE GGUF's expert layout: bytes per expert, expert vs non-expert bytes, slots a budget buys, and
     how the model fits this machine (or --device). With --draft, what the draft costs and how well it predicts."""
@@ -84,7 +87,7 @@ def inspect(
 
         # the layer plan for the budget (else what the device holds), its inputs measured on the model (cached)
         room = info["budget_bytes"] if budget is not None else info["device"]["slot_bytes"]
-        _, info["device"]["plan"] = plan_for(lay.path, lay, open_device(device), room)
+        _, info["device"]["plan"] = plan_for(lay.path, lay, open_device(device), room, mapped=mapped)
     if draft is not None:
         info["draft"] = draft_report(lay, resolve_model(draft), info.get("budget_bytes"), n=draft_tokens, k=k,
                                      threads=threads)
@@ -112,9 +115,12 @@ def inspect(
         print(f"layer plan for {fmt_bytes(p['device_bytes'])} of experts on the device: {p['plan']}; predicted "
               f"{p['predicted_ms']:.2f} ms/token, stock --n-cpu-moe {p['stock_n_cpu_moe']} "
               f"{p['predicted_stock_n_cpu_moe_ms']:.2f}, stock --cpu-moe {p['predicted_stock_cpu_moe_ms']:.2f} "
-              f"({p.get('cost_source', 'measured')}: a host switch {c['split_us']:.0f} us, "
+              f"({'slot layers as --miss mapped runs them; ' if p.get('mapped') else ''}"
+              f"{p.get('cost_source', 'measured')}: a host switch {c['split_us']:.0f} us, "
               f"link {c['link_gbps']:.2f} GB/s, an expert row "
-              f"{c['cpu_row_us']:.1f} us on the host, {c['dev_row_us']:.1f} us on the device)")
+              f"{c['cpu_row_us']:.1f} us on the host, {c['dev_row_us']:.1f} us on the device"
+              + (f", {c['map_row_us']:.1f} us read from the host copy (--miss mapped)" if "map_row_us" in c else "")
+              + ")")
     if "draft" in info:
         print(draft_lines(info["draft"]))
 

@@ -90,17 +90,16 @@ def test_mapped_misses_need_negative_ids_speculation_and_a_device(why: str, dev:
 
 
 def test_a_session_with_mapped_misses_decodes_what_cpu_misses_decode(dev: Device) -> None:
-    """generate's session with --miss mapped (slots in every layer without being told): the tokens of --miss cpu,
-    every decode token speculated and none redone, and no learned predictor (it reads each layer's input mid-token,
-    which would keep the host paths)."""
+    """generate's session with --miss mapped, slots in every layer: the tokens of --miss cpu, every decode token
+    speculated and none redone, and no learned predictor (it reads each layer's input mid-token, which would keep
+    the host paths)."""
     from pyspecter.session import Session, SessionConfig
 
     path = build_tiny("tiny-qwen3moe")
     got = {}
-    for miss in ("cpu", "mapped"):  # mapped: slots in every layer without being told
-        with Session(SessionConfig(model=path, budget="50%", device=dev.spec, n_ctx=256,
-                                   layer_plan="slots" if miss == "cpu" else None, miss=miss)) as s:
-            assert s.layer_plan is None  # every MoE layer a slot layer
+    for miss in ("cpu", "mapped"):
+        with Session(SessionConfig(model=path, budget="50%", device=dev.spec, n_ctx=256, layer_plan="slots",
+                                   miss=miss)) as s:
             tokens = s.generate(s.target.tokenize("the scheduler counts what it does"), 12, stop_at_eog=False)
             got[miss] = (tokens, s.cache.counters(), s.predictor)
     assert got["mapped"][0] == got["cpu"][0]
@@ -128,3 +127,21 @@ def test_a_draft_s_verification_windows_read_their_misses_from_the_host_copy(dev
     c, steps = got["mapped"][1], got["mapped"][2]
     assert c["spec_redos"] == 0 and c["mapped_rows"] > 0, c
     assert c["spec_ubatches"] >= steps, (c, steps)  # every step's verification window, at least
+
+
+def test_the_sessions_auto_plan_prices_mapped_slot_layers(dev: Device) -> None:
+    """With --miss mapped and no layer plan, the session's plan is the cost model's with its slot layers priced as
+    mapped runs them (a row read from the host copy, measured on the model), never predicted slower than stock at
+    the same memory; its tokens are stock's."""
+    from pyspecter.session import Session, SessionConfig
+
+    path = build_tiny("tiny-qwen3moe")
+    got = {}
+    for miss in ("cpu", "mapped"):
+        with Session(SessionConfig(model=path, budget="50%", device=dev.spec, n_ctx=256, miss=miss)) as s:
+            got[miss] = (s.generate(s.target.tokenize("the scheduler counts what it does"), 8, stop_at_eog=False),
+                         s.layer_plan)
+    plan = got["mapped"][1]
+    assert plan is not None and plan.info["mapped"] and plan.info["costs"]["map_row_us"] >= 0
+    assert plan.info["predicted_ms"] <= plan.info["predicted_stock_n_cpu_moe_ms"] + 1e-9
+    assert got["mapped"][0] == got["cpu"][0]

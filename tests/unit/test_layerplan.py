@@ -180,3 +180,19 @@ def test_a_mapped_slot_layer_takes_no_switch_and_reads_its_misses_from_the_host_
     with pytest.raises(SpecterError, match="no measured row read from the host copy"):
         predict_us(every, lay, GPU, mapped=True)
     assert "map_row_us" not in GPU.as_dict() and costs.as_dict()["map_row_us"] == 10.0
+
+
+@pytest.mark.parametrize("map_row", [1.0, 10.0, 400.0])
+@pytest.mark.parametrize("share", [0.1, 0.3, 0.6])
+def test_the_mapped_plan_is_never_predicted_slower_than_stock_and_reads_cheap_misses(map_row: float,
+                                                                                      share: float) -> None:
+    lay = _layout()
+    costs = DeviceCosts(split_us=60.0, link_gbps=25.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0,
+                        map_row_us=map_row)
+    budget = int(share * lay.expert_total_bytes)
+    plan = choose_plan(lay, budget, costs, mapped=True)
+    assert plan.device_bytes(lay) <= budget
+    stock = stock_plan(lay, n_cpu_moe_for(lay, budget))
+    assert predict_us(plan, lay, costs, mapped=True) <= predict_us(stock, lay, costs) + 1e-6
+    if map_row < costs.cpu_row_us:  # a miss read by the device beats a host visit: the leftover memory is slots
+        assert plan.layers("slots") and plan.switches_per_token(mapped=True) < stock.switches_per_token()
