@@ -114,7 +114,7 @@ int32_t llama_pyspecter_map_host_experts(llama_model * model, int32_t allow_copy
                                                      ggml_backend_buffer_get_base(h->buffer),
                                                      ggml_backend_buffer_get_size(h->buffer));
                         ggml_backend_buffer_set_usage(v, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // run where it lives
-                        s->bufs.push_back(v);
+                        s->mapped_bufs.push_back(v);
                     }
                     // placed by hand: the device type's alloc size pads quantized rows, which the host copy lacks
                     // (ggml already runs kernels over unpadded pinned weights on integrated GPUs)
@@ -137,7 +137,7 @@ int32_t llama_pyspecter_map_host_experts(llama_model * model, int32_t allow_copy
                     return LLAMA_PYSPECTER_ERR_NO_MEMORY;
                 }
                 ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-                s->bufs.push_back(buf);
+                s->mapped_bufs.push_back(buf);
                 for (auto & [h, t] : copies) {
                     ggml_backend_tensor_set(t, h->data, 0, ggml_nbytes(h));
                     copied += ggml_nbytes(h);

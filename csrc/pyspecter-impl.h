@@ -312,6 +312,9 @@ struct llama_pyspecter_slots {
     std::unordered_map<const void *, pyspecter_spec> spec;
     std::vector<ggml_context *> ctxs;
     std::vector<ggml_backend_buffer_t> bufs;
+    // mapped.cpp's: views of the host copy (host memory) and the copies standing in for them, apart from bufs,
+    // which llama_pyspecter_slots_nbytes counts as slot memory
+    std::vector<ggml_backend_buffer_t> mapped_bufs;
     // With slots on a device: a one-element tensor in a host weights buffer, a source of every route and wait op.
     // The scheduler runs an op where its weights live, so this keeps our CPU custom ops on the CPU; a device that
     // claims to support every op (RPC) would otherwise be sent a host function pointer to run.

@@ -420,7 +420,6 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
                           (void *) L);
 }
 
-
 // The parts build_route made for a split or speculated route (found: its entry; otherwise none).
 static bool parts_of(const llama_pyspecter_slots * slots, const ggml_tensor * route,
                      llama_pyspecter_slots::split_parts * out) {

@@ -20,6 +20,9 @@ llama_pyspecter_slots::~llama_pyspecter_slots() {
     for (auto * b : bufs) {
         ggml_backend_buffer_free(b);
     }
+    for (auto * b : mapped_bufs) {
+        ggml_backend_buffer_free(b);
+    }
     for (auto * c : ctxs) {
         ggml_free(c);
     }

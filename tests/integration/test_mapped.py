@@ -62,16 +62,21 @@ def test_under_lru_the_misses_move_in_after_the_token_and_stay_exact(dev: Device
 
 
 def test_the_rpc_device_reads_from_a_copy_that_stands_in(dev: Device) -> None:
-    """RPC cannot read this process's memory: a device copy of every expert stands in, and says what it took."""
+    """RPC cannot read this process's memory: a device copy of every expert stands in, and says what it took; the
+    slots' own memory (llama_pyspecter_slots_nbytes) is what it is without it."""
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
     plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
-    with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
-        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="mapped", kinds=plan.native_kinds())
-        try:
-            assert cache.mapped_copy_bytes == lay.expert_total_bytes
-        finally:
-            cache.close()
+    nbytes = {}
+    for miss in ("cpu", "mapped"):
+        with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
+            cache = ExpertCache(m, lay, lay.n_expert // 2, miss=miss, kinds=plan.native_kinds())
+            try:
+                assert cache.mapped_copy_bytes == (lay.expert_total_bytes if miss == "mapped" else 0)
+                nbytes[miss] = native.slots().slots_nbytes(m.ptr)
+            finally:
+                cache.close()
+    assert nbytes["mapped"] == nbytes["cpu"] > 0
 
 
 @pytest.mark.parametrize("why", ["zero slots", "no speculation", "no device"])
