@@ -158,11 +158,7 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
             use_cache: bool = True) -> DeviceCosts:
     """The costs of ``layout``'s model on ``device`` (cached; ``use_cache=False`` measures again)."""
     key = cache_key(path, device, n_threads)
-    f = _cache_file()
-    try:
-        known = json.loads(f.read_text()) if f.exists() else {}
-    except ValueError:
-        known = {}
+    known = _cached()
     if use_cache and key in known:
         return _costs(known[key])
     L = len(layout.layers)
@@ -200,11 +196,7 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
     from pyspecter.cache import ExpertCache
 
     key = cache_key(path, device, n_threads) + "|mapped"
-    f = _cache_file()
-    try:
-        known = json.loads(f.read_text()) if f.exists() else {}
-    except ValueError:
-        known = {}
+    known = _cached()
     if use_cache and key in known:
         return replace(costs, map_row_us=float(known[key]["map_row_us"]))
     k, L = layout.n_expert_used, len(layout.layers)
@@ -229,13 +221,18 @@ def _costs(entry: dict) -> DeviceCosts:
     return DeviceCosts(**{k: float(entry[k]) for k in _FIELDS if k in entry})
 
 
-def _save(key: str, entry: dict) -> None:
+def _cached() -> dict:
+    """Every entry of the cache file ({} where there is none, or it is not JSON)."""
     f = _cache_file()
     try:
-        known = json.loads(f.read_text()) if f.exists() else {}
+        return json.loads(f.read_text()) if f.exists() else {}
     except ValueError:
-        known = {}
-    known = {k: v for k, v in known.items() if k.startswith(f"v{VERSION}|")}  # another version's: stale
+        return {}
+
+
+def _save(key: str, entry: dict) -> None:
+    f = _cache_file()
+    known = {k: v for k, v in _cached().items() if k.startswith(f"v{VERSION}|")}  # another version's: stale
     known[key] = entry
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -277,11 +274,7 @@ def save_calibration(path: str | Path, device: Device, n_threads: int, costs: De
 def cost_source(path: str | Path, device: Device, n_threads: int = 2) -> str:
     """Where the cached costs came from: "measured" (``measure``'s few seconds), a bench calibration's line, or
     "none" (not cached yet)."""
-    f = _cache_file()
-    try:
-        entry = json.loads(f.read_text()).get(cache_key(path, device, n_threads)) if f.exists() else None
-    except ValueError:
-        entry = None
+    entry = _cached().get(cache_key(path, device, n_threads))
     return "none" if entry is None else str(entry.get("source", "measured"))
 
 
