@@ -63,13 +63,25 @@ def test_python_and_chat_choose_the_same_placement() -> None:
     assert inspected["slots"] == count
 
 
+# Linux keeps a process's peak RSS across exec, and counts in it the memory of the process it was forked from: a
+# child of this pytest process (gigabytes after a long suite) would report at least that. So a small Python
+# process starts the command and reports the kernel's figure for it.
+_SPAWN = """
+import os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+_, status, usage = os.wait4(p.pid, 0)
+rc = os.waitstatus_to_exitcode(status)
+print(usage.ru_maxrss if rc == 0 else -1)
+sys.stderr.write(p.stderr.read().decode())
+"""
+
+
 def _peak_rss(argv: list[str]) -> int:
     """Peak resident memory of a child process, in bytes (the kernel's own figure for it)."""
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ})
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    assert p.returncode == 0, p.stderr.read().decode()
-    return usage.ru_maxrss * 1024
+    r = subprocess.run([sys.executable, "-c", _SPAWN, *argv], capture_output=True, text=True, env={**os.environ})
+    kib = int(r.stdout.strip() or -1)
+    assert kib > 0, r.stderr
+    return kib * 1024
 
 
 # stock llama.cpp on the same prompt and token count, in the same Python as the CLI (its imports included), so the
