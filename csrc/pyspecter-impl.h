@@ -85,7 +85,7 @@ struct llama_pyspecter_layer {
     std::atomic<bool> late_settled{false};
     std::vector<int32_t> owner; // slot -> expert, -1 when free
     // Where non-resident rows point in the slot matmul. miss_slot: -1 on the CPU, else n_slots (a device layer). A
-    // miss is a negative id, a zero row, where the layer's kernel takes one (the CPU, CUDA, RPC:
+    // miss is a negative id (pyspecter_miss_id), a zero row, where the layer's kernel takes one (the CPU, CUDA, RPC:
     // llama_pyspecter_zero_slots); elsewhere a kernel takes neither a negative id nor an id twice in one token
     // (its MUL_MAT_ID groups a token's rows by expert and leaves a repeated one unwritten), so the layer holds
     // n_zero all-zero slots after the real ones and the miss in row j of a token reads zero slot j.
@@ -160,14 +160,16 @@ int32_t lru_sim_call(std::vector<int64_t> & res, const std::vector<int32_t> & ne
 
 
 // One remap table per device: [2 * n_expert * n_used, n_layer] I32 in a weights buffer of that device, and its host
-// image. A layer's row holds a plane per row j of a token: (slot, expert) per expert, the layer's zero slot j where
-// the expert is not resident, so that a token's misses read distinct zero slots. The slot path looks up plane j's
+// image. A layer's row holds a plane per row j of a token: (slot, expert) per expert, and where the expert is not
+// resident what a miss reads (pyspecter_miss_id): ~expert, or zero slot j where the kernel takes no negative id, so
+// that a token's misses read distinct zero slots. The slot path looks up plane j's
 // row of the expert (one get_rows over the row seen as [2, n_expert, n_used]).
 struct llama_pyspecter_table {
     ggml_tensor * t = nullptr;
-    // what a speculated ubatch's slot paths looked up, as the device wrote them: a row of
-    // 2 * n_used * PYSPECTER_SPEC_MAX_TOKENS per layer, holding the n rows' slots, then their experts (rows in the
-    // router's order, token-major); speculate.cpp reads it back once per ubatch
+    // what a speculated ubatch's slot paths looked up, as the device wrote them: for each layer in turn,
+    // 2 * n_used * n_tokens values, the ubatch's rows' slots, then their experts (rows in the router's order,
+    // token-major; pyspecter_log_offset), room for PYSPECTER_LOG_MAX_TOKENS tokens. Packed by the ubatch's own size,
+    // so speculate.cpp reads back what was written, in one copy: a decode token's log is 2 * n_used values a layer
     ggml_tensor * spec_log = nullptr;
     std::vector<int32_t> image; // what the device holds
     bool dirty = false;         // remap changed since the image was last pushed
@@ -244,8 +246,12 @@ private:
     int32_t status_locked(int64_t ticket) const;
 };
 
-// Rows per ubatch a graph may speculate on: decode tokens and a draft's verification window (its log holds that many)
+// Tokens per ubatch a graph may speculate hits on: decode tokens and a draft's verification window. Larger ones
+// (a prompt) rarely hit everywhere, and a miss computes the ubatch again.
 constexpr int32_t PYSPECTER_SPEC_MAX_TOKENS = 8;
+// Tokens per ubatch a speculated graph may log: where every device slot layer reads its misses from the host copy
+// (mapped.cpp) nothing is computed again, so prompt-sized ubatches up to llama.cpp's default n_ubatch speculate too.
+constexpr int32_t PYSPECTER_LOG_MAX_TOKENS = 512;
 
 // One scheduler's speculation (owner: speculate.cpp, but for the build's record, `built`, `listed` and `layers`,
 // which route.cpp's graph builder writes). Touched only by the thread decoding on that scheduler.
@@ -360,10 +366,13 @@ struct llama_pyspecter_slots {
 // Returns LLAMA_PYSPECTER_OK or ERR_ARG.
 int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
 
-// The id a non-resident expert in row j of a token has in the slot matmul: -1 (a zero row) where the layer's kernel
-// takes negative ids, else zero slot j.
-inline int32_t pyspecter_zero_slot(const llama_pyspecter_layer * L, int32_t j) {
-    return L->n_zero == 0 ? -1 : L->miss_slot + j % L->n_zero;
+// The id a non-resident expert e in row j of a token has in the slot matmul: where the layer's kernel takes negative
+// ids, ~e (-1 - e: any negative id is a zero row), else zero slot j. The complement keeps the expert in the one
+// value a row looks up, so the ids of the matmul over the host copy (mapped.cpp) are ~id of the slot path's: the
+// expert where it missed, negative where it hit, and the two can never disagree about a row, even while an
+// eviction rewrites the table under a running graph.
+inline int32_t pyspecter_miss_id(const llama_pyspecter_layer * L, int32_t j, int32_t e) {
+    return L->n_zero > 0 ? L->miss_slot + j % L->n_zero : e >= 0 ? ~e : -1;
 }
 
 // An id of the slot matmul that computes nothing: a zero slot or a negative id.
@@ -371,15 +380,20 @@ inline bool pyspecter_is_zero_slot(const llama_pyspecter_layer * L, int32_t slot
     return slot < 0 || (L->n_zero > 0 && slot >= L->miss_slot);
 }
 
+// Where layer L's rows of a speculated ubatch of n_tokens start in its table's log (in values).
+inline size_t pyspecter_log_offset(const llama_pyspecter_layer * L, int64_t n_tokens) {
+    return (size_t) L->table_row * 2 * L->parent->n_used * n_tokens;
+}
+
 // Whether a device layer's misses are read from the host copy by the device (mapped.cpp) when it is speculated.
 inline bool pyspecter_is_mapped(const llama_pyspecter_layer * L) {
     return L->mapped[0] || L->mapped[1] || L->mapped[2];
 }
 
-// An id a device layer's slot matmul may be given: a slot, a zero slot, or -1 where misses are negative ids.
+// An id a device layer's slot matmul may be given: a slot, a zero slot, or ~expert where misses are negative ids.
 inline bool pyspecter_valid_slot_id(const llama_pyspecter_layer * L, int32_t id) {
     const int32_t n_slots = L->parent->n_slots;
-    return L->n_zero == 0 ? id >= -1 && id < n_slots : id >= 0 && id < n_slots + L->n_zero;
+    return L->n_zero == 0 ? id >= -L->parent->n_expert && id < n_slots : id >= 0 && id < n_slots + L->n_zero;
 }
 
 llama_pyspecter_slots * pyspecter_slots_of(const llama_model * model);

@@ -127,8 +127,10 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     bool missed = false; // some row's expert not resident (late rows included): the layer's CPU counts as a miss's
     for (int32_t i = 0; i < n_used * n_tokens; ++i) {
         const int32_t e = host_ids[i];
-        const int32_t zero = pyspecter_zero_slot(L, i % n_used); // distinct per row of a token, as a device needs
-        const int32_t slot = e >= 0 && e < (int32_t) L->remap.size() ? L->remap[e] : -1;
+        const bool known = e >= 0 && e < (int32_t) L->remap.size();
+        // distinct per row of a token, as a device needs
+        const int32_t zero = pyspecter_miss_id(L, i % n_used, known ? e : -1);
+        const int32_t slot = known ? L->remap[e] : -1;
         const int32_t late = with_late && slot < 0 && e >= 0 && e < (int32_t) L->late.size() ? L->late[e] : -1;
         missed = missed || slot < 0;
         if (slot >= 0) {
@@ -146,7 +148,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
             late_ids[i] = late >= 0 ? late : zero;
         }
         // a device kernel reads an id outside its slots out of bounds: on a device every id is a slot, a zero slot,
-        // or -1 where its kernel takes negative ids
+        // or ~expert where its kernel takes negative ids
         GGML_ASSERT(L->miss_slot < 0 || (pyspecter_valid_slot_id(L, slot_ids[i]) &&
                                          (!with_late || pyspecter_valid_slot_id(L, late_ids[i]))));
     }
@@ -312,19 +314,12 @@ static bool speculate_layer(llama_pyspecter_layer * L, bool eligible) {
     return true;
 }
 
-// The ids of a speculated layer's matmuls over the host copy (mapped.cpp), from what its slot path looked up (flat:
-// [n_used, n_tokens, 2], the slots then the experts): the expert where the slot is -1 (a miss), else -1. In F32 on
-// the device, in four small ops between two casts: c = clamp(slot, -1, 0) is -1 on a miss and 0 on a hit, and
-// -(c * (expert + 1)) - 1 is the expert or -1 (exact: ids are far below 2^24). Made from the same lookup as the
-// slot ids, the two agree on every row even while an eviction rewrites the table.
-static ggml_tensor * mapped_ids(ggml_context * ctx, ggml_tensor * flat, int il) {
-    const int64_t n_used = flat->ne[0], n_tok = flat->ne[1];
-    ggml_tensor * f = ggml_cast(ctx, flat, GGML_TYPE_F32);
-    ggml_tensor * slot = ggml_view_2d(ctx, f, n_used, n_tok, f->nb[1], 0);
-    ggml_tensor * expert = ggml_view_2d(ctx, f, n_used, n_tok, f->nb[1], f->nb[2]);
-    ggml_tensor * c = ggml_clamp(ctx, slot, -1.0f, 0.0f);
-    ggml_tensor * m = ggml_mul(ctx, c, ggml_scale_bias(ctx, expert, 1.0f, 1.0f));
-    ggml_tensor * ids = ggml_cast(ctx, ggml_scale_bias(ctx, m, -1.0f, -1.0f), GGML_TYPE_I32);
+// The ids of a speculated layer's matmuls over the host copy (mapped.cpp), from the slot path's: ~id, the expert
+// where the slot path missed (its id is ~expert there: pyspecter_miss_id) and negative where it hit, a zero row.
+// Three small ops on the device (there is no integer arithmetic in ggml's CUDA ops), exact: ids are far below 2^24.
+static ggml_tensor * mapped_ids(ggml_context * ctx, ggml_tensor * slot_ids, int il) {
+    ggml_tensor * f = ggml_scale_bias(ctx, ggml_cast(ctx, slot_ids, GGML_TYPE_F32), -1.0f, -1.0f);
+    ggml_tensor * ids = ggml_cast(ctx, f, GGML_TYPE_I32);
     ggml_format_name(ids, "ffn_moe_mapped_ids-%d", il);
     return ids;
 }
@@ -351,16 +346,19 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
     const bool split = allow_split && L->table >= 0 && slots->cpu_anchor && !slots->wait_cb &&
             !pyspecter_native_late(slots) && ffn_inp && ffn_inp->type == GGML_TYPE_F32 && ggml_is_contiguous(ffn_inp);
     // speculated (speculate.cpp): the split form less its host path, where nothing on the host reads the layer
-    // mid-ubatch
+    // mid-ubatch; prompt-sized ubatches only where the misses are read from the host copy (nothing to redo)
+    const int64_t n_tok = selected_experts->ne[1];
     const bool speculate = speculate_layer(L, split && !with_input && !slots->route_weights &&
-                                               selected_experts->ne[1] <= PYSPECTER_SPEC_MAX_TOKENS);
+                                               selected_experts->ne[0] == slots->n_used && // the log's layout
+                                               (n_tok <= PYSPECTER_SPEC_MAX_TOKENS ||
+                                                (pyspecter_is_mapped(L) && n_tok <= PYSPECTER_LOG_MAX_TOKENS)));
     if (split) {
         // (slot, expert) of every (token, expert) row, looked up on the device: the slot path's ids (zero slot j
         // where row j's expert is not resident: never a negative id, never one twice in a token), and packed
         // behind the layer's input for the host to read back in one copy; ordered misses, Python's or C's, keep
         // the per-matmul route: their late path needs it
         const auto & tab = slots->tables[L->table];
-        const int64_t D = ffn_inp->ne[0], n_tok = selected_experts->ne[1], n_used = selected_experts->ne[0];
+        const int64_t D = ffn_inp->ne[0], n_used = selected_experts->ne[0];
         const int64_t E = slots->n_expert, n = n_used * n_tok;
         GGML_ASSERT(n_used <= slots->n_used && "more rows per token than table planes");
         // the layer's row as planes [2, n_expert, n_used]: row j of a token looks up its expert in plane j, which
@@ -376,14 +374,14 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
         ggml_tensor * by_row = ggml_permute(ctx, pairs, 2, 1, 0, 3);
         ggml_tensor * flat = speculate
                 ? ggml_cpy(ctx, by_row, ggml_view_3d(ctx, tab.spec_log, n_used, n_tok, 2, n_used * ts, n * ts,
-                                                     (size_t) L->table_row * tab.spec_log->nb[1]))
+                                                     pyspecter_log_offset(L, n_tok) * ts))
                 : ggml_cont(ctx, by_row);
         ggml_format_name(flat, speculate ? "ffn_moe_spec_log-%d" : "ffn_moe_slot_flat-%d", il);
         ggml_tensor * slot_ids = ggml_view_2d(ctx, flat, n_used, n_tok, n_used * ts, 0);
         ggml_format_name(slot_ids, "ffn_moe_slot_ids-%d", il);
         slots->split_built = true;
         if (speculate) {
-            ggml_tensor * from_host = pyspecter_is_mapped(L) ? mapped_ids(ctx, flat, il) : nullptr;
+            ggml_tensor * from_host = pyspecter_is_mapped(L) ? mapped_ids(ctx, slot_ids, il) : nullptr;
             std::lock_guard<std::mutex> lk(slots->graph_mu);
             slots->split_routes[slot_ids] = { slot_ids, ffn_inp, nullptr, true, from_host };
             return slot_ids; // the route: build_mm_id and on_path know it by its entry
@@ -495,8 +493,8 @@ ggml_tensor * llama_pyspecter_build_mm_id(ggml_context * ctx, const llama_pyspec
         if (path == 0) {
             return mm_id(ctx, slot_w, cur, route, neg); // the slot path: the route is its ids
         }
-        // a mapped route's path 1: the misses, read by the device from the host copy (-1 where the slot path hit);
-        // each row is exact on one path and zero on the other, and the down projections are added
+        // a mapped route's path 1: the misses, read by the device from the host copy (ids negative where the slot
+        // path hit); each row is exact on one path and zero on the other, and the down projections are added
         ggml_tensor * from_host = L->mapped[it->second.kind];
         GGML_ASSERT(parts.mapped_ids && from_host && "path 1 of a speculated route that is not mapped");
         return mm_id(ctx, from_host, cur, parts.mapped_ids, true);

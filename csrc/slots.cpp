@@ -145,7 +145,7 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     ggml_backend_dev_t dev = model->dev_layer(il);
     const bool on_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     // where a kernel takes neither a negative id nor an id twice in a token, misses point at zero slots, one per
-    // row of a token (pyspecter_zero_slot); elsewhere at a negative id, which computes nothing
+    // row of a token; elsewhere at a negative id, which computes nothing (pyspecter_miss_id)
     const int32_t n_zero  = llama_pyspecter_zero_slots(dev, s->n_used);
     const int32_t n_alloc = s->n_slots + n_zero;
     std::vector<ggml_tensor *> small;
@@ -224,9 +224,10 @@ static int32_t alloc_layer(llama_model * model, llama_pyspecter_slots * s, int32
     return LLAMA_PYSPECTER_OK;
 }
 
-// Layer L's row of its table (pyspecter-impl.h) from its remap: plane j holds (slot, expert) per expert, zero slot
-// j (or -1) where not resident. Returns whether anything changed. Every id written is checked against the slot
-// tensor here, where the device's ids are made: a kernel must never see one outside it.
+// Layer L's row of its table (pyspecter-impl.h) from its remap: plane j holds (slot, expert) per expert, and where
+// not resident what a miss reads (pyspecter_miss_id: zero slot j, or ~expert). Returns whether anything changed.
+// Every id written is checked against the slot tensor here, where the device's ids are made: a kernel must never
+// see one outside it.
 static bool fill_row(llama_pyspecter_layer * L, int32_t * row) {
     const int32_t E = L->parent->n_expert;
     // the planes differ only in which zero slot a non-resident expert reads, so plane 0 says whether anything
@@ -234,7 +235,7 @@ static bool fill_row(llama_pyspecter_layer * L, int32_t * row) {
     bool changed = false;
     for (int32_t j = 0; j < L->parent->n_used && (j == 0 || changed); ++j) {
         for (int32_t e = 0; e < E; ++e) {
-            const int32_t v = L->remap[e] >= 0 ? L->remap[e] : pyspecter_zero_slot(L, j);
+            const int32_t v = L->remap[e] >= 0 ? L->remap[e] : pyspecter_miss_id(L, j, e);
             GGML_ASSERT(pyspecter_valid_slot_id(L, v));
             int32_t * pair = row + 2 * ((size_t) j * E + e);
             changed |= pair[0] != v || pair[1] != e;
@@ -275,8 +276,8 @@ static int32_t alloc_tables(llama_model * model, llama_pyspecter_slots * s) {
         llama_pyspecter_table tab;
         tab.t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, (int64_t) row_len(s), (int64_t) s->layers.size());
         ggml_format_name(tab.t, "pyspecter.remap.%zu", s->tables.size());
-        tab.spec_log = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, (int64_t) 2 * s->n_used * PYSPECTER_SPEC_MAX_TOKENS,
-                                          (int64_t) s->layers.size());
+        tab.spec_log = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) 2 * s->n_used * PYSPECTER_LOG_MAX_TOKENS *
+                                                                  (int64_t) s->layers.size());
         ggml_format_name(tab.spec_log, "pyspecter.spec_log.%zu", s->tables.size());
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
         if (!buf) {
@@ -438,7 +439,7 @@ static void unmap_on_device(llama_pyspecter_layer * L, int32_t expert) {
         return;
     }
     for (int32_t j = 0; j < s->n_used; ++j) { // one write of the span of the planes the expert is in
-        tab.image[row + 2 * ((size_t) j * s->n_expert + expert)] = pyspecter_zero_slot(L, j);
+        tab.image[row + 2 * ((size_t) j * s->n_expert + expert)] = pyspecter_miss_id(L, j, expert);
     }
     const size_t first = row + 2 * (size_t) expert;
     const size_t n = 2 * (size_t) (s->n_used - 1) * s->n_expert + 1;

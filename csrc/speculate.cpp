@@ -85,8 +85,9 @@ bool llama_pyspecter_begin_ubatch(llama_pyspecter_slots * s, ggml_backend_sched 
     } else if (st->skip > 0) {
         st->skip--;
     } else {
-        // with every layer mapped a speculation never redoes, whatever the last ubatch hit
-        want = on && (st->last_hit || s->mapped_all) && n_tokens <= PYSPECTER_SPEC_MAX_TOKENS;
+        // with every layer mapped a speculation never redoes, whatever the last ubatch hit, prompts included
+        want = on && ((st->last_hit && n_tokens <= PYSPECTER_SPEC_MAX_TOKENS) ||
+                      (s->mapped_all && n_tokens <= PYSPECTER_LOG_MAX_TOKENS));
     }
     pyspecter_build_for(st, want);
     return want != st->built;
@@ -104,7 +105,6 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
         return false;
     }
     const int32_t n_used = s->n_used, n_rows = n_used * st->n_tokens;
-    const size_t row = (size_t) 2 * n_used * PYSPECTER_SPEC_MAX_TOKENS;
     // each table's log is copied on its device's stream behind the ubatch, so that the one wait for the scheduler
     // covers the copy too (a get after it would wait on the device a second time: on CUDA a copy and a stream sync)
     thread_local std::vector<std::vector<int32_t>> logs;
@@ -113,7 +113,7 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
     from.assign(s->tables.size(), nullptr);
     for (size_t t = 0; t < s->tables.size(); ++t) {
         ggml_tensor * log = s->tables[t].spec_log;
-        logs[t].resize(row * log->ne[1]);
+        logs[t].resize((size_t) 2 * n_rows * s->layers.size()); // what this ubatch wrote: every layer's rows
         ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(log->buffer));
         if ((from[t] = pyspecter_sched_backend(sched, dev))) {
             ggml_backend_tensor_get_async(from[t], log, logs[t].data(), 0, logs[t].size() * sizeof(int32_t));
@@ -127,7 +127,7 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
     }
     bool missed = false;
     for (auto * L : st->layers) { // a mapped layer's device read its misses from the host copy: nothing to redo
-        const int32_t * slots = logs[L->table].data() + row * L->table_row;
+        const int32_t * slots = logs[L->table].data() + pyspecter_log_offset(L, st->n_tokens);
         missed = missed || (!pyspecter_is_mapped(L) && any_zero(L, slots, n_rows));
     }
     s->counters.spec_ubatches++;
@@ -143,7 +143,8 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
     // every row hit, or a mapped layer's device read it: the host-side routing of each layer, in forward order, from
     // the logs read above
     for (auto * L : st->layers) {
-        pyspecter_route_settled(L, logs[L->table].data() + row * L->table_row, st->n_tokens, n_used);
+        pyspecter_route_settled(L, logs[L->table].data() + pyspecter_log_offset(L, st->n_tokens),
+                                st->n_tokens, n_used);
     }
     return false;
 }

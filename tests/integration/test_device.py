@@ -480,8 +480,8 @@ def test_uploads_on_their_own_stream_and_the_table_names_slots_or_misses(miss: s
     """A device that reports async copies and events (RPC does, as CUDA) gets an upload stream of its own: every
     upload is one batch awaited by its event before it counts as landed; SPECTER_SYNC_UPLOADS=1 (and a device
     without them) copies synchronously. Either way stock's tokens, and the remap table the device holds, read back
-    between tokens under heavy eviction, names only slots or what a miss reads: -1 where the device's kernel takes
-    a negative id as a zero row (RPC, CUDA), else (SPECTER_ZERO_SLOTS=1, other devices) zero slot j for row j,
+    between tokens under heavy eviction, names only slots or what a miss reads: ~expert where the device's kernel
+    takes a negative id as a zero row (RPC, CUDA), else (SPECTER_ZERO_SLOTS=1, other devices) zero slot j for row j,
     never a negative id."""
     if sync:
         monkeypatch.setenv("SPECTER_SYNC_UPLOADS", "1")
@@ -505,9 +505,10 @@ def test_uploads_on_their_own_stream_and_the_table_names_slots_or_misses(miss: s
                         planes = native.read_table(m.ptr, L.index, lay.n_expert, lay.n_expert_used)
                         for j, table in enumerate(planes):
                             assert [x for _, x in table] == list(range(lay.n_expert))
-                            # a resident expert's slot, or zero slot j (n_slots + j) for row j of a token, or -1
-                            miss = n_slots + j if zero else -1
-                            assert all(0 <= slot < n_slots or slot == miss for slot, _ in table), table
+                            # a resident expert's slot, or zero slot j (n_slots + j) for row j of a token, or
+                            # ~expert (-1 - expert: the matmul over the host copy reads its ids from it)
+                            assert all(0 <= slot < n_slots or slot == (n_slots + j if zero else ~e)
+                                       for slot, e in table), table
                             assert [s for s, _ in table if s < n_slots] == [s for s, _ in planes[0] if s < n_slots]
                 cache.check()
             assert out == ref

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from test_device import rpc_device
-from test_speculate import N_TOKENS, decode
+from test_speculate import N_TOKENS, PROMPT, decode, evict, slotted
 
 from pyspecter import native
 from pyspecter.cache import ExpertCache
@@ -19,6 +19,7 @@ from pyspecter.layerplan import LayerPlan
 from pyspecter.layout import read_layout
 from pyspecter.models.tiny import build_tiny
 from pyspecter.native.devices import Device
+from pyspecter.native.hooks import Hooks
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,44 @@ def test_a_token_that_missed_is_read_from_the_host_copy_exactly(name: str, dev: 
     assert s["mapped_rows"] > 0 and off["stats"]["mapped_rows"] == 0
     # the host heard the same routing, each layer once a token, in order
     assert on["heard"] == off["heard"]
+
+
+LOG_MAX_TOKENS = 512  # csrc's PYSPECTER_LOG_MAX_TOKENS: the largest ubatch a speculated graph logs
+
+
+def prompt(path, dev: Device, *, mapped: bool, n_tokens: int, n_batch: int) -> dict:
+    """A prompt of n_tokens in ubatches of n_batch, every position's logits, with one expert in two of each layer
+    taken out of its slot; the routing the host heard and the device's counters."""
+    heard: list[tuple[int, tuple[int, ...]]] = []
+    with slotted(path, dev, speculate=mapped, mapped=mapped) as (m, cache, lay):
+        hooks = Hooks(m, lambda il, n_tok, n_used, ids, _w: heard.append((il, tuple(ids[:n_tok * n_used]))))
+        try:
+            evict(m, lay, 2)
+            toks = (m.tokenize(PROMPT) * n_tokens)[:n_tokens]
+            with native.Context(m, n_ctx=n_tokens + 16, n_batch=n_batch) as ctx:
+                logits = ctx.decode(toks, logits_all=True)
+            hooks.check()
+            cache.check()
+            stats = native.device_stats(m.ptr).as_dict()
+        finally:
+            hooks.close()
+    return {"logits": logits, "heard": heard, "stats": stats}
+
+
+@pytest.mark.parametrize("n_tokens, n_batch, speculated", [(100, 32, 4), (LOG_MAX_TOKENS + 20, LOG_MAX_TOKENS + 8, 1)])
+def test_a_prompt_s_ubatches_read_their_misses_from_the_host_copy(n_tokens: int, n_batch: int, speculated: int,
+                                                                 dev: Device) -> None:
+    """Prompt-sized ubatches (over the 8 tokens hits are speculated on) run without host paths too when every
+    slot layer is mapped: nothing is computed again, so a prompt that misses everywhere is as exact as a decode
+    token. A ubatch larger than the log keeps its host paths (the 520-token one), the rest of the prompt does not."""
+    path = build_tiny("tiny-qwen3moe")
+    off = prompt(path, dev, mapped=False, n_tokens=n_tokens, n_batch=n_batch)
+    on = prompt(path, dev, mapped=True, n_tokens=n_tokens, n_batch=n_batch)
+    assert np.array_equal(on["logits"], off["logits"])  # every position's, not only the last
+    s = on["stats"]
+    assert s["spec_ubatches"] == speculated and s["spec_redos"] == 0, s
+    assert s["mapped_rows"] > 0 and off["stats"]["spec_ubatches"] == 0
+    assert on["heard"] == off["heard"]  # each layer once a ubatch, in order, the same experts
 
 
 def test_under_lru_the_misses_move_in_after_the_token_and_stay_exact(dev: Device) -> None:
