@@ -302,9 +302,16 @@ class ExpertCache:
             raise SpecterError("miss mode 'mapped' needs a device (--device) and speculation")
         if model.device.zero_slots(1):
             raise SpecterError(f"miss mode 'mapped': {model.device.spec} takes no negative expert ids")
-        rc, nbytes = native.map_host_experts(model.ptr, True)
+        # where the device cannot read host memory a device copy of every expert stands in: taken on the RPC
+        # device (the tests' stand-in for a GPU, its memory a process's), refused elsewhere, where it would be a
+        # GPU's memory beyond the budget (the whole model's experts)
+        stand_in = model.device.spec.startswith("rpc:")
+        rc, nbytes = native.map_host_experts(model.ptr, stand_in)
         if rc == 0:
             raise SpecterError("miss mode 'mapped': no slot layer is on the device")
+        if rc == native.ERR_ARG and not stand_in:
+            raise SpecterError(f"miss mode 'mapped': {model.device.spec} cannot read the host experts where they are "
+                               "(pinned host memory, CUDA only: is GGML_CUDA_NO_PINNED set?); use --miss cpu")
         if rc < 0:
             raise SpecterError(f"miss mode 'mapped': could not map the host experts (code {rc})")
         return nbytes

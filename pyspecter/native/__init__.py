@@ -15,6 +15,7 @@ from pyspecter.native.device_api import (
 from pyspecter.native.draft_api import DraftStats
 from pyspecter.native.engine_api import ReadFaults
 from pyspecter.native.lib import (
+    ERR_ARG,
     ERR_IO,
     INPUT_CB,
     KIND_DOWN,
@@ -44,7 +45,7 @@ from pyspecter.native.replay_api import Replay
 from pyspecter.native.stats_api import HIST_NS, layer_cpu_hist
 
 __all__ = [
-    "ERR_IO", "HIST_NS", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
+    "ERR_ARG", "ERR_IO", "HIST_NS", "KIND_DOWN", "KIND_GATE", "KIND_GATE_UP", "KIND_NAMES", "KIND_UP", "INPUT_CB",
     "NATIVE_IO", "NATIVE_MISS", "NATIVE_POLICIES", "PATCH_SERIES_VERSION", "ReadFaults", "ResidencyParams",
     "LAYER_FULL", "LAYER_HOST", "LAYER_KIND_NAMES", "LAYER_SLOTS", "count_syncs", "device_stats", "graph_splits",
     "map_host_experts", "read_table", "sync_counts",

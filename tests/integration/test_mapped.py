@@ -118,6 +118,23 @@ def test_the_rpc_device_reads_from_a_copy_that_stands_in(dev: Device) -> None:
     assert nbytes["mapped"] == nbytes["cpu"] > 0
 
 
+def test_without_a_stand_in_a_device_that_cannot_read_host_memory_maps_nothing(dev: Device) -> None:
+    """The strict form (what Python asks of any device but RPC, where a copy would be a GPU's memory beyond the
+    budget): refused, nothing half mapped, so the layers' graphs stay as they were and a later call can map."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
+    with native.Model(path, device=dev, host_layers=plan.host_layers) as m:
+        cache = ExpertCache(m, lay, lay.n_expert // 2, miss="cpu", kinds=plan.native_kinds(), speculate=True)
+        try:
+            assert native.map_host_experts(m.ptr, False) == (native.ERR_ARG, 0)
+            # a layer left mapped would refuse this (ERR_ENABLED: graphs built since may read its views)
+            rc, nbytes = native.map_host_experts(m.ptr, True)
+            assert rc == len(lay.layers) and nbytes == lay.expert_total_bytes
+        finally:
+            cache.close()
+
+
 @pytest.mark.parametrize("why", ["zero slots", "no speculation", "no device"])
 def test_mapped_misses_need_negative_ids_speculation_and_a_device(why: str, dev: Device,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
