@@ -97,7 +97,7 @@ def _f(x: object, fmt: str) -> str:
 ROW_NAMES = {"stock-n-cpu-moe": "stock `--n-cpu-moe {n}` (equal VRAM)", "stock-cpu-moe": "stock `--cpu-moe`",
              "plan": "ours, the layer plan ({plan})", "engine": "ours, the engine", "stock-device":
              "stock, every expert on the device (the floor)",
-             "on-demand-mapped": "ours, LRU, decode misses read by the GPU from pinned host memory (`--miss mapped`)"}
+             "on-demand-mapped": "ours, LRU, misses read by the GPU from pinned host memory (`--miss mapped`)"}
 
 
 def rows(bench: dict) -> list[dict]:
@@ -119,6 +119,8 @@ def rows(bench: dict) -> list[dict]:
         tpot = p["tpot_ms"]
         out.append({
             "policy": name, "row": label, "ms_per_token": tpot, "vs_stock_n_cpu_moe": tpot / ref if ref else None,
+            # the prompts' prefill (with --miss mapped a prompt ubatch's misses are read from the host copy too)
+            "prefill_tok_s": p.get("prefill_tok_s"),
             "switches_per_moe_layer": p.get("host_switches_per_moe_layer"),
             "switches_taken_per_moe_layer": p.get("switches_taken_per_moe_layer"),
             "host_syncs_per_token": p.get("host_syncs_per_token"),
@@ -180,24 +182,26 @@ def markdown(report: dict) -> str:
              f"{report['n_threads']} host threads, teacher-forced real text, {report['n']} tokens after a "
              f"{report['prompt_tokens']}-token prompt, one run per row; model built in {report['model_s']:.0f} s.",
              "",
-             "| VRAM for experts | placement | ms per token | ÷ stock `--n-cpu-moe` | host switches per MoE layer "
+             "| VRAM for experts | placement | ms per token | ÷ stock `--n-cpu-moe` | prefill tok/s "
+             "| host switches per MoE layer "
              "(splits / taken) | host syncs per MoE layer (counted, over the floor) | ms per token: host waits / "
              "CPU splits / device launches | upload GB/s: over the token / while copying (link); most batches in "
              "flight | hit rate "
              "| predicted ms (measured costs / refitted) "
              "| logits bit-equal to stock `--cpu-moe`'s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["sets"]:
         if "skipped" in s:
-            lines.append(f"| {s['budget']} | skipped: {s['skipped']} | | | | | | | | | |")
+            lines.append(f"| {s['budget']} | skipped: {s['skipped']} | | | | | | | | | | |")
             continue
         for r in s["rows"]:
             if "skipped" in r:
-                lines.append(f"| {s['budget']} | {r['row']} | skipped: {r['skipped'][:80]} | | | | | | | | |")
+                lines.append(f"| {s['budget']} | {r['row']} | skipped: {r['skipped'][:80]} | | | | | | | | | |")
                 continue
             same = r["same_logits_as_stock"]
             lines.append(
                 f"| {s['budget']} | {r['row']} | {r['ms_per_token']:.2f} | {_f(r['vs_stock_n_cpu_moe'], '.2f')} "
+                f"| {_f(r.get('prefill_tok_s'), '.0f')} "
                 f"| {_f(r['switches_per_moe_layer'], '.2f')} / {_f(r['switches_taken_per_moe_layer'], '.2f')} "
                 f"| {_f(r['host_syncs_per_moe_layer'], '.2f')} "
                 f"| {_f(r.get('host_wait_ms'), '.2f')} / {_f(r.get('host_split_ms'), '.2f')} / "

@@ -28,7 +28,9 @@
 #      (the device enumerates, memory); and tools/mmid_check.py: patch 0008's negative ids on each MUL_MAT_ID
 #      kernel path it touches (mmvq, its several-token kernel, MMQ, MMF, the fused gate+up+GLU), against the CPU
 #   4. verify: every fixture arch (pyspecter/models/tiny.py TINY_MODELS) with --device cuda0, slots k, E/2 and E,
-#      misses wait and cpu, and at E/2 mapped (the GPU reads decode misses from pinned host memory); verify's `contract_ok` decides where its JSON has one (the GPU contract: never NaN/inf,
+#      misses wait and cpu, and at E/2 mapped (the GPU reads misses from pinned host memory: decode's with MMVQ/MMF,
+#      and with the long prompt a prompt ubatch's with MMQ, MMF or cuBLAS); verify's `contract_ok` decides where its
+#      JSON has one (the GPU contract: never NaN/inf,
 #      every expert in a slot = stock-device, with misses no further from stock-device than stock's --cpu-moe run;
 #      the row shows the reference and the bound), else the CPU criterion against stock with the same placement
 #      (identical greedy tokens, max |dlogit| <= 1e-4); plus one prompt of >= 32 tokens per arch (the ubatch where
@@ -734,7 +736,7 @@ for n, s in TINY_MODELS.items():
     # then misses the GPU reads from pinned host memory (--miss mapped, csrc/mapped.cpp)
     cs = [(half, "cpu", "short", "neg"), (half, "cpu", "short", "zero"), (half, "mapped", "short", "neg")] + [
         (k, miss, "short", "neg") for k in sorted({s.n_expert_used, half, s.n_expert}) for miss in ("wait", "cpu")
-        if (k, miss) != (half, "cpu")] + [(half, "cpu", "long", "neg")]
+        if (k, miss) != (half, "cpu")] + [(half, "cpu", "long", "neg"), (half, "mapped", "long", "neg")]
     per_arch.append([(n, *c) for c in cs])
 for j in range(max(map(len, per_arch))):
     for a, cs in enumerate(per_arch):
