@@ -89,14 +89,14 @@ def weights(wtype: int, rng: np.random.Generator) -> bytes:
 
 
 def ids_for(n_tok: int) -> np.ndarray:
-    """[n_tok, N_USED] distinct experts a token, some rows -1, token 1 (where there is one) all -1."""
+    """[n_tok, N_USED] distinct experts a token, some rows negative, token 1 (where there is one) all negative. A
+    negative row is ~expert (-1 - expert), as the runtime's slot path writes a miss (csrc pyspecter_miss_id), so
+    a kernel that tested for -1 alone would fail here."""
     ids = np.array([[(t + 3 * j) % N_AS for j in range(N_USED)] for t in range(n_tok)], dtype=np.int32)
     for t in range(n_tok):
         for j in range(N_USED):
-            if (t + j) % 3 == 0:
-                ids[t, j] = -1
-    if n_tok > 1:
-        ids[1] = -1
+            if (t + j) % 3 == 0 or t == 1:
+                ids[t, j] = ~ids[t, j]
     return ids
 
 
