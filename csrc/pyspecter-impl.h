@@ -631,3 +631,7 @@ inline int64_t pyspecter_now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
             std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+// Counted into this thread's llama_pyspecter_sync_counts (stats.cpp): the host's bookkeeping after a speculated
+// ubatch (speculate.cpp), time between ubatches in which the device has nothing queued.
+void pyspecter_count_settle(int64_t ns);

@@ -141,10 +141,17 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
     }
     st->backoff = 0;
     // every row hit, or a mapped layer's device read it: the host-side routing of each layer, in forward order, from
-    // the logs read above
+    // the logs read above. The ubatch has run (the wait above), so no slot path reads a table again before the next
+    // fence pushes it: an eviction decided now need not reach the device at once (pyspecter_mark_passed), which
+    // would put a copy to the device (queued behind uploads in flight) between this ubatch and the next
+    const int64_t t0 = pyspecter_now_ns();
+    for (auto * L : st->layers) {
+        pyspecter_mark_passed(L);
+    }
     for (auto * L : st->layers) {
         pyspecter_route_settled(L, logs[L->table].data() + pyspecter_log_offset(L, st->n_tokens),
                                 st->n_tokens, n_used);
     }
+    pyspecter_count_settle(pyspecter_now_ns() - t0);
     return false;
 }

@@ -230,6 +230,10 @@ int32_t llama_pyspecter_count_syncs(ggml_backend_dev_t dev) {
     return LLAMA_PYSPECTER_OK;
 }
 
+void pyspecter_count_settle(int64_t ns) {
+    t_sync.settle_ns += ns;
+}
+
 void llama_pyspecter_get_sync_counts(struct llama_pyspecter_sync_counts * out) {
     if (out) {
         *out = t_sync;

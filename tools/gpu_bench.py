@@ -129,6 +129,8 @@ def rows(bench: dict) -> list[dict]:
             # computing the host's splits, launching the device's
             "host_wait_ms": p.get("host_wait_ms_per_token"), "host_split_ms": p.get("host_split_ms_per_token"),
             "device_launch_ms": p.get("device_launch_ms_per_token"),
+            # ... and after a speculated ubatch, residency's bookkeeping from the log (the device idle meanwhile)
+            "host_settle_ms": p.get("host_settle_ms_per_token"),
             # what a token moved over its own time: the issue's "effective" rate (58.8 MB in an 11.8 ms token)
             "upload_gbps": p["bytes_per_token"] / (tpot * 1e6) if p.get("bytes_per_token") else 0.0,
             # ... and the copies' own rate (bytes over the time some batch was in flight, first copy to landing): near
@@ -185,8 +187,8 @@ def markdown(report: dict) -> str:
              "| VRAM for experts | placement | ms per token | ÷ stock `--n-cpu-moe` | prefill tok/s "
              "| host switches per MoE layer "
              "(splits / taken) | host syncs per MoE layer (counted, over the floor) | ms per token: host waits / "
-             "CPU splits / device launches | upload GB/s: over the token / while copying (link); most batches in "
-             "flight | hit rate "
+             "CPU splits / device launches / settling | upload GB/s: over the token / while copying (link); most "
+             "batches in flight | hit rate "
              "| predicted ms (measured costs / refitted) "
              "| logits bit-equal to stock `--cpu-moe`'s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -205,7 +207,7 @@ def markdown(report: dict) -> str:
                 f"| {_f(r['switches_per_moe_layer'], '.2f')} / {_f(r['switches_taken_per_moe_layer'], '.2f')} "
                 f"| {_f(r['host_syncs_per_moe_layer'], '.2f')} "
                 f"| {_f(r.get('host_wait_ms'), '.2f')} / {_f(r.get('host_split_ms'), '.2f')} / "
-                f"{_f(r.get('device_launch_ms'), '.2f')} "
+                f"{_f(r.get('device_launch_ms'), '.2f')} / {_f(r.get('host_settle_ms'), '.2f')} "
                 f"| {r['upload_gbps']:.2f} / {_f(r.get('upload_busy_gbps'), '.2f')} ({_f(r['link_gbps'], '.1f')}); "
                 f"{r.get('upload_inflight_peak') or '-'} "
                 f"| {_f(r['hit_rate'], '.1%')}{_spec(r)} "

@@ -373,20 +373,22 @@ def device_table(bench_json, out):
     names = [n for n in order if n in pol] + [n for n in pol if n not in order]
     lines = [f"{r['model'].rsplit('/', 1)[-1]} on {r.get('device')}, budget {r['budget']}",
              f"{'placement':<18} {'TPOT ms':>9} {'splits/token':>13} {'switches/MoE layer':>19} "
-             f"{'syncs/token':>11} {'wait/split/launch ms':>21}  note"]
+             f"{'syncs/token':>11} {'wait/split/launch/settle ms':>27}  note"]
     for n in names:
         p = pol[n]
         if "tpot_ms" not in p:
-            lines.append(f"{n:<18} {'-':>9} {'-':>13} {'-':>19} {'-':>11} {'-':>21}  {str(p.get('skipped', ''))[:60]}")
+            lines.append(f"{n:<18} {'-':>9} {'-':>13} {'-':>19} {'-':>11} {'-':>27}  {str(p.get('skipped', ''))[:60]}")
             continue
         note = f"N={p['n_cpu_moe']}" if "n_cpu_moe" in p else ""
         if n == "plan" and "layer_plan" in r:
             lp = r["layer_plan"]
             note = (f"{lp['plan']}; predicted {lp['predicted_ms']:.2f} ms vs stock --n-cpu-moe "
                     f"{lp['predicted_stock_n_cpu_moe_ms']:.2f}, --cpu-moe {lp['predicted_stock_cpu_moe_ms']:.2f}")
-        # where the token went (bench's device times): host waits, CPU splits, device launches; the rest is copies
+        # where the token went (bench's device times): host waits, CPU splits, device launches, and the bookkeeping
+        # after a speculated ubatch (the device idle); the rest is copies
         times = "/".join(f"{p[k]:.2f}" if k in p else "-" for k in
-                         ("host_wait_ms_per_token", "host_split_ms_per_token", "device_launch_ms_per_token"))
+                         ("host_wait_ms_per_token", "host_split_ms_per_token", "device_launch_ms_per_token",
+                          "host_settle_ms_per_token"))
         if p.get("bytes_per_token") and p.get("upload_busy_gbps"):  # what moved, its rate, batches in flight
             note = (note + "; " if note else "") + (f"uploads {p['bytes_per_token'] / 1e6:.1f} MB/token, "
                                                     f"{p['upload_busy_gbps']:.1f} GB/s while copying, "
@@ -398,7 +400,7 @@ def device_table(bench_json, out):
         splits = p.get("splits_computed_per_token", p.get("splits_per_token", "-"))
         switches = p.get("switches_taken_per_moe_layer", p.get("host_switches_per_moe_layer", float("nan")))
         lines.append(f"{n:<18} {p['tpot_ms']:>9.2f} {splits:>13} {switches:>19.2f} "
-                     f"{p.get('host_syncs_per_token', float('nan')):>11.1f} {times:>21}  {note}")
+                     f"{p.get('host_syncs_per_token', float('nan')):>11.1f} {times:>27}  {note}")
     text = "\n".join(lines)
     print(text)
     Path(out, "device_table.txt").write_text(text + "\n")

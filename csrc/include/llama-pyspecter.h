@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 29
+#define LLAMA_PYSPECTER_VERSION 30
 
 #ifdef __cplusplus
 extern "C" {
@@ -160,8 +160,9 @@ LLAMA_API void    llama_pyspecter_set_route_weights(struct llama_model * model, 
 LLAMA_API void    llama_pyspecter_set_speculate(struct llama_model * model, bool enabled);
 // Misses the device reads from the host copy (docs/DEVICES.md, candidate 1): each device slot layer gets a device
 // view of its host experts, and a speculated ubatch adds to each slot matmul one over that view for the rows whose
-// expert is not resident (their slot id is -1), so it never redoes: with speculation on, decode runs with no CPU
-// split and no host wait inside the token whatever it hits, and residency hears the routing after it. The view is
+// expert is not resident (their slot id is ~expert), so it never redoes: with speculation on, decode and prompt
+// ubatches (up to 512 tokens) run with no CPU split and no host wait inside them whatever they hit, and residency
+// hears the routing after each. The view is
 // the host memory itself where the device's kernels read it in place (CUDA, experts in its pinned host buffer
 // type: no copy, no device memory); elsewhere, with allow_copy, a device copy of every expert stands in (the RPC
 // device in tests: it costs the experts' bytes of device memory, returned in *copy_bytes). Needs a device that
@@ -456,6 +457,8 @@ struct llama_pyspecter_sync_counts {
     int64_t sync_ns;           // in the syncs and event_syncs above: the host waiting for the device
     int64_t host_compute_ns;   // in host graph computes: the CPU splits (synchronous: their whole compute)
     int64_t device_compute_ns; // in device graph computes: launching a split (asynchronous on CUDA; a round trip on RPC)
+    int64_t settle_ns;         // after a speculated ubatch, the host's bookkeeping from its log (residency hearing
+                               // each layer's routing): between ubatches, where the device waits for the next
 };
 // Count dev's synchronisations from now on (its backends made after this call; idempotent; dev a ggml device,
 // the CPU's too: its graph computes are the host splits). 0, or LLAMA_PYSPECTER_ERR_ARG.
@@ -464,9 +467,9 @@ LLAMA_API void    llama_pyspecter_get_sync_counts(struct llama_pyspecter_sync_co
 LLAMA_API void    llama_pyspecter_sync_counts_reset(void);
 // Layer il's row of its device's remap table, read back from the device: a plane per row j of a token (n_used
 // of them), (slot, expert) per expert in each, 2 * n_expert * n_used int32 into out (n at least that). The slot
-// matmul's ids are get_rows over it, so every slot in it must be a slot or, for an expert not resident, -1 where
-// the device takes negative ids, else the layer's zero slot j (n_slots + j), so that a token's rows never share
-// one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS, or LLAMA_PYSPECTER_ERR_ARG (no such device
+// matmul's ids are get_rows over it, so every slot in it must be a slot or, for an expert e not resident, ~e
+// (-1 - e) where the device takes negative ids, else the layer's zero slot j (n_slots + j), so that a token's rows
+// never share one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS, or LLAMA_PYSPECTER_ERR_ARG (no such device
 // layer, or n too small).
 LLAMA_API int32_t llama_pyspecter_read_table(const struct llama_model * model, int32_t il, int32_t * out, int32_t n);
 

@@ -133,6 +133,8 @@ class SyncCounts(ctypes.Structure):
         ("sync_ns", ctypes.c_int64),
         ("host_compute_ns", ctypes.c_int64),
         ("device_compute_ns", ctypes.c_int64),
+        # after a speculated ubatch: the host's bookkeeping from its log, between ubatches (the device idles)
+        ("settle_ns", ctypes.c_int64),
     ]
 
     syncs: int
@@ -143,6 +145,7 @@ class SyncCounts(ctypes.Structure):
     sync_ns: int
     host_compute_ns: int
     device_compute_ns: int
+    settle_ns: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}

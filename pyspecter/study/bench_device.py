@@ -47,7 +47,10 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
                    # splits, launching the device's (the rest: the scheduler's copies, sampling, Python)
                    host_wait_ms_per_token=per.get("sync_ns", 0) / 1e6,
                    host_split_ms_per_token=per.get("host_compute_ns", 0) / 1e6,
-                   device_launch_ms_per_token=per.get("device_compute_ns", 0) / 1e6)
+                   device_launch_ms_per_token=per.get("device_compute_ns", 0) / 1e6,
+                   # after a speculated ubatch, residency hearing each layer's routing from the log: host time
+                   # between tokens, in which the device waits
+                   host_settle_ms_per_token=per.get("settle_ns", 0) / 1e6)
     return out
 
 

@@ -98,6 +98,9 @@ def test_under_lru_the_misses_move_in_after_the_token_and_stay_exact(dev: Device
     assert on["stats"]["spec_ubatches"] == N_TOKENS + 1 and on["stats"]["spec_redos"] == 0
     assert on["stats"]["mapped_rows"] > 0
     assert on["counters"]["uploads"] > 0  # LRU heard the misses from the log and brought them in
+    # ... after the ubatch had run: its evictions waited for the next fence instead of each writing the device's
+    # table at once (a copy to the device between tokens, queued behind the uploads in flight)
+    assert on["stats"]["eviction_writes"] == 0, on["stats"]
 
 
 def test_the_rpc_device_reads_from_a_copy_that_stands_in(dev: Device) -> None:

@@ -29,6 +29,7 @@ def _bench(with_floor: bool) -> dict:
                             "bytes_per_token": 0, "hit_rate": 1.0, "predicted_ms": 19.0, "same_logits_as_stock": True},
         "plan": {"tpot_ms": 16.0, "host_switches_per_moe_layer": 1.0, "host_syncs_per_token": 128.0,
                  "host_wait_ms_per_token": 3.5, "host_split_ms_per_token": 6.25, "device_launch_ms_per_token": 0.5,
+                 "host_settle_ms_per_token": 0.125,
                  "bytes_per_token": 40e6, "upload_busy_gbps": 20.0, "upload_inflight_peak": 3, "hit_rate": 0.8,
                  "predicted_ms": 15.0, "same_logits_as_stock": True, "prefill_tok_s": 812.4},
         "engine": {"skipped": "no room"},
@@ -58,8 +59,8 @@ def test_rows_and_floor(gb) -> None:
     assert "| 16GiB | ours, the layer plan (24 full, 12 slots (64/128), 12 host) | 16.00 | 0.80 | 812 |" in md
     assert "| 8GiB | ours, the engine | skipped: no room |" in md
     # where the time went: bench's three device times, per token; a row without them shows dashes
-    assert "| 2.50 | 3.50 / 6.25 / 0.50 |" in md
-    assert "| - / - / - |" in md
+    assert "| 2.50 | 3.50 / 6.25 / 0.50 / 0.12 |" in md
+    assert "| - / - / - / - |" in md
     # uploads: over the token's time / while copying (the link at start); the most batches in flight; stock moves
     # nothing
     assert "| 2.50 / 20.00 (50.0); 3 |" in md and "| 0.00 / - (50.0); - |" in md
