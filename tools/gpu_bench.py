@@ -81,7 +81,10 @@ def _spec(r: dict) -> str:
     spec = r.get("speculated_per_token")
     if not spec:
         return ""
-    return f", speculated {spec:.2f}/token, {(r.get('redone_per_token') or 0.0) / spec:.0%} redone"
+    out = f", speculated {spec:.2f}/token, {(r.get('redone_per_token') or 0.0) / spec:.0%} redone"
+    if r.get("table_kb_per_token"):  # the fence's synchronous copy of the remap tables, before each ubatch
+        out += f", tables {r['table_kb_per_token']:.0f} KiB/token"
+    return out
 
 
 def _zero(bench: dict) -> str:
@@ -143,6 +146,9 @@ def rows(bench: dict) -> list[dict]:
             "speculated_per_token": p.get("spec_ubatches_per_token"), "redone_per_token": p.get("spec_redos_per_token"),
             # rows the device read from the host copy (--miss mapped), and device memory a copy of it took (0 on CUDA)
             "mapped_rows_per_token": p.get("mapped_rows_per_token"), "mapped_copy_mb": p.get("mapped_copy_mb"),
+            # the remap tables' bytes a token, pushed by the fence before a ubatch (one synchronous copy)
+            "table_kb_per_token": (p["table_bytes_per_token"] / 1024 if p.get("table_bytes_per_token") is not None
+                                   else None),
             "predicted_ms": p.get("predicted_ms"), "predicted_calibrated_ms": p.get("predicted_calibrated_ms"),
             "same_logits_as_stock": p.get("same_logits_as_stock"),
         })

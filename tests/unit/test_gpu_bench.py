@@ -29,7 +29,8 @@ def _bench(with_floor: bool) -> dict:
                             "bytes_per_token": 0, "hit_rate": 1.0, "predicted_ms": 19.0, "same_logits_as_stock": True},
         "plan": {"tpot_ms": 16.0, "host_switches_per_moe_layer": 1.0, "host_syncs_per_token": 128.0,
                  "host_wait_ms_per_token": 3.5, "host_split_ms_per_token": 6.25, "device_launch_ms_per_token": 0.5,
-                 "host_settle_ms_per_token": 0.125,
+                 "host_settle_ms_per_token": 0.125, "spec_ubatches_per_token": 1.0, "spec_redos_per_token": 0.0,
+                 "table_bytes_per_token": 16384.0,
                  "bytes_per_token": 40e6, "upload_busy_gbps": 20.0, "upload_inflight_peak": 3, "hit_rate": 0.8,
                  "predicted_ms": 15.0, "same_logits_as_stock": True, "prefill_tok_s": 812.4},
         "engine": {"skipped": "no room"},
@@ -64,6 +65,8 @@ def test_rows_and_floor(gb) -> None:
     # uploads: over the token's time / while copying (the link at start); the most batches in flight; stock moves
     # nothing
     assert "| 2.50 / 20.00 (50.0); 3 |" in md and "| 0.00 / - (50.0); - |" in md
+    # a speculated row: its ubatches with no host path, those redone, and the tables the fences pushed
+    assert "| 80.0%, speculated 1.00/token, 0% redone, tables 16 KiB/token |" in md
     # every row has as many cells as the header
     table = [ln for ln in md.splitlines() if ln.startswith("|")]
     assert len({ln.count("|") for ln in table}) == 1, table
