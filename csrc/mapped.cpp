@@ -1,9 +1,9 @@
 // Misses the device reads from the host copy (candidate 1 of docs/DEVICES.md): a speculated slot layer (speculate.cpp)
 // adds, to each expert matmul over its slots, one over a device view of the layer's host experts, whose ids are the
 // expert where the slot path read nothing (a negative id, ~expert: the layer has no zero slots) and negative
-// elsewhere. Each row is
-// then exact in one term and zero in the other, so a token that misses needs no redo and no CPU split: the layer
-// never waits for the host, whatever it hits. Residency still learns the routing after the token, from the log.
+// elsewhere. Each row is then exact in one term and zero in the other, so a token that misses needs no redo and no
+// CPU split: the layer never waits for the host, whatever it hits. Residency still learns the routing after the
+// token, from the log.
 //
 // The view: on CUDA, where the model's host experts are in the device's pinned host buffer type (CUDA_Host, from
 // cudaMallocHost: under unified addressing its device pointer is its host pointer), a buffer of the device's own

@@ -162,8 +162,8 @@ int32_t lru_sim_call(std::vector<int64_t> & res, const std::vector<int32_t> & ne
 // One remap table per device: [2 * n_expert * n_used, n_layer] I32 in a weights buffer of that device, and its host
 // image. A layer's row holds a plane per row j of a token: (slot, expert) per expert, and where the expert is not
 // resident what a miss reads (pyspecter_miss_id): ~expert, or zero slot j where the kernel takes no negative id, so
-// that a token's misses read distinct zero slots. The slot path looks up plane j's
-// row of the expert (one get_rows over the row seen as [2, n_expert, n_used]).
+// that a token's misses read distinct zero slots. The slot path looks up plane j's row of the expert (one get_rows
+// over the row seen as [2, n_expert, n_used]).
 struct llama_pyspecter_table {
     ggml_tensor * t = nullptr;
     // what a speculated ubatch's slot paths looked up, as the device wrote them: for each layer in turn,

@@ -353,8 +353,8 @@ ggml_tensor * llama_pyspecter_build_route(ggml_context * ctx, const llama_pyspec
                                                (n_tok <= PYSPECTER_SPEC_MAX_TOKENS ||
                                                 (pyspecter_is_mapped(L) && n_tok <= PYSPECTER_LOG_MAX_TOKENS)));
     if (split) {
-        // (slot, expert) of every (token, expert) row, looked up on the device: the slot path's ids (zero slot j
-        // where row j's expert is not resident: never a negative id, never one twice in a token), and packed
+        // (slot, expert) of every (token, expert) row, looked up on the device: the slot path's ids (where row j's
+        // expert is not resident, what a miss reads: pyspecter_miss_id, never a slot twice in a token), and packed
         // behind the layer's input for the host to read back in one copy; ordered misses, Python's or C's, keep
         // the per-matmul route: their late path needs it
         const auto & tab = slots->tables[L->table];

@@ -162,14 +162,13 @@ LLAMA_API void    llama_pyspecter_set_speculate(struct llama_model * model, bool
 // view of its host experts, and a speculated ubatch adds to each slot matmul one over that view for the rows whose
 // expert is not resident (their slot id is ~expert), so it never redoes: with speculation on, decode and prompt
 // ubatches (up to 512 tokens) run with no CPU split and no host wait inside them whatever they hit, and residency
-// hears the routing after each. The view is
-// the host memory itself where the device's kernels read it in place (CUDA, experts in its pinned host buffer
-// type: no copy, no device memory); elsewhere, with allow_copy, a device copy of every expert stands in (the RPC
-// device in tests: it costs the experts' bytes of device memory, returned in *copy_bytes). Needs a device that
-// takes negative ids (no zero slots: llama_pyspecter_zero_slots). Call after slots_init and before creating a
-// context. Returns the layers mapped (0: none on a device), or LLAMA_PYSPECTER_ERR_NO_SLOTS, ERR_ENABLED (mapped
-// already), ERR_ARG (a layer with zero slots, or host experts the device cannot read and allow_copy 0),
-// ERR_NO_MEMORY.
+// hears the routing after each. The view is the host memory itself where the device's kernels read it in place
+// (CUDA, experts in its pinned host buffer type: no copy, no device memory); elsewhere, with allow_copy, a device
+// copy of every expert stands in (the RPC device in tests: it costs the experts' bytes of device memory, returned in
+// *copy_bytes; Python allows it on RPC only). Needs a device that takes negative ids (no zero slots:
+// llama_pyspecter_zero_slots). Call after slots_init and before creating a context. Returns the layers mapped (0:
+// none on a device), or LLAMA_PYSPECTER_ERR_NO_SLOTS, ERR_ENABLED (mapped already), ERR_ARG (a layer with zero
+// slots, or host experts the device cannot read and allow_copy 0; nothing is mapped then), ERR_NO_MEMORY.
 LLAMA_API int32_t llama_pyspecter_map_host_experts(struct llama_model * model, int32_t allow_copy, size_t * copy_bytes);
 
 // Called once per MoE layer per ubatch from the compute thread, just before the routing hook, with the layer's
@@ -469,8 +468,8 @@ LLAMA_API void    llama_pyspecter_sync_counts_reset(void);
 // of them), (slot, expert) per expert in each, 2 * n_expert * n_used int32 into out (n at least that). The slot
 // matmul's ids are get_rows over it, so every slot in it must be a slot or, for an expert e not resident, ~e
 // (-1 - e) where the device takes negative ids, else the layer's zero slot j (n_slots + j), so that a token's rows
-// never share one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS, or LLAMA_PYSPECTER_ERR_ARG (no such device
-// layer, or n too small).
+// never share one. Returns 2 * n_expert * n_used, LLAMA_PYSPECTER_ERR_NO_SLOTS, or LLAMA_PYSPECTER_ERR_ARG (no
+// such device layer, or n too small).
 LLAMA_API int32_t llama_pyspecter_read_table(const struct llama_model * model, int32_t il, int32_t * out, int32_t n);
 
 // Counters since the last reset (all zero when slots are not enabled).
