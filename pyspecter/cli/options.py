@@ -23,8 +23,9 @@ AutoTierOpt = Annotated[str | None, typer.Option(help="slow tier: ram, disk, emu
                                                       "(one line says what and why)")]
 MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host compute, upload in the background), "
                                                     "host (host compute from the home copy, nothing moved), wait "
-                                                    "(upload first) or mapped (a GPU reads decode misses from "
-                                                    "pinned host memory, upload in the background); default: wait "
+                                                    "(upload first) or mapped (a GPU reads the misses, prompts' "
+                                                    "too, from pinned host memory, upload in the background); "
+                                                    "default: wait "
                                                     "on the disk tier (its host copy is on disk too), host on the "
                                                     "RAM tier without a device, else cpu. surrogate: APPROXIMATE, "
                                                     "computes single-token misses with a narrow copy of the expert "

@@ -152,7 +152,7 @@ def mixed_plans(lay) -> list[LayerPlan]:
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
 def test_layer_plans_on_rpc_device_are_exact(name: str, miss: str, rpc: str) -> None:
     """Full, host and slot layers side by side; stock with the same placement (full layers' experts on the
-    device) is the reference. Mapped: the slot layers' decode misses read by the device, the host layers'
+    device) is the reference. Mapped: the slot layers' misses read by the device, the host layers'
     CPU splits kept."""
     path = build_tiny(name)
     lay = read_layout(path)
