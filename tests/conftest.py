@@ -31,3 +31,20 @@ def dense_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@pytest.fixture(scope="module")
+def dev():
+    """A strict RPC server's device for one module's in-process tests (integration/test_device.rpc_device); a
+    module that needs another (counted synchronisations) defines its own."""
+    from test_device import rpc_device
+
+    yield from rpc_device()
+
+
+@pytest.fixture
+def poisoned_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device slots start as NaN, not zeros (a GPU's fresh memory is garbage, the RPC server's is zeroed): a read of
+    a slot before an upload wrote it, or of a zero slot never zeroed, turns the logits NaN. A module takes it with
+    ``pytestmark = pytest.mark.usefixtures("poisoned_slots")``."""
+    monkeypatch.setenv("SPECTER_POISON_SLOTS", "1")

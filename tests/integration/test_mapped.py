@@ -5,11 +5,8 @@ slots). What this cannot show: the rate a GPU reads host memory at (gpu_probe's 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
-from test_device import rpc_device
 from test_speculate import N_TOKENS, PROMPT, decode, evict, slotted
 
 from pyspecter import native
@@ -21,15 +18,7 @@ from pyspecter.models.tiny import build_tiny
 from pyspecter.native.devices import Device
 from pyspecter.native.hooks import Hooks
 
-
-@pytest.fixture(scope="module")
-def dev() -> Iterator[Device]:
-    yield from rpc_device()
-
-
-@pytest.fixture(autouse=True)
-def poisoned_slots(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECTER_POISON_SLOTS", "1")
+pytestmark = pytest.mark.usefixtures("poisoned_slots")  # tests/conftest.py; the device: its `dev` fixture
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])

@@ -10,7 +10,6 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from test_device import rpc_device
 
 from pyspecter import native
 from pyspecter.cache import ExpertCache
@@ -24,14 +23,7 @@ PROMPT = "the scheduler counts what it does"
 N_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def dev() -> Iterator[Device]:
-    yield from rpc_device()
-
-
-@pytest.fixture(autouse=True)
-def poisoned_slots(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECTER_POISON_SLOTS", "1")
+pytestmark = pytest.mark.usefixtures("poisoned_slots")  # tests/conftest.py; the device: its `dev` fixture
 
 
 @contextmanager
