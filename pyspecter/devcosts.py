@@ -183,22 +183,76 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
     return costs
 
 
+def _upload_share(model: native.Model, layout: ModelLayout, n_slots: int, link_gbps: float, step_s: float,
+                  n_threads: int, rounds: int = 5, per_round: int = 3) -> float | None:
+    """The share of an upload's time a token waits for when the upload runs beside it, in steady state. Rounds of
+    ``per_round`` one-token steps alone (C), their uploads alone (U: queued, the last awaited), and the steps with
+    the uploads queued before each (D: the last awaited at the end, so that an upload a token's compute held back
+    still counts): (D - C) / U, the median of the rounds, in [0, 1]. Each step's uploads are worth half a step at
+    the measured link, into slots nothing maps (what the kernels read stays as it was). None where an upload is
+    refused or failed."""
+    api = native.slots()
+    layers = [L.index for L in layout.layers]
+    eb = max(L.expert_bytes for L in layout.layers)
+    n_up = int(min(max(round(0.5 * step_s * link_gbps * 1e9 / eb), 1), 4 * len(layers)))
+    jobs = [(layers[i % len(layers)], (i // len(layers)) % layout.n_expert, (i // len(layers)) % n_slots)
+            for i in range(4 * len(layers) * n_slots)]
+    at = [0]
+
+    def queue(n: int) -> int:
+        """n uploads queued: the last one's ticket, or a negative status (refused)."""
+        ticket = 0
+        for _ in range(n):
+            il, e, slot = jobs[at[0] % len(jobs)]
+            at[0] += 1
+            ticket = api.load_expert_async(model.ptr, il, e, slot)
+            if ticket < 0:
+                break
+        return ticket
+
+    toks = iter(_tokens(model.n_vocab, 1 + 2 * rounds * per_round))
+    shares = []
+    with native.Context(model, n_ctx=2 + 2 * rounds * per_round + 16, n_threads=n_threads) as ctx:
+        ctx.decode([next(toks)], logits=True)  # warm-up
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                ctx.decode([next(toks)], logits=True)
+            c = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ticket = queue(per_round * n_up)
+            if ticket < 0 or api.upload_wait(model.ptr, ticket) != 1:
+                return None
+            u = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                ticket = queue(n_up)
+                if ticket < 0:
+                    return None
+                ctx.decode([next(toks)], logits=True)
+            if api.upload_wait(model.ptr, ticket) != 1:
+                return None
+            shares.append((time.perf_counter() - t0 - c) / u if u > 0 else 1.0)
+    return min(max(statistics.median(shares), 0.0), 1.0)
+
+
 def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs: DeviceCosts, *, reps: int = 5,
                    n_threads: int = 2, use_cache: bool = True) -> DeviceCosts:
-    """``costs`` with ``map_row_us``: a (token, expert) row the device computes from the host copy (``--miss
-    mapped``). One load of the model with every layer's experts on the host decodes one-token steps twice: as
-    stock --cpu-moe (A), then with every layer a slot layer holding nothing, so that each row is read from the host
-    copy (C). A - C = L (2 split + k cpu_row) - L k map_row, the split and the host row taken from ``costs`` (C's
-    one extra wait a token, for the log, counts in its rows). One load, not two side by side as ``measure`` does:
-    a big model's pinned host copy is most of what it costs. On the RPC device a device copy stands in for the
-    host's memory (csrc/mapped.cpp), so the row measured there is the device's own, not the link's. Cached beside
-    the costs."""
+    """``costs`` with ``map_row_us``, a (token, expert) row the device computes from the host copy (``--miss
+    mapped``), and ``upload_share``. One load of the model with every layer's experts on the host decodes one-token
+    steps twice: as stock --cpu-moe (A), then with every layer a slot layer holding nothing, so that each row is
+    read from the host copy (C). A - C = L (2 split + k cpu_row) - L k map_row, the split and the host row taken
+    from ``costs`` (C's one extra wait a token, for the log, counts in its rows). Then C's steps again beside
+    uploads into the empty slots: what the token waits for of them (``_upload_share``; they share the link with
+    C's reads). One load, not two side by side as ``measure`` does: a big model's pinned host copy is most of what
+    it costs. On the RPC device a device copy stands in for the host's memory (csrc/mapped.cpp), so the row
+    measured there is the device's own, not the link's. Cached beside the costs."""
     from pyspecter.cache import ExpertCache
 
     key = cache_key(path, device, n_threads) + "|mapped"
-    known = _cached()
-    if use_cache and key in known:
-        return replace(costs, map_row_us=float(known[key]["map_row_us"]))
+    known = _cached().get(key, {})
+    if use_cache and "upload_share" in known:  # null where refused
+        return replace(costs, map_row_us=float(known["map_row_us"]), upload_share=known["upload_share"])
     k, L = layout.n_expert_used, len(layout.layers)
     with native.Model(path, device=device) as m:
         steps = [[t] for t in _tokens(m.n_vocab, 1 + reps)]
@@ -206,19 +260,20 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
         cache = ExpertCache(m, layout, k, miss="mapped", hook=False)  # nothing resident: every row a miss
         try:
             (tc,) = _timed_rounds([m], steps, n_threads)
+            share = _upload_share(m, layout, k, costs.link_gbps, statistics.median(tc), n_threads)
         finally:
             cache.close()
     a_over_c = (statistics.median(ta) - statistics.median(tc)) * 1e6
     map_row = max((L * (2 * costs.split_us + k * costs.cpu_row_us) - a_over_c) / (L * k), 0.0)
-    _save(key, {"map_row_us": map_row, "source": "measured"})
-    return replace(costs, map_row_us=map_row)
+    _save(key, {"map_row_us": map_row, "upload_share": share, "source": "measured"})
+    return replace(costs, map_row_us=map_row, upload_share=share)
 
 
-_FIELDS = ("split_us", "link_gbps", "cpu_row_us", "dev_row_us", "base_us", "map_row_us")
+_FIELDS = ("split_us", "link_gbps", "cpu_row_us", "dev_row_us", "base_us", "map_row_us", "upload_share")
 
 
 def _costs(entry: dict) -> DeviceCosts:
-    return DeviceCosts(**{k: float(entry[k]) for k in _FIELDS if k in entry})
+    return DeviceCosts(**{k: float(entry[k]) for k in _FIELDS if entry.get(k) is not None})
 
 
 def _cached() -> dict:

@@ -35,11 +35,16 @@ class DeviceCosts:
     # a row the device computes from the host copy, its expert read over the link (--miss mapped; None: unmeasured,
     # ``devcosts.measure_mapped``)
     map_row_us: float | None = None
+    # the share of an upload's link time a token waits for when uploads run beside it under --miss mapped: 0 wholly
+    # hidden (their own stream on a GPU), 1 the token waits for all of it (RPC's one server thread); None:
+    # unmeasured, counted in full (``devcosts.measure_mapped``)
+    upload_share: float | None = None
 
     def as_dict(self) -> dict[str, float]:
         out = {"split_us": self.split_us, "link_gbps": self.link_gbps, "cpu_row_us": self.cpu_row_us,
                "dev_row_us": self.dev_row_us, "base_us": self.base_us}
-        return out if self.map_row_us is None else {**out, "map_row_us": self.map_row_us}
+        return {**out, **{k: v for k, v in (("map_row_us", self.map_row_us), ("upload_share", self.upload_share))
+                          if v is not None}}
 
 
 @dataclass(frozen=True)
@@ -113,13 +118,15 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped:
     device path runs all k rows (misses on zero slots), its misses run on the host as well and are uploaded
     (counted in full: on RPC the link is this machine's CPU). ``mapped`` (``--miss mapped``, costs with a
     ``map_row_us``): a slot layer takes no switch, its hits are device rows and its misses rows the device reads
-    from the host copy; ``uploads`` False: residency moves nothing (static-hot-mapped)."""
+    from the host copy, and its uploads cost the token the measured share of their link time (``upload_share``;
+    in full where unmeasured); ``uploads`` False: residency moves nothing (static-hot-mapped)."""
     if mapped and costs.map_row_us is None:
         raise SpecterError("the costs have no measured row read from the host copy (devcosts.measure_mapped)")
     k = layout.n_expert_used
     h = hit_rate(plan.n_slots, layout.n_expert)
     eb = {L.index: L.expert_bytes for L in layout.layers}
     t = costs.base_us
+    share = costs.upload_share if mapped and costs.upload_share is not None else 1.0
     for il, kind in plan.kinds.items():
         miss = k * (1 - h)
         if kind == "full":
@@ -131,7 +138,7 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped:
         else:
             t += 2 * costs.split_us + k * costs.dev_row_us + miss * costs.cpu_row_us
         if kind == "slots" and uploads:
-            t += miss * eb[il] / (costs.link_gbps * 1e3) if costs.link_gbps > 0 else 0.0
+            t += share * miss * eb[il] / (costs.link_gbps * 1e3) if costs.link_gbps > 0 else 0.0
     return t
 
 

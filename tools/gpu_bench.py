@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             f"measured at start; {b.get('slots', '-')}, {_zero(b)}; plan {lp.get('plan', '-')} from costs "
             f"{lp.get('cost_source', '-')}; "
             f"refitted {json.dumps({k: round(v, 2) for k, v in (lp.get('calibrated') or {}).items()})}; "
+            f"a row read from the host copy {_f(lp.get('map_row_us'), '.1f')} us, share of an upload's time a mapped "
+            f"token waits for {_f(lp.get('upload_share'), '.2f')}; "
             f"bench took {bsecs:.0f}s")
     floor_syncs(report["sets"], floor)
     text = markdown(report)

@@ -120,6 +120,8 @@ def inspect(
               f"link {c['link_gbps']:.2f} GB/s, an expert row "
               f"{c['cpu_row_us']:.1f} us on the host, {c['dev_row_us']:.1f} us on the device"
               + (f", {c['map_row_us']:.1f} us read from the host copy (--miss mapped)" if "map_row_us" in c else "")
+              + (f", {100 * c['upload_share']:.0f}% of an upload's time on the token beside it" if "upload_share" in c
+                 else "")
               + ")")
     if "draft" in info:
         print(draft_lines(info["draft"]))

@@ -82,8 +82,8 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     the plan) gets the time it predicted; where stock --cpu-moe and --n-cpu-moe both ran, the costs are refitted
     to them (``devcosts.calibrate``), saved for the plan to read from now on, and each row gets the refitted
     prediction too. The mapped rows (``--miss mapped``, every layer slots) are priced with a row read from the host
-    copy, measured once (``devcosts.measure_mapped``). Adds ``out["layer_plan"]["calibrated"]`` (and
-    ``["map_row_us"]``)."""
+    copy and the share of their uploads a token waits for, measured once (``devcosts.measure_mapped``). Adds
+    ``out["layer_plan"]["calibrated"]`` (and ``["map_row_us"]``, ``["upload_share"]``: None where unmeasured)."""
     info = out.get("layer_plan")
     pol = out["policies"]
     if info is None:
@@ -100,10 +100,10 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     mapped = [n for n in ("on-demand-mapped", "static-hot-mapped") if "tpot_ms" in pol.get(n, {})]
     every = LayerPlan({L.index: "slots" for L in layout.layers}, out["slots_per_layer"])
     if mapped:
-        map_row = measure_mapped(path, layout, device, costs, n_threads=n_threads).map_row_us
-        info["map_row_us"] = map_row
+        measured = measure_mapped(path, layout, device, costs, n_threads=n_threads)
+        info["map_row_us"], info["upload_share"] = measured.map_row_us, measured.upload_share
         for name in mapped:
-            pol[name]["predicted_ms"] = predict_us(every, layout, replace(costs, map_row_us=map_row), mapped=True,
+            pol[name]["predicted_ms"] = predict_us(every, layout, measured, mapped=True,
                                                    uploads=name == "on-demand-mapped") / 1e3
     a, b = pol.get("stock-cpu-moe", {}), pol.get("stock-n-cpu-moe", {})
     if "tpot_ms" not in a:
@@ -118,5 +118,6 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
         if "tpot_ms" in pol.get(name, {}):
             pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted) / 1e3
     for name in mapped:
-        pol[name]["predicted_calibrated_ms"] = predict_us(every, layout, replace(fitted, map_row_us=info["map_row_us"]),
-                                                          mapped=True, uploads=name == "on-demand-mapped") / 1e3
+        as_mapped = replace(fitted, map_row_us=info["map_row_us"], upload_share=info["upload_share"])
+        pol[name]["predicted_calibrated_ms"] = predict_us(every, layout, as_mapped, mapped=True,
+                                                          uploads=name == "on-demand-mapped") / 1e3

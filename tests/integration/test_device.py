@@ -337,6 +337,7 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     m = pol["on-demand-mapped"]
     assert m["same_tokens_as_stock"] and m["switches_taken_per_moe_layer"] == 0.0 and m["mapped_rows_per_token"] > 0
     assert m["mapped_copy_mb"] > 0 and lp["map_row_us"] >= 0 and m["predicted_ms"] > 0
+    assert 0.0 <= lp["upload_share"] <= 1.0  # what a mapped token waits for of uploads beside it, measured
     # LRU's landings change the remap tables, which the fence pushes before a ubatch: counted, a token's worth
     assert m["table_bytes_per_token"] > 0 and m["host_settle_ms_per_token"] > 0
     assert m["predicted_calibrated_ms"] > 0

@@ -196,5 +196,6 @@ def test_the_sessions_auto_plan_prices_mapped_slot_layers(dev: Device) -> None:
                          s.layer_plan)
     plan = got["mapped"][1]
     assert plan is not None and plan.info["mapped"] and plan.info["costs"]["map_row_us"] >= 0
+    assert 0.0 <= plan.info["costs"]["upload_share"] <= 1.0
     assert plan.info["predicted_ms"] <= plan.info["predicted_stock_n_cpu_moe_ms"] + 1e-9
     assert got["mapped"][0] == got["cpu"][0]

@@ -10,6 +10,7 @@ import pytest
 from test_layerplan import _layout
 
 from pyspecter.devcosts import VERSION, _steps, cache_key, solve
+from pyspecter.errors import SpecterError
 from pyspecter.layerplan import DeviceCosts
 
 
@@ -135,3 +136,33 @@ def test_the_plan_reads_a_saved_calibration(tmp_path, monkeypatch: pytest.Monkey
     save_calibration(f, Dev(), 2, costs, "bench 2026-12-04")  # type: ignore[arg-type]
     assert measure(f, _layout(), Dev()) == costs  # type: ignore[arg-type]  # cached: nothing is measured
     assert cost_source(f, Dev()) == "bench 2026-12-04"  # type: ignore[arg-type]
+
+
+def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_again(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_mapped's cache entry keeps the row read from the host copy and the upload share (null where an
+    upload was refused: then None, counted in full); an entry from before the share was measured is not reused."""
+    from pyspecter import devcosts
+
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+
+    class Dev:
+        description = "dev"
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    costs = DeviceCosts(split_us=12.0, link_gbps=30.0, cpu_row_us=40.0, dev_row_us=3.0, base_us=700.0)
+    key = cache_key(f, Dev()) + "|mapped"  # type: ignore[arg-type]
+    for share in (0.25, None):
+        devcosts._save(key, {"map_row_us": 9.0, "upload_share": share, "source": "measured"})
+        got = devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]
+        assert got == DeviceCosts(**{**costs.as_dict(), "map_row_us": 9.0}, upload_share=share)
+        assert devcosts._costs(devcosts._cached()[key] | costs.as_dict()) == got
+
+    def loads(*_a, **_k):
+        raise SpecterError("measured again")
+
+    monkeypatch.setattr(devcosts.native, "Model", loads)
+    devcosts._save(key, {"map_row_us": 9.0, "source": "measured"})  # before upload_share: measured again
+    with pytest.raises(SpecterError, match="measured again"):
+        devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]

@@ -182,6 +182,36 @@ def test_a_mapped_slot_layer_takes_no_switch_and_reads_its_misses_from_the_host_
     assert "map_row_us" not in GPU.as_dict() and costs.as_dict()["map_row_us"] == 10.0
 
 
+def test_a_mapped_slot_layer_pays_the_measured_share_of_its_uploads() -> None:
+    """upload_share (devcosts.measure_mapped): what a token waits for of uploads beside it under --miss mapped.
+    Only mapped slot layers use it; the host-path slot layers' uploads stay counted in full."""
+    lay = _layout()
+    every = LayerPlan({L.index: "slots" for L in lay.layers}, 8)
+    upload = EB / 1e3
+    costs = DeviceCosts(split_us=60.0, link_gbps=1.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0,
+                        map_row_us=10.0, upload_share=0.25)
+    assert predict_us(every, lay, costs, mapped=True) == pytest.approx(500 + 8 * (2.0 + 10.0 + 0.25 * upload))
+    assert predict_us(every, lay, costs) == pytest.approx(500 + 8 * (2 * 60 + 2 * 2.0 + 40.0 + upload))
+    hidden = DeviceCosts(**{**costs.as_dict(), "upload_share": 0.0})
+    assert predict_us(every, lay, hidden, mapped=True) == predict_us(every, lay, hidden, mapped=True, uploads=False)
+    assert costs.as_dict()["upload_share"] == 0.25 and "upload_share" not in GPU.as_dict()
+
+
+def test_uploads_hidden_beside_the_token_let_the_plan_choose_slot_layers() -> None:
+    """A link so slow that an upload costs more than a host layer: counted in full, the mapped plan is stock's
+    placement; measured as hidden beside the token (share 0, their own stream), the same memory is slot layers."""
+    lay = _layout()
+    full = DeviceCosts(split_us=60.0, link_gbps=0.001, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0,
+                       map_row_us=30.0)
+    hidden = DeviceCosts(**{**full.as_dict(), "upload_share": 0.0})
+    budget = int(0.4 * lay.expert_total_bytes)
+    stock = stock_plan(lay, n_cpu_moe_for(lay, budget))
+    assert choose_plan(lay, budget, full, mapped=True) == stock
+    plan = choose_plan(lay, budget, hidden, mapped=True)
+    assert plan.layers("slots") and plan.device_bytes(lay) <= budget
+    assert predict_us(plan, lay, hidden, mapped=True) < predict_us(stock, lay, hidden)
+
+
 @pytest.mark.parametrize("map_row", [1.0, 10.0, 400.0])
 @pytest.mark.parametrize("share", [0.1, 0.3, 0.6])
 def test_the_mapped_plan_is_never_predicted_slower_than_stock_and_reads_cheap_misses(map_row: float,
