@@ -84,6 +84,11 @@ struct llama_pyspecter_layer {
     // have nothing to wait for (set by the first, cleared by the routing op)
     std::atomic<bool> late_settled{false};
     std::vector<int32_t> owner; // slot -> expert, -1 when free
+    // slot -> device work already queued may still read its bytes: its expert is mapped, or was unmapped before the
+    // layer's slot path passed in the ubatch in flight. An upload into the slot waits for that work first; one into
+    // a slot freed after the layer passed (a speculated ubatch's settling, a split route's op, between decodes) need
+    // not, and so does not wait for the next ubatch, queued meanwhile, which never reads it (pyspecter_remap_set)
+    std::unique_ptr<std::atomic<bool>[]> read_queued;
     // Where non-resident rows point in the slot matmul. miss_slot: -1 on the CPU, else n_slots (a device layer). A
     // miss is a negative id (pyspecter_miss_id), a zero row, where the layer's kernel takes one (the CPU, CUDA, RPC:
     // llama_pyspecter_zero_slots); elsewhere a kernel takes neither a negative id nor an id twice in one token
@@ -475,7 +480,8 @@ public:
     void land();
 
 private:
-    void                 order_after_compute(); // once, before the batch first writes a slot; st->mu held if st
+    // once, before the batch first writes a slot that queued device work may read (read_queued); st->mu held if st
+    void                 order_after_compute(int32_t slot);
     ggml_backend_event_t record();    // an event after the copies issued so far; release() gives it back
     void                 release(ggml_backend_event_t ev);
 

@@ -454,6 +454,10 @@ void pyspecter_table_init(llama_pyspecter_layer * L, int32_t il, llama_pyspecter
     L->remap.assign((size_t) n_expert, -1);
     L->late.assign((size_t) n_expert, -1);
     L->owner.assign((size_t) n_slots, -1);
+    L->read_queued.reset(new std::atomic<bool>[(size_t) n_slots]);
+    for (int32_t i = 0; i < n_slots; ++i) {
+        L->read_queued[i].store(false, std::memory_order_relaxed);
+    }
 }
 
 void pyspecter_late_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
@@ -485,6 +489,9 @@ int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t s
         if (old_slot != slot) {
             unmap_on_device(L, expert);
         }
+        // passed: the slot path has run and no table maps the slot again before the next fence, so nothing queued
+        // or to be queued reads these bytes; otherwise the slot path may be queued already with the old table
+        L->read_queued[old_slot].store(!L->passed, std::memory_order_release);
     }
     if (slot >= 0) {
         const int32_t prev = L->owner[slot];
@@ -493,6 +500,7 @@ int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t s
             unmap_on_device(L, prev);
         }
         L->owner[slot] = expert;
+        L->read_queued[slot].store(true, std::memory_order_release);
     }
     L->remap[expert] = slot;
     if (L->table >= 0) {

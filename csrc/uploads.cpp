@@ -175,11 +175,11 @@ void pyspecter_upload_batch::copy(ggml_tensor * slot_t, int32_t slot, const void
     }
     if (st) {
         std::lock_guard<std::mutex> lk(st->mu);
-        order_after_compute();
+        order_after_compute(slot);
         ggml_backend_tensor_set_async(st->backend, slot_t, src, off, n);
         issued = true;
     } else {
-        order_after_compute();
+        order_after_compute(slot);
         ggml_backend_tensor_set(slot_t, src, off, n);
     }
     bytes += n;
@@ -190,7 +190,7 @@ void pyspecter_upload_batch::poison(ggml_tensor * slot_t, int32_t slot, size_t n
     if (st) {
         lk = std::unique_lock<std::mutex>(st->mu);
     }
-    order_after_compute();
+    order_after_compute(slot);
     ggml_backend_tensor_memset(slot_t, 0xFF, (size_t) slot * slot_t->nb[2] + at, n);
 }
 
@@ -253,17 +253,17 @@ void pyspecter_upload_batch::release(ggml_backend_event_t ev) {
 }
 
 // A device slot may still be read for the expert it held by kernels queued before the eviction reached the table
-// (the layer's split already launched): the batch's first copy waits for the device work queued so far. On the
-// upload stream that is an event the stream waits on (the host goes on); a synchronous copy, on another stream of
-// the device's, waits on the host. CPU slots are read by the compute thread itself: nothing to wait for.
-void pyspecter_upload_batch::order_after_compute() {
-    if (ordered) {
+// (the layer's split already launched): the batch's first copy into such a slot waits for the device work queued
+// so far. On the upload stream that is an event the stream waits on (the host goes on); a synchronous copy, on
+// another stream of the device's, waits on the host. A slot freed after the layer's slot path passed needs no wait
+// (read_queued): waiting would hold the copy behind the next ubatch, which the device may have queued by now, and
+// an upload decided after one token would land only after the next. CPU slots are read by the compute thread
+// itself: nothing to wait for.
+void pyspecter_upload_batch::order_after_compute(int32_t slot) {
+    if (ordered || L->miss_slot < 0 || !L->read_queued[slot].load(std::memory_order_acquire)) {
         return;
     }
     ordered = true;
-    if (L->miss_slot < 0) {
-        return;
-    }
     auto * s = L->parent;
     std::lock_guard<std::mutex> lk_compute(s->compute_mu);
     for (const auto & [dev, backend] : s->compute) {

@@ -90,6 +90,9 @@ def test_under_lru_the_misses_move_in_after_the_token_and_stay_exact(dev: Device
     # ... after the ubatch had run: its evictions waited for the next fence instead of each writing the device's
     # table at once (a copy to the device between tokens, queued behind the uploads in flight)
     assert on["stats"]["eviction_writes"] == 0, on["stats"]
+    # ... and their uploads went out without waiting for the device work queued before them: nothing queued reads a
+    # slot freed after its layer ran, and on a GPU the next token, queued meanwhile, would hold each upload back
+    assert on["stats"]["compute_orders"] == 0, on["stats"]
 
 
 def test_the_rpc_device_reads_from_a_copy_that_stands_in(dev: Device) -> None:
