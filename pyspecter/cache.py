@@ -334,11 +334,12 @@ class ExpertCache:
     def counters(self) -> dict:
         out = self._residency_counters()
         # speculated ubatches (device slot layers): computed with no host path, and those a missed row redid; the
-        # most upload batches a device stream held in flight at once; the bytes the fences pushed to the devices'
-        # remap tables (a synchronous copy before a ubatch, when anything changed)
+        # most upload batches a device stream held in flight at once, and those that first waited for the device's
+        # queued compute; the bytes the fences pushed to the devices' remap tables (a synchronous copy before a
+        # ubatch, when anything changed)
         d = native.device_stats(self.model.ptr)
         out.update(spec_ubatches=d.spec_ubatches, spec_redos=d.spec_redos, upload_inflight_peak=d.inflight_peak,
-                   mapped_rows=d.mapped_rows, table_bytes=d.table_bytes)
+                   compute_orders=d.compute_orders, mapped_rows=d.mapped_rows, table_bytes=d.table_bytes)
         return out
 
     def _residency_counters(self) -> dict:

@@ -140,6 +140,9 @@ def rows(bench: dict) -> list[dict]:
             # the link's, the uploads are fine and the token's time went elsewhere; far below it, the copies
             # themselves are slow; and the most batches one stream held in flight at once (1: no overlap)
             "upload_busy_gbps": p.get("upload_busy_gbps"), "upload_inflight_peak": p.get("upload_inflight_peak"),
+            # upload batches a token that first waited for the device's queued compute (a slot queued work may
+            # still read): each may wait for a whole ubatch queued meanwhile
+            "ordered_per_token": p.get("compute_orders_per_token"),
             # stock's rows have no slots: a hit rate would say nothing
             "link_gbps": link, "hit_rate": None if name.startswith("stock") else p.get("hit_rate"),
             # ubatches per token run with no host visit at all (speculated to hit), and those a miss ran again
@@ -194,7 +197,7 @@ def markdown(report: dict) -> str:
              "| host switches per MoE layer "
              "(splits / taken) | host syncs per MoE layer (counted, over the floor) | ms per token: host waits / "
              "CPU splits / device launches / settling | upload GB/s: over the token / while copying (link); most "
-             "batches in flight | hit rate "
+             "batches in flight, batches a token behind the device's compute | hit rate "
              "| predicted ms (measured costs / refitted) "
              "| logits bit-equal to stock `--cpu-moe`'s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -215,7 +218,7 @@ def markdown(report: dict) -> str:
                 f"| {_f(r.get('host_wait_ms'), '.2f')} / {_f(r.get('host_split_ms'), '.2f')} / "
                 f"{_f(r.get('device_launch_ms'), '.2f')} / {_f(r.get('host_settle_ms'), '.2f')} "
                 f"| {r['upload_gbps']:.2f} / {_f(r.get('upload_busy_gbps'), '.2f')} ({_f(r['link_gbps'], '.1f')}); "
-                f"{r.get('upload_inflight_peak') or '-'} "
+                f"{r.get('upload_inflight_peak') or '-'}, {_f(r.get('ordered_per_token'), '.1f')} "
                 f"| {_f(r['hit_rate'], '.1%')}{_spec(r)} "
                 f"| {_f(r['predicted_ms'], '.2f')} / {_f(r['predicted_calibrated_ms'], '.2f')} "
                 f"| {'-' if same is None else 'yes' if same else 'NO'} |")

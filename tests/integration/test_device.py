@@ -340,6 +340,8 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     assert 0.0 <= lp["upload_share"] <= 1.0  # what a mapped token waits for of uploads beside it, measured
     # LRU's landings change the remap tables, which the fence pushes before a ubatch: counted, a token's worth
     assert m["table_bytes_per_token"] > 0 and m["host_settle_ms_per_token"] > 0
+    # every eviction is decided after its layer ran (settling, a split route's op): no upload waits for compute
+    assert m["compute_orders_per_token"] == 0 and pol["on-demand-cpu"]["compute_orders_per_token"] == 0
     assert m["predicted_calibrated_ms"] > 0
 
 

@@ -32,7 +32,7 @@ def _bench(with_floor: bool) -> dict:
                  "host_settle_ms_per_token": 0.125, "spec_ubatches_per_token": 1.0, "spec_redos_per_token": 0.0,
                  "table_bytes_per_token": 16384.0,
                  "bytes_per_token": 40e6, "upload_busy_gbps": 20.0, "upload_inflight_peak": 3, "hit_rate": 0.8,
-                 "predicted_ms": 15.0, "same_logits_as_stock": True, "prefill_tok_s": 812.4},
+                 "compute_orders_per_token": 0.5, "predicted_ms": 15.0, "same_logits_as_stock": True, "prefill_tok_s": 812.4},
         "engine": {"skipped": "no room"},
     }
     if with_floor:
@@ -62,9 +62,9 @@ def test_rows_and_floor(gb) -> None:
     # where the time went: bench's three device times, per token; a row without them shows dashes
     assert "| 2.50 | 3.50 / 6.25 / 0.50 / 0.12 |" in md
     assert "| - / - / - / - |" in md
-    # uploads: over the token's time / while copying (the link at start); the most batches in flight; stock moves
-    # nothing
-    assert "| 2.50 / 20.00 (50.0); 3 |" in md and "| 0.00 / - (50.0); - |" in md
+    # uploads: over the token's time / while copying (the link at start); the most batches in flight, and those a
+    # token that waited for the device's queued compute; stock moves nothing
+    assert "| 2.50 / 20.00 (50.0); 3, 0.5 |" in md and "| 0.00 / - (50.0); -, - |" in md
     # a speculated row: its ubatches with no host path, those redone, and the tables the fences pushed
     assert "| 80.0%, speculated 1.00/token, 0% redone, tables 16 KiB/token |" in md
     # every row has as many cells as the header
