@@ -32,7 +32,8 @@ def _bench(with_floor: bool) -> dict:
                  "host_settle_ms_per_token": 0.125, "spec_ubatches_per_token": 1.0, "spec_redos_per_token": 0.0,
                  "table_bytes_per_token": 16384.0,
                  "bytes_per_token": 40e6, "upload_busy_gbps": 20.0, "upload_inflight_peak": 3, "hit_rate": 0.8,
-                 "compute_orders_per_token": 0.5, "predicted_ms": 15.0, "same_logits_as_stock": True, "prefill_tok_s": 812.4},
+                 "compute_orders_per_token": 0.5, "predicted_ms": 15.0, "same_logits_as_stock": True,
+                 "prefill_tok_s": 812.4},
         "engine": {"skipped": "no room"},
     }
     if with_floor:
