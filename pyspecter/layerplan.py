@@ -13,6 +13,7 @@ model itself by ``devcosts.measure`` and cached per machine, device and model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pyspecter import native
@@ -106,24 +107,27 @@ def stock_plan(layout: ModelLayout, n_cpu_moe: int | None) -> LayerPlan:
     return LayerPlan({L.index: "host" if n_cpu_moe is None or L.index < n_cpu_moe else "full" for L in layout.layers})
 
 
-def hit_rate(n_slots: int, n_expert: int) -> float:
-    """The hit rate the model assumes for n slots of n_expert: what they hold of an expert chosen at random, a
-    floor (routing repeats itself from token to token, and LRU keeps what repeats)."""
-    return min(max(n_slots, 0), n_expert) / n_expert
+def hit_rate(n_slots: int, n_expert: int, hits: Sequence[float] | None = None) -> float:
+    """The hit rate the model assumes for n slots of n_expert: ``hits[n]`` where measured (``devcosts.lru_hits``:
+    LRU over the model's own routing of real text), else what they hold of an expert chosen at random, a floor
+    (routing repeats itself from token to token, and LRU keeps what repeats)."""
+    n = min(max(n_slots, 0), n_expert)
+    return float(hits[n]) if hits is not None and len(hits) == n_expert + 1 else n / n_expert
 
 
 def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped: bool = False,
-               uploads: bool = True) -> float:
+               uploads: bool = True, hits: Sequence[float] | None = None) -> float:
     """Predicted time per decode token: the costs' base plus each MoE layer's experts and switches. A slot layer's
     device path runs all k rows (misses on zero slots), its misses run on the host as well and are uploaded
     (counted in full: on RPC the link is this machine's CPU). ``mapped`` (``--miss mapped``, costs with a
     ``map_row_us``): a slot layer takes no switch, its hits are device rows and its misses rows the device reads
     from the host copy, and its uploads cost the token the measured share of their link time (``upload_share``;
-    in full where unmeasured); ``uploads`` False: residency moves nothing (static-hot-mapped)."""
+    in full where unmeasured); ``uploads`` False: residency moves nothing (static-hot-mapped). ``hits``: LRU's hit
+    rate by slot count (``hit_rate``), for residency that moves experts (uploads)."""
     if mapped and costs.map_row_us is None:
         raise SpecterError("the costs have no measured row read from the host copy (devcosts.measure_mapped)")
     k = layout.n_expert_used
-    h = hit_rate(plan.n_slots, layout.n_expert)
+    h = hit_rate(plan.n_slots, layout.n_expert, hits if uploads else None)
     eb = {L.index: L.expert_bytes for L in layout.layers}
     t = costs.base_us
     share = costs.upload_share if mapped and costs.upload_share is not None else 1.0
@@ -143,7 +147,7 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped:
 
 
 def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_zero: int = 0,
-                mapped: bool = False) -> LayerPlan:
+                mapped: bool = False, hits: Sequence[float] | None = None) -> LayerPlan:
     """The plan of least predicted time whose experts fit in ``device_bytes``: f full layers (the last ones, as
     stock), s slot layers of n slots, the rest host, over every f, n and s (slots never fewer than top-k, nor E:
     a layer with every expert is a full layer). Stock's placements are among the candidates in their own right
@@ -152,7 +156,7 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
     (then the earlier: stock's): a switch is the cost the model knows least well (a stream synchronisation on a
     GPU, measured apart from its neighbours), so where the model cannot tell, the plan crosses fewer. ``n_zero``:
     the zero slots a slot layer on the device holds besides its slots (``budget.zero_slots``); ``mapped``: slot
-    layers priced as ``--miss mapped`` runs them (``predict_us``)."""
+    layers priced as ``--miss mapped`` runs them, ``hits`` LRU's hit rate by slot count (``predict_us``)."""
     if device_bytes < 0:
         raise SpecterError("negative device memory for experts")
     layers = [L.index for L in sorted(layout.layers, key=lambda L: L.index)]
@@ -182,7 +186,7 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
                 for il in rest[len(rest) - s:] if s else []:
                     kinds[il] = "slots"
                 plan = LayerPlan(kinds, n if s else 0, z if s else 0)
-                t = predict_us(plan, layout, costs, mapped=mapped)
+                t = predict_us(plan, layout, costs, mapped=mapped, hits=hits)
                 if better(t, plan):
                     best = (t, plan)
     return best[1]

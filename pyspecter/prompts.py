@@ -19,6 +19,23 @@ SPLITS = ("tune", "eval")
 PACKAGED = "eval_prompts.jsonl"  # the packaged prompt set (pyspecter/data), half tune, half eval
 
 
+def calibration_prompts() -> list[str]:
+    """The packaged calibration prompts (pyspecter/data/calibration_prompts.txt: what builders fit on, never the
+    held-out text benchmarks measure on), comments and blank lines dropped."""
+    text = resources.files("pyspecter.data").joinpath("calibration_prompts.txt").read_text(encoding="utf-8")
+    return [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
+
+
+def calibration_tokens(model: Model, n: int) -> list[int]:
+    """The first ``n`` tokens of the calibration prompts as one text, as the model tokenizes it, a line at a time."""
+    toks: list[int] = []
+    for line in calibration_prompts():
+        toks += model.tokenize(line + "\n", add_special=not toks)
+        if len(toks) >= n:
+            break
+    return toks[:n]
+
+
 def load_prompts(path: str | os.PathLike | None = None, split: str | None = None) -> list[dict]:
     """Prompts from a file (default: the packaged eval_prompts.jsonl), as dicts with "id", "split" ("tune" |
     "eval"), "kind" and "messages" [{role, content}].

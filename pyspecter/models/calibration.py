@@ -128,16 +128,11 @@ def calibration_tokens(model_path: Path, n: int) -> list[int]:
     import llama_cpp
 
     from pyspecter import native
-    from pyspecter.models.smol import calibration_prompts
+    from pyspecter.prompts import calibration_tokens as text_tokens
 
     with native.Model(model_path) as m:
         if llama_cpp.llama_model_chat_template(m.ptr, None):
-            toks: list[int] = []
-            for line in calibration_prompts():
-                toks += m.tokenize(line + "\n", add_special=not toks)
-                if len(toks) >= n:
-                    break
-            return toks[:n]
+            return text_tokens(m, n)
         rng = np.random.default_rng(0)
         return [int(x) for x in rng.integers(1, m.n_vocab, size=n)]
 

@@ -88,7 +88,7 @@ def fit_text(progress: bool = True, n_threads: int = 1) -> list[tuple[list[int],
     from pyspecter.engine import greedy
     from pyspecter.models import smol
     from pyspecter.models.smol_router import DenseReference
-    from pyspecter.prompts import load_prompts, render_prompt
+    from pyspecter.prompts import calibration_prompts, load_prompts, render_prompt
 
     src = smol.fetch_smollm2()
     out: list[tuple[list[int], int]] = []
@@ -103,7 +103,7 @@ def fit_text(progress: bool = True, n_threads: int = 1) -> list[tuple[list[int],
                 progress_step(f"{src.stem}: answers to the tune prompts {i + 1}/{len(tune)}", i + 1, len(tune))
         if progress:
             progress_done()
-        prompts = smol.calibration_prompts()
+        prompts = calibration_prompts()
         # the build's calibration sequences: chat turns, then bare prompts, each with its continuation (cached by
         # the build; the dense reference, read only then, regenerates them if that cache is gone)
         with smol.single_threaded_blas():

@@ -140,8 +140,8 @@ def _texts(model, held_out: bool) -> list[tuple[list[int], int]]:
     """(prompt tokens, tokens to generate) for the fit or held-out text (module docstring)."""
     import llama_cpp
 
-    from pyspecter.models.smol import calibration_prompts, heldout_text
-    from pyspecter.prompts import load_prompts, render_prompt
+    from pyspecter.models.smol import heldout_text
+    from pyspecter.prompts import calibration_prompts, load_prompts, render_prompt
 
     if not llama_cpp.llama_model_chat_template(model.ptr, None):  # random-weight fixtures: noise is their text
         rng = np.random.default_rng(1 if held_out else 0)

@@ -260,7 +260,8 @@ def fit_model(model_path: str | os.PathLike, out: str | os.PathLike | None = Non
     bar = Progress("fitting", L, "layers") if progress else None
     fitted = fit_maps(fit["X"], routers, H, validation_rows(fit["lengths"]),
                       progress=bar.update if bar else None, rank=rank)
-    from pyspecter.models.reuse_fit import REUSE_HORIZON, fit_reuse, lru_miss_curve
+    from pyspecter.lru import lru_miss_curve
+    from pyspecter.models.reuse_fit import REUSE_HORIZON, fit_reuse
 
     if bar:
         bar.close()

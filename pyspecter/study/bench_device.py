@@ -93,9 +93,10 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
              "stock-device": stock_plan(layout, 0),
              "plan": LayerPlan({int(il): k for il, k in info["kinds"].items()}, info["n_slots"], info["n_zero"])}
     costs = DeviceCosts(**info["costs"])
+    hits = info.get("lru_hits")
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):
-            pol[name]["predicted_ms"] = predict_us(plan, layout, costs) / 1e3
+            pol[name]["predicted_ms"] = predict_us(plan, layout, costs, hits=hits) / 1e3
     # the mapped rows (every layer slots, misses read by the device from the host copy): a row read so, measured
     mapped = [n for n in ("on-demand-mapped", "static-hot-mapped") if "tpot_ms" in pol.get(n, {})]
     every = LayerPlan({L.index: "slots" for L in layout.layers}, out["slots_per_layer"])
@@ -104,7 +105,7 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
         info["map_row_us"], info["upload_share"] = measured.map_row_us, measured.upload_share
         for name in mapped:
             pol[name]["predicted_ms"] = predict_us(every, layout, measured, mapped=True,
-                                                   uploads=name == "on-demand-mapped") / 1e3
+                                                   uploads=name == "on-demand-mapped", hits=hits) / 1e3
     a, b = pol.get("stock-cpu-moe", {}), pol.get("stock-n-cpu-moe", {})
     if "tpot_ms" not in a:
         return
@@ -116,8 +117,8 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     info["calibrated"] = fitted.as_dict()
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):
-            pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted) / 1e3
+            pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted, hits=hits) / 1e3
     for name in mapped:
         as_mapped = replace(fitted, map_row_us=info["map_row_us"], upload_share=info["upload_share"])
         pol[name]["predicted_calibrated_ms"] = predict_us(every, layout, as_mapped, mapped=True,
-                                                          uploads=name == "on-demand-mapped") / 1e3
+                                                          uploads=name == "on-demand-mapped", hits=hits) / 1e3

@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-# the LRU stack and the engine's eviction step: the predictor fit (a model builder's work, which imports no study
-# code) judges its maps by them, so they live beside it; here they are the same functions, re-exported
+# the LRU stack (the plan's pricing reads it: pyspecter/lru.py) and the engine's eviction step (the predictor fit,
+# a model builder's work that imports no study code, judges its maps by it): the same functions, re-exported
+from pyspecter.lru import lru_miss_curve as lru_miss_curve
+from pyspecter.lru import lru_stack_positions as lru_stack_positions
 from pyspecter.models.reuse_fit import eviction_misses as eviction_misses
-from pyspecter.models.reuse_fit import lru_miss_curve as lru_miss_curve
-from pyspecter.models.reuse_fit import lru_stack_positions as lru_stack_positions
 from pyspecter.native import Replay
 from pyspecter.policies import Scores
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import run_cli
 
@@ -26,6 +27,7 @@ from pyspecter.models.draft import make_draft
 from pyspecter.models.tiny import TINY_MODELS, build_tiny
 from pyspecter.native import graph_splits
 from pyspecter.native.devices import Device, open_device
+from pyspecter.native.hooks import Hooks
 from pyspecter.predict import DraftRouting
 from pyspecter.study.verify import verify
 
@@ -330,7 +332,7 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     assert lp["predicted_ms"] <= lp["predicted_stock_cpu_moe_ms"] + 1e-9
     assert lp["device_bytes"] <= out["budget_bytes"]
     # the plan bench ran is the cost model's choice from the costs it reports
-    chosen = choose_plan(lay, out["budget_bytes"], DeviceCosts(**lp["costs"]), lp["n_zero"])
+    chosen = choose_plan(lay, out["budget_bytes"], DeviceCosts(**lp["costs"]), lp["n_zero"], hits=lp["lru_hits"])
     assert lp["kinds"] == {str(il): k for il, k in sorted(chosen.kinds.items())}
     # --miss mapped: stock's tokens, no host switch taken whatever the token hit, its stand-in copy reported, and
     # a prediction from a row read from the host copy, measured (devcosts.measure_mapped)
@@ -576,3 +578,40 @@ def test_teacher_forced_verify_on_rpc_device_meets_the_contract(rpc: str) -> Non
     assert r["decode"] == "teacher-forced" and r["n_tokens"] == 12
     assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0
     assert r["contract_ok"], r["contract"]
+
+
+def test_lru_hits_come_from_the_models_own_routing_and_are_cached(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """devcosts.lru_hits: LRU's hit rate by slot count from one CPU prefill of the calibration text; none below
+    top-k slots, more with more slots, and what a direct LRU simulation of the same routing gives; cached per model
+    file, so the session's plan and bench's predictions read it without running the model again."""
+    from pyspecter import devcosts
+    from pyspecter.lru import lru_miss_curve
+    from pyspecter.prompts import calibration_tokens
+
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    k, E = lay.n_expert_used, lay.n_expert
+    hits = devcosts.lru_hits(path, lay)
+    assert len(hits) == E + 1 and all(h == 0.0 for h in hits[:k])
+    assert all(0.0 <= a <= b <= 1.0 for a, b in zip(hits, hits[1:], strict=False)) and hits[E - 1] > hits[k]
+    # the same rows through the host-path hook, simulated directly: LRU with E // 2 slots a layer
+    seen: dict[int, list] = {}
+    with native.Model(path) as m:
+        toks = calibration_tokens(m, devcosts.HIT_TOKENS)
+        hooks = Hooks(m, lambda il, n, u, ids, _w: seen.setdefault(il, []).append(
+            np.ctypeslib.as_array(ids, shape=(n * u,)).reshape(n, u).copy()), n_slots=1)
+        try:
+            with native.Context(m, n_ctx=len(toks) + 16) as ctx:
+                ctx.decode(toks, logits_all=True)
+        finally:
+            hooks.close()
+    curves = [lru_miss_curve(np.concatenate(v), E, warm=devcosts.HIT_WARM) for v in seen.values()]
+    assert hits[E // 2] == pytest.approx(1 - float(np.mean([c[E // 2] for c in curves])) / k, abs=1e-6)
+
+    def no_model(*_a, **_k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(devcosts.native, "Model", no_model)
+    assert devcosts.lru_hits(path, lay) == hits

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from pyspecter.errors import SpecterError
-from pyspecter.layerplan import DeviceCosts, LayerPlan, choose_plan, n_cpu_moe_for, predict_us, stock_plan
+from pyspecter.layerplan import (
+    DeviceCosts,
+    LayerPlan,
+    choose_plan,
+    hit_rate,
+    n_cpu_moe_for,
+    predict_us,
+    stock_plan,
+)
 from pyspecter.layout import ExpertTensor, ModelLayout, MoELayer
 
 EB = 1000  # one expert's bytes
@@ -195,6 +203,27 @@ def test_a_mapped_slot_layer_pays_the_measured_share_of_its_uploads() -> None:
     hidden = DeviceCosts(**{**costs.as_dict(), "upload_share": 0.0})
     assert predict_us(every, lay, hidden, mapped=True) == predict_us(every, lay, hidden, mapped=True, uploads=False)
     assert costs.as_dict()["upload_share"] == 0.25 and "upload_share" not in GPU.as_dict()
+
+
+def test_a_measured_lru_hit_rate_prices_slot_layers_that_move_experts() -> None:
+    """hits (devcosts.lru_hits: LRU on the model's own routing, by slot count) replace the floor n / E for slot
+    layers whose residency moves experts; static residency (uploads False) keeps the floor, and a curve of the
+    wrong length is not read."""
+    lay = _layout()  # 16 experts, top-2, 8 layers
+    every = LayerPlan({L.index: "slots" for L in lay.layers}, 8)
+    hits = [min(1.0, 0.1 * n) for n in range(lay.n_expert + 1)]  # 0.8 at 8 slots, against the floor's 0.5
+    assert hit_rate(8, lay.n_expert) == 0.5 and hit_rate(8, lay.n_expert, hits) == pytest.approx(0.8)
+    assert hit_rate(8, lay.n_expert, hits[:-1]) == 0.5
+    costs = DeviceCosts(split_us=60.0, link_gbps=1.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0,
+                        map_row_us=10.0, upload_share=1.0)
+    upload = EB / 1e3
+    miss = 2 * (1 - 0.8)  # rows a token that miss, of top-2
+    assert predict_us(every, lay, costs, mapped=True, hits=hits) == pytest.approx(
+        500 + 8 * (2 * 0.8 * 2.0 + miss * 10.0 + miss * upload))
+    assert predict_us(every, lay, costs, hits=hits) == pytest.approx(
+        500 + 8 * (2 * 60 + 2 * 2.0 + miss * 40.0 + miss * upload))
+    static = predict_us(every, lay, costs, mapped=True, uploads=False)
+    assert predict_us(every, lay, costs, mapped=True, uploads=False, hits=hits) == static
 
 
 def test_uploads_hidden_beside_the_token_let_the_plan_choose_slot_layers() -> None:
