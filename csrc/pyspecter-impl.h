@@ -566,10 +566,11 @@ size_t pyspecter_release_layer_experts(const llama_pyspecter_layer * L); // ... 
 // ids [n_tokens][n_used]; changes L's remap, which the op then applies. Stops the readers (slots destructor).
 bool pyspecter_native_enabled(const llama_pyspecter_slots * s);
 std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s); // not owning: not enabled
-// with_late: this graph has the late path (ordered misses may be marked late in L->late); raw: the graph's map · x
-// for x (reuse_t), or null
+// with_late: this graph has the late path (ordered misses may be marked late in L->late); served: the ubatch's rows
+// have looked up the table already (a split route's op, a speculated layer's settling), so no read landing now
+// serves them; raw: the graph's map · x for x (reuse_t), or null
 void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
-                            bool with_late, const float * x, int32_t n_embd, const float * raw);
+                            bool with_late, bool served, const float * x, int32_t n_embd, const float * raw);
 bool pyspecter_native_wants_input(const llama_pyspecter_slots * s); // some layer has a reuse or ahead map
 
 // The native planner (planner.cpp). ahead_probs: map m's probabilities for router input x into probs[E], with

@@ -361,7 +361,6 @@ static void wait_due(pyspecter_residency * R, llama_pyspecter_layer * L, const s
 }
 
 static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
-    wait_due(R, L, missing);
     for (int32_t e : missing) {
         if (L->remap[e] >= 0 || inflight(L, e)) {
             continue;
@@ -401,7 +400,7 @@ std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s) {
 }
 
 void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
-                            bool with_late, const float * x, int32_t n_embd, const float * raw) {
+                            bool with_late, bool served, const float * x, int32_t n_embd, const float * raw) {
     pyspecter_residency * R = L->parent->res.get(); // R->mu held by the caller (pyspecter_native_lock)
     auto & c = L->parent->counters;
     // the call's reads are queued together, at its first wait or at its end
@@ -481,6 +480,9 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
             miss_wait(R, L, missing);
         } else if (n_tokens == 1) {
+            if (!served) { // served: no landing serves its rows, so a wait only holds the thread or the next launch
+                wait_due(R, L, missing);
+            }
             miss_cpu(R, L, missing);
         }
         // (cpu, a prompt's ubatch: its misses are most experts, and the host computes them all anyway; reading them
@@ -595,10 +597,7 @@ static void free_residency(pyspecter_residency * r) noexcept {
 }
 
 bool pyspecter_native_late(const llama_pyspecter_slots * s) {
-    if (!s || !s->res || s->res->p.miss != LLAMA_PYSPECTER_MISS_ORDERED) {
-        return false;
-    }
-    return true;
+    return s && s->res && s->res->p.miss == LLAMA_PYSPECTER_MISS_ORDERED;
 }
 
 void pyspecter_native_wait(llama_pyspecter_layer * L) {

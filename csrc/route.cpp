@@ -54,7 +54,8 @@ int32_t llama_pyspecter_set_late(llama_model * model, int32_t il, int32_t expert
 // decision for ids [n_tokens][n_used]. Returns native residency's lock, held (not owning: not enabled), so the
 // caller can apply the remap under the same snapshot.
 static std::unique_lock<std::mutex> decide(llama_pyspecter_layer * L, const ggml_tensor * x, const ggml_tensor * raw,
-                                           const int32_t * ids, int32_t n_tokens, int32_t n_used, bool with_late) {
+                                           const int32_t * ids, int32_t n_tokens, int32_t n_used, bool with_late,
+                                           bool served) {
     auto * s = L->parent;
     if (x && s->input_cb) {
         const int64_t c0 = pyspecter_now_ns();
@@ -66,7 +67,8 @@ static std::unique_lock<std::mutex> decide(llama_pyspecter_layer * L, const ggml
         const float * x_last = x && x->type == GGML_TYPE_F32 && n_tokens > 0 ? // a batch's next token is its last's
                 (const float *) x->data + (size_t) (n_tokens - 1) * x->ne[0] : nullptr;
         const float * raw_last = x_last && raw && raw->type == GGML_TYPE_F32 ? (const float *) raw->data : nullptr;
-        pyspecter_native_route(L, ids, n_tokens, n_used, with_late, x_last, x ? (int32_t) x->ne[0] : 0, raw_last);
+        pyspecter_native_route(L, ids, n_tokens, n_used, with_late, served, x_last, x ? (int32_t) x->ne[0] : 0,
+                               raw_last);
     }
     return native;
 }
@@ -109,7 +111,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         pyspecter_late_reset(L);
     }
     // the lock also covers the remap below: the tables the matmuls read are one snapshot
-    std::unique_lock<std::mutex> native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, with_late);
+    auto native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, with_late, /*served=*/false);
     pyspecter_draft_observe(L, host_ids, w, n_tokens, n_used); // a draft's step, or the window it handed over
     if (s->route_cb) {
         // with native residency the hook only observes (traces, predictors): the decision is made
@@ -166,7 +168,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 static bool after_slot_path(llama_pyspecter_layer * L, const ggml_tensor * x, const ggml_tensor * raw,
                             const ggml_tensor * w, const int32_t * ids, int32_t n_tokens, int32_t n_used) {
     auto * s = L->parent;
-    const bool native = decide(L, x, raw, ids, n_tokens, n_used, false).owns_lock(); // released at once
+    const bool native = decide(L, x, raw, ids, n_tokens, n_used, false, true).owns_lock(); // released at once
     pyspecter_draft_observe(L, ids, w, n_tokens, n_used); // a draft's step, or the window it handed over
     if (s->route_cb) {
         thread_local std::vector<float> wts;

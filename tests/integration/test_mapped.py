@@ -202,3 +202,22 @@ def test_the_sessions_auto_plan_prices_mapped_slot_layers(dev: Device) -> None:
     assert 0.0 <= plan.info["costs"]["upload_share"] <= 1.0
     assert plan.info["predicted_ms"] <= plan.info["predicted_stock_n_cpu_moe_ms"] + 1e-9
     assert got["mapped"][0] == got["cpu"][0]
+
+
+def test_a_routing_after_the_slot_path_never_waits_for_a_read(dev: Device) -> None:
+    """On a link slow enough that uploads are still in flight when the next token routes: where the rows looked up
+    the table already (a split route's op for --miss cpu, a speculated token's settling for --miss mapped), a read
+    landing serves none of them, so none is waited for (it held the compute thread, or the next token's launch);
+    the decode is the same, and the uploads still go out."""
+    from pyspecter.session import Session, SessionConfig
+
+    path = build_tiny("tiny-qwen3moe")
+    got = {}
+    for miss in ("cpu", "mapped"):
+        with Session(SessionConfig(model=path, budget="50%", device=dev.spec, tier="emulated:0.02", n_ctx=256,
+                                   layer_plan="slots", miss=miss)) as s:
+            tokens = s.generate(s.target.tokenize("the scheduler counts what it does"), 16, stop_at_eog=False)
+            got[miss] = (tokens, s.cache.counters())
+    assert got["mapped"][0] == got["cpu"][0]
+    for miss, (_, c) in got.items():
+        assert c["uploads"] > 0 and c["waited"] == 0, (miss, c)
