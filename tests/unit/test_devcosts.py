@@ -5,6 +5,7 @@ host-over-full difference and never a negative cost."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from test_layerplan import _layout
@@ -120,18 +121,23 @@ def test_calibrate_keeps_the_difference_when_the_split_would_go_negative() -> No
     assert got.link_gbps == 5.0 and got.base_us >= 0.0  # no link measured: the first one stays
 
 
+class _Dev:
+    description = "dev"
+
+
+def _cached_model(tmp_path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, type, DeviceCosts]:
+    """A model file, a device and costs, with the cost cache in tmp_path."""
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    return f, _Dev, DeviceCosts(split_us=12.0, link_gbps=30.0, cpu_row_us=40.0, dev_row_us=3.0, base_us=700.0)
+
+
 def test_the_plan_reads_a_saved_calibration(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What bench saves is what measure (and so plan_for, the session's plan and inspect --device) returns next."""
     from pyspecter.devcosts import cost_source, measure, save_calibration
 
-    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
-
-    class Dev:
-        description = "dev"
-
-    f = tmp_path / "m.gguf"
-    f.write_bytes(b"x")
-    costs = DeviceCosts(split_us=12.0, link_gbps=30.0, cpu_row_us=40.0, dev_row_us=3.0, base_us=700.0)
+    f, Dev, costs = _cached_model(tmp_path, monkeypatch)
     assert cost_source(f, Dev()) == "none"  # type: ignore[arg-type]
     save_calibration(f, Dev(), 2, costs, "bench 2026-12-04")  # type: ignore[arg-type]
     assert measure(f, _layout(), Dev()) == costs  # type: ignore[arg-type]  # cached: nothing is measured
@@ -144,14 +150,7 @@ def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_agai
     upload was refused: then None, counted in full); an entry from before the share was measured is not reused."""
     from pyspecter import devcosts
 
-    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
-
-    class Dev:
-        description = "dev"
-
-    f = tmp_path / "m.gguf"
-    f.write_bytes(b"x")
-    costs = DeviceCosts(split_us=12.0, link_gbps=30.0, cpu_row_us=40.0, dev_row_us=3.0, base_us=700.0)
+    f, Dev, costs = _cached_model(tmp_path, monkeypatch)
     key = cache_key(f, Dev()) + "|mapped"  # type: ignore[arg-type]
     for share in (0.25, None):
         devcosts._save(key, {"map_row_us": 9.0, "upload_share": share, "source": "measured"})
