@@ -45,7 +45,7 @@ from pyspecter.native.hooks import Hooks
 from pyspecter.prompts import calibration_tokens
 
 # in the cache key: a measurement made another way is measured again, never reused
-VERSION = 3
+VERSION = 4
 WIDTH = 4  # tokens per step of the wide rounds
 
 
@@ -193,32 +193,42 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
     return costs
 
 
+def upload_share_of(extra_s: float, nbytes: int, link_gbps: float) -> float:
+    """The share ``predict_us`` charges a mapped token for uploads beside it: the time ``nbytes`` of uploads added
+    to the steps they ran beside (``extra_s``) over their time at the link rate the plan charges them at (the costs'
+    ``link_gbps``, one synchronous upload at a time), so that the plan charges those bytes what they cost; in [0, 1]
+    (1: in full, none hidden). Against the uploads' own time queued alone it would be charged at the wrong rate:
+    several in flight run faster than one at a time."""
+    full = nbytes / (link_gbps * 1e9) if link_gbps > 0 else 0.0
+    return min(max(extra_s / full, 0.0), 1.0) if full > 0 else 1.0
+
+
 def _upload_share(model: native.Model, layout: ModelLayout, n_slots: int, link_gbps: float, step_s: float,
                   n_threads: int, rounds: int = 5, per_round: int = 3) -> float | None:
-    """The share of an upload's time a token waits for when the upload runs beside it, in steady state. Rounds of
-    ``per_round`` one-token steps alone (C), their uploads alone (U: queued, the last awaited), and the steps with
-    the uploads queued before each (D: the last awaited at the end, so that an upload a token's compute held back
-    still counts): (D - C) / U, the median of the rounds, in [0, 1]. Each step's uploads are worth half a step at
+    """The share of an upload's link time a token waits for when the upload runs beside it, in steady state.
+    Rounds of ``per_round`` one-token steps alone (C) and the same steps with uploads queued before each (D: the
+    last awaited at the end, so that an upload a token's compute held back still counts): ``upload_share_of`` the
+    extra D - C for those uploads' bytes, the median of the rounds. Each step's uploads are worth half a step at
     the measured link, into slots nothing maps (what the kernels read stays as it was). None where an upload is
     refused or failed."""
     api = native.slots()
     layers = [L.index for L in layout.layers]
-    eb = max(L.expert_bytes for L in layout.layers)
-    n_up = int(min(max(round(0.5 * step_s * link_gbps * 1e9 / eb), 1), 4 * len(layers)))
+    eb = {L.index: L.expert_bytes for L in layout.layers}
+    n_up = int(min(max(round(0.5 * step_s * link_gbps * 1e9 / max(eb.values())), 1), 4 * len(layers)))
     jobs = [(layers[i % len(layers)], (i // len(layers)) % layout.n_expert, (i // len(layers)) % n_slots)
             for i in range(4 * len(layers) * n_slots)]
     at = [0]
 
-    def queue(n: int) -> int:
-        """n uploads queued: the last one's ticket, or a negative status (refused)."""
-        ticket = 0
+    def queue(n: int) -> tuple[int, int]:
+        """n uploads queued: the last one's ticket (or a negative status: refused) and their bytes."""
+        ticket = nbytes = 0
         for _ in range(n):
             il, e, slot = jobs[at[0] % len(jobs)]
             at[0] += 1
-            ticket = api.load_expert_async(model.ptr, il, e, slot)
+            ticket, nbytes = api.load_expert_async(model.ptr, il, e, slot), nbytes + eb[il]
             if ticket < 0:
                 break
-        return ticket
+        return ticket, nbytes
 
     toks = iter(_tokens(model.n_vocab, 1 + 2 * rounds * per_round))
     shares = []
@@ -229,21 +239,17 @@ def _upload_share(model: native.Model, layout: ModelLayout, n_slots: int, link_g
             for _ in range(per_round):
                 ctx.decode([next(toks)], logits=True)
             c = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            ticket = queue(per_round * n_up)
-            if ticket < 0 or api.upload_wait(model.ptr, ticket) != 1:
-                return None
-            u = time.perf_counter() - t0
-            t0 = time.perf_counter()
+            t0, moved = time.perf_counter(), 0
             for _ in range(per_round):
-                ticket = queue(n_up)
+                ticket, nbytes = queue(n_up)
                 if ticket < 0:
                     return None
+                moved += nbytes
                 ctx.decode([next(toks)], logits=True)
             if api.upload_wait(model.ptr, ticket) != 1:
                 return None
-            shares.append((time.perf_counter() - t0 - c) / u if u > 0 else 1.0)
-    return min(max(statistics.median(shares), 0.0), 1.0)
+            shares.append(upload_share_of(time.perf_counter() - t0 - c, moved, link_gbps))
+    return statistics.median(shares)
 
 
 def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs: DeviceCosts, *, reps: int = 5,

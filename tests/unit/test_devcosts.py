@@ -165,3 +165,22 @@ def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_agai
     devcosts._save(key, {"map_row_us": 9.0, "source": "measured"})  # before upload_share: measured again
     with pytest.raises(SpecterError, match="measured again"):
         devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]
+
+
+def test_the_upload_share_charges_the_measured_uploads_what_they_added() -> None:
+    """upload_share_of is relative to the link time predict_us charges (the costs' link_gbps), so the plan's charge
+    for the bytes measured is the time they added to the steps, whatever rate several uploads in flight reached;
+    beyond their time in full it is charged in full, and below nothing, nothing."""
+    from pyspecter.devcosts import upload_share_of
+    from pyspecter.layerplan import LayerPlan, predict_us
+
+    lay = _layout()  # 8 layers, top-2 of 16, EB bytes an expert
+    eb = lay.layers[0].expert_bytes
+    plan = LayerPlan({L.index: "slots" for L in lay.layers}, 8)  # a row in two misses at the floor: 8 a token
+    nbytes, link, extra_s = 8 * eb, 2.0, 0.3 * 8 * eb / 2e9
+    costs = DeviceCosts(split_us=0.0, link_gbps=link, cpu_row_us=0.0, dev_row_us=0.0, base_us=0.0, map_row_us=0.0,
+                        upload_share=upload_share_of(extra_s, nbytes, link))
+    assert costs.upload_share == pytest.approx(0.3)
+    assert predict_us(plan, lay, costs, mapped=True) == pytest.approx(extra_s * 1e6)
+    assert upload_share_of(2 * nbytes / 2e9, nbytes, link) == 1.0 and upload_share_of(-1e-3, nbytes, link) == 0.0
+    assert upload_share_of(1e-3, nbytes, 0.0) == 1.0  # no link measured: in full, as predict_us counts it
