@@ -8,8 +8,9 @@ What it does, each step bounded by --until (an epoch second: the lease's end, le
   1. builds the model (``pyspecter models build``: big-qwen3moe-q4 is Qwen3-30B-A3B's shapes with random Q4_0
      experts, about 17 GB, streamed to the model cache; a cached build is reused);
   2. per budget, one ``pyspecter bench --device --json`` of the rows: stock --n-cpu-moe N at equal VRAM (N chosen
-     by bench to match, shown), stock --cpu-moe, the layer plan, the engine (and stock-device once, the floor of
-     host synchronisations every graph has), teacher-forced on real text, one run each;
+     by bench to match, shown), stock --cpu-moe, the layer plan, the layer plan priced and run with --miss mapped,
+     the engine, on-demand-mapped (and stock-device once, the floor of host synchronisations every graph has),
+     teacher-forced on real text, one run each;
   3. a markdown table (ms per token, host switches per MoE layer from llama.cpp's split count and the
      synchronisations counted as the scheduler ran, upload GB/s over the token and while copying beside the
      link measured at start, hit rate, the cost model's prediction) to OUT/gpu_bench.md, ready for
@@ -32,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-POLICIES = ("stock-n-cpu-moe", "stock-cpu-moe", "plan", "engine", "on-demand-mapped")
+POLICIES = ("stock-n-cpu-moe", "stock-cpu-moe", "plan", "plan-mapped", "engine", "on-demand-mapped")
 FLOOR = "stock-device"  # every layer on the device: the host synchronisations any graph has; run once
 MARGIN = 1.15  # a later budget's rows must fit in what is left with this much to spare over the first's time
 
@@ -100,7 +101,8 @@ def _f(x: object, fmt: str) -> str:
 ROW_NAMES = {"stock-n-cpu-moe": "stock `--n-cpu-moe {n}` (equal VRAM)", "stock-cpu-moe": "stock `--cpu-moe`",
              "plan": "ours, the layer plan ({plan})", "engine": "ours, the engine", "stock-device":
              "stock, every expert on the device (the floor)",
-             "on-demand-mapped": "ours, LRU, misses read by the GPU from pinned host memory (`--miss mapped`)"}
+             "on-demand-mapped": "ours, LRU, misses read by the GPU from pinned host memory (`--miss mapped`)",
+             "plan-mapped": "ours, the layer plan priced and run with `--miss mapped` ({mapped_plan})"}
 
 
 def rows(bench: dict) -> list[dict]:
@@ -113,7 +115,8 @@ def rows(bench: dict) -> list[dict]:
         p = pol.get(name)
         if p is None:
             continue
-        label = ROW_NAMES[name].format(n=p.get("n_cpu_moe", "?"), plan=lp.get("plan", "?"))
+        label = ROW_NAMES[name].format(n=p.get("n_cpu_moe", "?"), plan=lp.get("plan", "?"),
+                                       mapped_plan=(bench.get("layer_plan_mapped") or {}).get("plan", "?"))
         if p.get("mapped_copy_mb"):  # not a GPU's pinned memory: a copy on the device (RPC) stood in for it
             label += f", a {p['mapped_copy_mb']:.0f} MiB device copy standing in"
         if "tpot_ms" not in p:

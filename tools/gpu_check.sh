@@ -42,14 +42,16 @@
 #      budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
 #      and slot layers the cost model chooses at the budget), on-demand-lru, on-demand-mapped (--miss mapped),
-#      static-hot-mapped (the calibration's hottest experts, misses read by the GPU, nothing uploaded), learned (layer-ahead prefetches: its
+#      static-hot-mapped (the calibration's hottest experts, misses read by the GPU, nothing uploaded), plan-mapped
+#      (the layer plan priced and run with --miss mapped), learned (layer-ahead prefetches: its
 #      predictor, fitted by --prepare, is carried in .gpu/predictors and used only for the same model file) and
 #      specter (with a draft made by `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device
 #      and them; what is missing is a row saying so
 #   6. big (issue 42's GPU benchmark; GPU_CHECK_BIG=0 leaves it out): tools/gpu_bench.py builds big-qwen3moe-q4
 #      (Qwen3-30B-A3B's shapes, Q4_0 experts, ~17 GB, made here from random bytes: nothing carried) and benches it
 #      at 8 GiB and 16 GiB of VRAM for experts (GPU_CHECK_BIG_MODEL, GPU_CHECK_BIG_BUDGETS): stock --n-cpu-moe N at
-#      equal VRAM, stock --cpu-moe, the layer plan, the engine, on-demand-mapped (the floor of host syncs: stock-device's in step 5's
+#      equal VRAM, stock --cpu-moe, the layer plan, the plan with --miss mapped, the engine, on-demand-mapped (the
+#      floor of host syncs: stock-device's in step 5's
 #      bench of the same architecture, else benched once),
 #      teacher-forced; ms per token, host switches per MoE layer (split count and counted synchronisations), upload
 #      GB/s beside the link, hit rate, the cost model's prediction; $OUT/gpu_bench.md (for docs/BENCHMARKS.md) and
@@ -367,8 +369,8 @@ def device_table(bench_json, out):
     layer plan (and the other device rows bench ran), one table ($OUT/device_table.txt). Splits and switches are
     those the scheduler took per decode token where bench counted them, else llama.cpp's planned count."""
     r = last_json(bench_json)
-    order = ["stock-cpu-moe", "stock-n-cpu-moe", "plan", "stock-device", "all-resident", "on-demand-lru",
-             "on-demand-mapped", "learned", "specter"]
+    order = ["stock-cpu-moe", "stock-n-cpu-moe", "plan", "plan-mapped", "stock-device", "all-resident",
+             "on-demand-lru", "on-demand-mapped", "learned", "specter"]
     pol = r["policies"]
     names = [n for n in order if n in pol] + [n for n in pol if n not in order]
     lines = [f"{r['model'].rsplit('/', 1)[-1]} on {r.get('device')}, budget {r['budget']}",
@@ -380,8 +382,7 @@ def device_table(bench_json, out):
             lines.append(f"{n:<18} {'-':>9} {'-':>13} {'-':>19} {'-':>11} {'-':>27}  {str(p.get('skipped', ''))[:60]}")
             continue
         note = f"N={p['n_cpu_moe']}" if "n_cpu_moe" in p else ""
-        if n == "plan" and "layer_plan" in r:
-            lp = r["layer_plan"]
+        if n in ("plan", "plan-mapped") and (lp := r.get("layer_plan" if n == "plan" else "layer_plan_mapped")):
             note = (f"{lp['plan']}; predicted {lp['predicted_ms']:.2f} ms vs stock --n-cpu-moe "
                     f"{lp['predicted_stock_n_cpu_moe_ms']:.2f}, --cpu-moe {lp['predicted_stock_cpu_moe_ms']:.2f}")
         # where the token went (bench's device times): host waits, CPU splits, device launches, and the bookkeeping
@@ -806,10 +807,10 @@ fi
 
 # --- 5. bench -----------------------------------------------------------------------------------------------------
 # all-resident beside stock-device: bench then reports the routing round trip per MoE layer
-WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru on-demand-mapped static-hot-mapped specter"
+WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru on-demand-mapped static-hot-mapped plan-mapped specter"
 # step 6's time comes first: the draft specter needs takes a minute and a half to make
 [ "$BIG" = 1 ] && WANT=${WANT/ specter/}
-[ "$MAPPED" = 1 ] || WANT=${WANT/ on-demand-mapped static-hot-mapped/}
+[ "$MAPPED" = 1 ] || WANT=${WANT/ on-demand-mapped static-hot-mapped plan-mapped/}
 if [ "$BUILT" = 1 ]; then
     run "bench --help" 60 "$DEADLINE" "$WORK/bench_help.txt" env COLUMNS=300 "$PY" -m pyspecter bench --help
     help_rc=$RC

@@ -48,7 +48,10 @@ def bench(
                                                       "learned-evict evicts by the learned reuse maps, learned "
                                                       "adds the prefetch plan, always on; engine is what "
                                                       "generate runs at this budget; default is what it runs "
-                                                      "given no flags: stock llama.cpp when the model fits). "
+                                                      "given no flags: stock llama.cpp when the model fits; "
+                                                      "with --device, plan is the layer plan of full, host and "
+                                                      "slot layers, plan-mapped the same priced and run with "
+                                                      "--miss mapped). "
                                                       "Default: " +
                                                       ", ".join(BENCH_DEFAULTS) + " (+ specter, specter-equal-slots "
                                                       "with --draft)", show_default=False)] = None,

@@ -20,7 +20,6 @@ import numpy as np
 from pyspecter import native
 from pyspecter.budget import MemoryPlan, allocate_slots, check_slots, parse_budget, split_counts, zero_slots
 from pyspecter.cache import ExpertCache
-from pyspecter.devcosts import plan_for
 from pyspecter.errors import SpecterError
 from pyspecter.layerplan import LayerPlan
 from pyspecter.layout import ModelLayout, read_layout
@@ -32,7 +31,7 @@ from pyspecter.placement import SlotCount, budget_slot_text
 from pyspecter.prompts import PACKAGED, load_prompts, render_prompt
 from pyspecter.speed import decode_tok_s
 from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
-from pyspecter.study.bench_device import device_columns, predictions, syncs_over_device
+from pyspecter.study.bench_device import device_columns, layer_plans, predictions, syncs_over_device
 from pyspecter.study.bench_runs import ENGINE_STATS, Run, disk_overlap, n_cpu_moe_for, run_policy, run_specter
 from pyspecter.study.capped import run_capped
 from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
@@ -43,9 +42,11 @@ from pyspecter.tiers import make_tier
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
             "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine", "plan",
-            "default", "on-demand-mapped", "static-hot-mapped")
-# need --device; "plan": the layer plan (full, host and slot layers) the cost model chooses at the budget
-DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "plan", "on-demand-mapped", "static-hot-mapped")
+            "default", "on-demand-mapped", "static-hot-mapped", "plan-mapped")
+# need --device; "plan": the layer plan (full, host and slot layers) the cost model chooses at the budget;
+# "plan-mapped": the plan priced and run as --miss mapped (slot layers whose misses the device reads from the host)
+DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "plan", "on-demand-mapped", "static-hot-mapped",
+                   "plan-mapped")
 # with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
 DEVICE_DEFAULTS = ("stock-cpu-moe", "stock-n-cpu-moe", "on-demand-lru", "on-demand-cpu", "prev-token", "static-hot")
 APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their quality cost is measured apart)
@@ -147,7 +148,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                 budget_bytes: int, n: int, repeat: int, n_threads: int, draft: str | Path | None, k: int,
                 adaptive: bool, surrogate_width: float, device: Device | None = None,
                 learned_slots: int | None = None, extra: dict[int, int] | None = None,
-                plan: LayerPlan | None = None, forced: list[list[int]] | None = None,
+                plans: dict[str, LayerPlan] | None = None, forced: list[list[int]] | None = None,
                 progress: Progress | None = None,
                 ) -> tuple[dict[str, list[Run]], dict[str, str], dict[str, dict]]:
     """Every policy ``repeat`` times, interleaved so that drift hits every policy alike. Returns the runs, the
@@ -197,7 +198,7 @@ def _interleave(path: Path, layout: ModelLayout, policies: list[str], sets: list
                 else:
                     runs[p].append(run_policy(p, path, layout, p_slots, tier, sets, n, n_threads, surrogate_width,
                                               hot, device=device, budget_bytes=budget_bytes, extra=extra,
-                                              plan=plan if p == "plan" else None, forced=forced))
+                                              plan=(plans or {}).get(p), forced=forced))
             except SpecterError as e:
                 skipped[p] = str(e)
     return runs, skipped, caps
@@ -275,8 +276,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         native.count_syncs(dev.ptr)
     say(f"measuring the {tier} tier's link", 0, 0)
     link_gbps = measure_link(path, tier, device=dev)
-    plan, plan_info = plan_for(path, layout, dev, budget_bytes, n_threads) if dev is not None and "plan" in policies \
-        else (None, None)
+    plans, infos, unplanned = layer_plans(path, layout, dev, budget_bytes, n_threads, policies)
     # one untimed run first: page-cache the file and fault in code paths, so the first policy isn't the cold one
     say("an untimed warm-up run", 0, 0)
     run_policy("stock", path, layout, slots, tier, [sets[0][:8]], 2, n_threads)
@@ -288,7 +288,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                           sur_slots=sur_slots, budget_bytes=budget_bytes, n=n, repeat=repeat,
                                           n_threads=n_threads, draft=draft, k=k, adaptive=adaptive,
                                           surrogate_width=surrogate_width, device=dev, learned_slots=learned_slots,
-                                          extra=extra, plan=plan, forced=texts, progress=progress)
+                                          extra=extra, plans=plans, forced=texts, progress=progress)
+        skipped.update(unplanned)
     say("done", repeat * len(policies), repeat * len(policies))
     uncapped = {"memory_cap": f"not capped (page cache warm, {tier} tier)", "cap_bytes": 0, "capped": False,
                 "cgroup": "none"}
@@ -307,8 +308,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                  "memory_cap": next(iter(caps.values()), uncapped)["memory_cap"],
                  "budget_bytes": budget_bytes, "budget_pct": 100 * budget_bytes / layout.expert_total_bytes,
                  "build": native.build_key(), "policies": {}}
-    if plan_info is not None:
-        out["layer_plan"] = plan_info
+    out.update({"layer_plan" if p == "plan" else "layer_plan_mapped": info for p, info in infos.items()})
     layer_bytes = sum(L.expert_bytes for L in layout.layers) / len(layout.layers)
     ref = "stock-cpu-moe" if dev is not None and runs.get("stock-cpu-moe") else "stock"
     stock_tokens = runs[ref][0].tokens if runs.get(ref) else None

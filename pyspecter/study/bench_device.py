@@ -8,7 +8,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pyspecter.devcosts import calibrate, measure_mapped, save_calibration
+from pyspecter.devcosts import calibrate, measure_mapped, plan_for, save_calibration
+from pyspecter.errors import SpecterError
 from pyspecter.layerplan import DeviceCosts, LayerPlan, predict_us, stock_plan
 from pyspecter.layout import ModelLayout
 from pyspecter.native.devices import Device
@@ -77,6 +78,21 @@ def syncs_over_device(policies: dict, n_moe_layers: int) -> None:
             p["host_syncs_per_moe_layer"] = (p["host_syncs_per_token"] - ref) / n_moe_layers
 
 
+def layer_plans(path: Path, layout: ModelLayout, device: Device | None, budget_bytes: int, n_threads: int,
+                policies: list[str]) -> tuple[dict[str, LayerPlan], dict[str, dict], dict[str, str]]:
+    """The layer plans the policies ask for, from measured costs (``devcosts.plan_for``): "plan", and "plan-mapped"
+    priced with its slot layers' misses read from the host copy. Returns the plans, their infos (bench's
+    "layer_plan" and "layer_plan_mapped") and, for a plan that could not be made, why (its row says so)."""
+    plans, infos, why = {}, {}, {}
+    for p in ("plan", "plan-mapped"):
+        if device is not None and p in policies:
+            try:
+                plans[p], infos[p] = plan_for(path, layout, device, budget_bytes, n_threads, mapped=p == "plan-mapped")
+            except SpecterError as e:  # a device that cannot read the host copy
+                why[p] = str(e)
+    return plans, infos, why
+
+
 def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_threads: int) -> None:
     """The cost model beside what bench measured: each device row whose placement the model knows (stock's three,
     the plan) gets the time it predicted; where stock --cpu-moe and --n-cpu-moe both ran, the costs are refitted
@@ -86,6 +102,8 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     ``out["layer_plan"]["calibrated"]`` (and ``["map_row_us"]``, ``["upload_share"]``: None where unmeasured)."""
     info = out.get("layer_plan")
     pol = out["policies"]
+    if "tpot_ms" in pol.get("plan-mapped", {}):  # plan_for priced it so (measured costs, LRU's hit curve)
+        pol["plan-mapped"]["predicted_ms"] = out["layer_plan_mapped"]["predicted_ms"]
     if info is None:
         return
     n_cpu = info["stock_n_cpu_moe"]

@@ -222,17 +222,17 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
     fed (``forced.forced_tokens``) instead of the greedy ones."""
     proc = psutil.Process()
     t_load = time.perf_counter()
-    if policy == "plan":
+    if policy in ("plan", "plan-mapped"):
         if plan is None or device is None:
-            raise SpecterError("policy plan needs --device (and a layer plan)")
+            raise SpecterError(f"policy {policy} needs --device (and a layer plan)")
         model = Model(path, device=device, host_layers=plan.host_layers)
     else:
         model = _model_for(policy, path, layout, device, budget_bytes, lazy_experts=tier == "disk")
     cache = None
     try:
-        if policy == "plan":
-            cache = ExpertCache(model, layout, plan.n_slots, miss="cpu", tier=make_tier("ram"),
-                                kinds=plan.native_kinds()) if plan.layers("slots") else None
+        if policy in ("plan", "plan-mapped"):  # plan-mapped: its slot layers' misses read from the host copy
+            cache = ExpertCache(model, layout, plan.n_slots, miss="mapped" if policy == "plan-mapped" else "cpu",
+                                tier=make_tier("ram"), kinds=plan.native_kinds()) if plan.layers("slots") else None
         else:
             cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss

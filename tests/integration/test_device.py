@@ -298,7 +298,8 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
 
     endpoint, _ = own_rpc
     r = run_cli("bench", "tiny-qwen3moe", "--device", endpoint, "--budget", "50%", "--repeat", "1", "-n", "4",
-                "--policies", "stock-cpu-moe,stock-n-cpu-moe,on-demand-lru,on-demand-cpu,plan,on-demand-mapped",
+                "--policies", "stock-cpu-moe,stock-n-cpu-moe,on-demand-lru,on-demand-cpu,plan,on-demand-mapped,"
+                              "plan-mapped",
                 "--json", "--free",
                 timeout=600)
     assert r.returncode == 0, r.stderr
@@ -345,6 +346,13 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     # every eviction is decided after its layer ran (settling, a split route's op): no upload waits for compute
     assert m["compute_orders_per_token"] == 0 and pol["on-demand-cpu"]["compute_orders_per_token"] == 0
     assert m["predicted_calibrated_ms"] > 0
+    # the plan priced as --miss mapped runs it so: stock's tokens, its own prediction, within the budget, never
+    # predicted slower than stock at that memory, no more splits than --cpu-moe
+    pm, lpm = pol["plan-mapped"], out["layer_plan_mapped"]
+    assert pm["same_tokens_as_stock"] and lpm["mapped"] and pm["predicted_ms"] == lpm["predicted_ms"]
+    assert lpm["device_bytes"] <= out["budget_bytes"]
+    assert lpm["predicted_ms"] <= lpm["predicted_stock_n_cpu_moe_ms"] + 1e-9
+    assert pm["splits_per_token"] <= pol["stock-cpu-moe"]["splits_per_token"]
 
 
 def _stock_greedy(path: Path, dev, toks: list[int], n: int, plan: LayerPlan | None = None) -> tuple[list[int], tuple]:

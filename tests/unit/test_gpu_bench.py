@@ -35,12 +35,14 @@ def _bench(with_floor: bool) -> dict:
                  "compute_orders_per_token": 0.5, "predicted_ms": 15.0, "same_logits_as_stock": True,
                  "prefill_tok_s": 812.4},
         "engine": {"skipped": "no room"},
+        "plan-mapped": {"tpot_ms": 12.0, "switches_taken_per_moe_layer": 0.25, "predicted_ms": 11.0},
     }
     if with_floor:
         pol["stock-device"] = {"tpot_ms": 5.0, "host_switches_per_moe_layer": 0.0, "host_syncs_per_token": 8.0,
                                "bytes_per_token": 0}
     return {"policies": pol, "link_gbps": 50.0, "n_moe_layers": 48,
-            "layer_plan": {"plan": "24 full, 12 slots (64/128), 12 host"}}
+            "layer_plan": {"plan": "24 full, 12 slots (64/128), 12 host"},
+            "layer_plan_mapped": {"plan": "24 full, 24 slots (40/128)"}}
 
 
 def test_rows_and_floor(gb) -> None:
@@ -56,6 +58,10 @@ def test_rows_and_floor(gb) -> None:
     assert by["plan"]["upload_gbps"] == pytest.approx(40e6 / 16e6)  # bytes over the token's own time
     assert by["plan"]["vs_stock_n_cpu_moe"] == pytest.approx(0.8)
     assert "skipped" in by["engine"]
+    # the plan priced and run with --miss mapped: its own plan in its label
+    assert by["plan-mapped"]["row"] == ("ours, the layer plan priced and run with `--miss mapped` "
+                                        "(24 full, 24 slots (40/128))")
+    assert by["plan-mapped"]["vs_stock_n_cpu_moe"] == pytest.approx(0.6)
     md = gb.markdown({"model": "m", "device": "cuda0", "machine": "H200", "date": "d", "n_threads": 16, "n": 16,
                       "prompt_tokens": 64, "model_s": 30.0, "sets": sets, "notes": []})
     assert "| 16GiB | ours, the layer plan (24 full, 12 slots (64/128), 12 host) | 16.00 | 0.80 | 812 |" in md
