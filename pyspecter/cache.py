@@ -23,7 +23,7 @@ from pyspecter.layout import ModelLayout
 from pyspecter.misses import MISS_MODES
 from pyspecter.native.hooks import Hooks
 from pyspecter.native_residency import NativeLayer, NativeResidency
-from pyspecter.policies import POLICIES, check_policy
+from pyspecter.policies import POLICIES, check_policy, hot_experts
 from pyspecter.tiers import RamTier, Tier
 
 __all__ = ["MISS_MODES", "POLICIES", "ExpertCache", "Totals"]
@@ -330,6 +330,11 @@ class ExpertCache:
                 self._warm_bytes += self.expert_bytes[il]
                 if self.api.set_slot(self.model.ptr, il, e, slot) != 0:
                     raise SpecterError(f"layer {il}: could not map expert {e} to slot {slot}")
+
+    def warm_hot(self, profile: Mapping[int, list[int]]) -> None:
+        """The static hot set: each slot layer's usable slots get its experts selected most often in ``profile``
+        (per MoE layer, the times each expert was selected: ``hitrates.hot_profile``), once."""
+        self.warm({il: hot_experts(profile[il], self.usable(il)) for il in self.layers})
 
     def counters(self) -> dict:
         out = self._residency_counters()

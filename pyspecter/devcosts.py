@@ -17,8 +17,6 @@ into slots of one layer.
 from __future__ import annotations
 
 import ctypes
-import json
-import os
 import socket
 import statistics
 import time
@@ -29,6 +27,7 @@ import numpy as np
 
 from pyspecter import native
 from pyspecter.budget import zero_slots
+from pyspecter.hitrates import hot_hits, lru_hits
 from pyspecter.layerplan import (
     DeviceCosts,
     LayerPlan,
@@ -39,25 +38,21 @@ from pyspecter.layerplan import (
     stock_plan,
 )
 from pyspecter.layout import ModelLayout
-from pyspecter.lru import lru_miss_curve
 from pyspecter.native.devices import Device
 from pyspecter.native.hooks import Hooks
-from pyspecter.prompts import calibration_tokens
+from pyspecter.paths import Measurements
 
 # in the cache key: a measurement made another way is measured again, never reused
 VERSION = 4
 WIDTH = 4  # tokens per step of the wide rounds
-
-
-def _cache_file() -> Path:
-    return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "pyspecter")) / "devcosts.json"
+_STORE = Measurements("devcosts", VERSION)
 
 
 def cache_key(path: str | Path, device: Device, n_threads: int = 2) -> str:
     """Machine, device, model file and the host's threads (a host row's cost depends on them)."""
     st = Path(path).stat()
-    return f"v{VERSION}|{socket.gethostname()}|{device.description}|t{n_threads}|{Path(path).resolve()}|" \
-           f"{st.st_size}|{st.st_mtime_ns}"
+    return _STORE.key(socket.gethostname(), device.description, f"t{n_threads}", Path(path).resolve(), st.st_size,
+                      st.st_mtime_ns)
 
 
 def _tokens(n_vocab: int, n: int) -> list[int]:
@@ -285,43 +280,6 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
     return replace(costs, map_row_us=map_row, upload_share=share)
 
 
-HIT_TOKENS, HIT_WARM = 160, 32  # lru_hits' trace: tokens of calibration text, the first of them only fill the cache
-
-
-def lru_hits(path: str | Path, layout: ModelLayout, n_threads: int = 2, use_cache: bool = True) -> list[float]:
-    """LRU's hit rate with s = 0..E slots a layer, over every MoE layer's rows: the model's own routing
-    of the packaged calibration text (never the held-out text bench measures on), one prefill on the CPU with
-    every row on the host path, its first ``HIT_WARM`` tokens only filling the cache. Real text repeats its
-    experts from token to token, so this is above the floor of s / E that the plan assumes without it. Cached per
-    model file: routing is the model's, whatever the device."""
-    st = Path(path).stat()
-    key = f"v{VERSION}|hits|{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    known = _cached()
-    if use_cache and key in known:
-        return [float(h) for h in known[key]["hits"]]
-    k, E = layout.n_expert_used, layout.n_expert
-    moe = {L.index for L in layout.layers}
-    ids: dict[int, np.ndarray] = {}
-
-    def on_route(il: int, n_tokens: int, n_used: int, ids_p, _w_p) -> None:
-        if il in moe:
-            ids[il] = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,)).reshape(n_tokens, n_used).copy()
-
-    with native.Model(path) as model:
-        toks = calibration_tokens(model, HIT_TOKENS)
-        hooks = Hooks(model, on_route, n_slots=1)  # one slot, never filled: every row on the host path
-        try:
-            with native.Context(model, n_ctx=len(toks) + 16, n_threads=n_threads) as ctx:
-                ctx.decode(toks, logits_all=True)  # every row's routing, the last layer's too
-                hooks.check()
-        finally:
-            hooks.close()
-    misses = np.mean([lru_miss_curve(a, E, warm=min(HIT_WARM, len(a) // 4)) for a in ids.values()], axis=0)
-    hits = [float(min(max(1.0 - m / k, 0.0), 1.0)) for m in misses]
-    _save(key, {"hits": hits, "tokens": len(toks), "source": "measured"})
-    return hits
-
-
 _FIELDS = ("split_us", "link_gbps", "cpu_row_us", "dev_row_us", "base_us", "map_row_us", "upload_share")
 
 
@@ -330,25 +288,11 @@ def _costs(entry: dict) -> DeviceCosts:
 
 
 def _cached() -> dict:
-    """Every entry of the cache file ({} where there is none, or it is not JSON)."""
-    f = _cache_file()
-    try:
-        return json.loads(f.read_text()) if f.exists() else {}
-    except ValueError:
-        return {}
+    return _STORE.entries()
 
 
 def _save(key: str, entry: dict) -> None:
-    f = _cache_file()
-    known = {k: v for k, v in _cached().items() if k.startswith(f"v{VERSION}|")}  # another version's: stale
-    known[key] = entry
-    try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(f)
-    except OSError:
-        pass  # a cache that cannot be written costs a measurement next time, nothing else
+    _STORE.save(key, entry)
 
 
 def calibrate(layout: ModelLayout, costs: DeviceCosts, cpu_moe_ms: float, n_cpu_moe_ms: float | None,
@@ -392,20 +336,24 @@ def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes
     token beside stock's --cpu-moe and --n-cpu-moe at that memory, measured with the host's ``n_threads``. Where
     every expert fits, every layer is full, as the session runs it (``placement.device_layer_plan``): stock's own
     placement, no switch to trade. ``mapped``: slot layers as ``--miss mapped`` runs them, priced with a row read
-    from the host copy (``measure_mapped``). Slot layers hit as LRU does on the model's routing (``lru_hits``)."""
+    from the host copy (``measure_mapped``). Slot layers hit as LRU does on the model's routing, or as a static
+    hot set does, whichever the plan chose (``hitrates``)."""
     costs = measure(path, layout, device, n_threads=n_threads)
     if mapped:
         costs = measure_mapped(path, layout, device, costs, n_threads=n_threads)
-    hits = lru_hits(path, layout, n_threads)
+    hits, hot = lru_hits(path, layout, n_threads), hot_hits(path, layout, n_threads)
     plan = (stock_plan(layout, 0) if device_bytes >= layout.expert_total_bytes
-            else choose_plan(layout, device_bytes, costs, zero_slots(layout, device), mapped=mapped, hits=hits))
+            else choose_plan(layout, device_bytes, costs, zero_slots(layout, device), mapped=mapped, hits=hits,
+                             hot_hits=hot))
     n_cpu = n_cpu_moe_for(layout, device_bytes)
     return plan, {"plan": plan.describe(layout), "cost_source": cost_source(path, device, n_threads),
                   "kinds": {str(il): k for il, k in sorted(plan.kinds.items())},
-                  "n_slots": plan.n_slots, "n_zero": plan.n_zero, "device_bytes": plan.device_bytes(layout),
-                  "costs": costs.as_dict(), "lru_hits": hits,
-                  "hit_rate": hit_rate(plan.n_slots, layout.n_expert, hits) if plan.layers("slots") else None,
-                  "predicted_ms": predict_us(plan, layout, costs, mapped=mapped, hits=hits) / 1e3,
+                  "n_slots": plan.n_slots, "n_zero": plan.n_zero, "hot": plan.hot,
+                  "device_bytes": plan.device_bytes(layout), "costs": costs.as_dict(), "lru_hits": hits,
+                  "hot_hits": hot,
+                  "hit_rate": (hit_rate(plan.n_slots, layout.n_expert, hot if plan.hot else hits)
+                               if plan.layers("slots") else None),
+                  "predicted_ms": predict_us(plan, layout, costs, mapped=mapped, hits=hits, hot_hits=hot) / 1e3,
                   "stock_n_cpu_moe": n_cpu,
                   "mapped": mapped,
                   "predicted_stock_n_cpu_moe_ms": predict_us(stock_plan(layout, n_cpu), layout, costs) / 1e3,

@@ -4,6 +4,8 @@
   host   all of them in host memory, computed there: two switches per token (stock ``--cpu-moe`` layers);
   slots  the dynamic cache: the slot path on the device, misses on the host, one host visit (two switches); with
          misses the device reads from the host copy (``--miss mapped``) no visit, each miss a row read over the link.
+         A plan's slot layers are all LRU (misses uploaded) or all ``hot``: a static hot set chosen from the model's
+         routing of calibration text, that never moves (no upload; each miss computed where the miss mode says).
 
 Stock ``--n-cpu-moe N`` (the first N blocks host, the rest full) is one point of this space at its own device
 memory, so the plan chosen at that memory is never predicted slower than it. The model's inputs (the cost of one
@@ -53,6 +55,7 @@ class LayerPlan:
     kinds: dict[int, str]  # MoE layer -> full | host | slots
     n_slots: int = 0  # slots per slot layer (0: no slot layer)
     n_zero: int = 0  # all-zero slots each slot layer holds besides (budget.zero_slots: 0 or top-k, by device)
+    hot: bool = False  # the slot layers hold a static hot set (hitrates.hot_profile): nothing moves, no upload
 
     def __post_init__(self) -> None:
         bad = {k for k in self.kinds.values() if k not in KINDS}
@@ -87,6 +90,8 @@ class LayerPlan:
     def describe(self, layout: ModelLayout) -> str:
         n = {k: len(self.layers(k)) for k in KINDS}
         parts = [f"{n['full']} full", f"{n['slots']} slots ({self.n_slots}/{layout.n_expert})", f"{n['host']} host"]
+        if self.hot:
+            parts[1] = f"{n['slots']} hot slots ({self.n_slots}/{layout.n_expert})"
         return ", ".join(p for p, k in zip(parts, ("full", "slots", "host"), strict=True) if n[k])
 
 
@@ -116,18 +121,18 @@ def hit_rate(n_slots: int, n_expert: int, hits: Sequence[float] | None = None) -
 
 
 def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped: bool = False,
-               uploads: bool = True, hits: Sequence[float] | None = None) -> float:
+               hits: Sequence[float] | None = None, hot_hits: Sequence[float] | None = None) -> float:
     """Predicted time per decode token: the costs' base plus each MoE layer's experts and switches. A slot layer's
     device path runs all k rows (misses on zero slots), its misses run on the host as well and are uploaded
     (counted in full: on RPC the link is this machine's CPU). ``mapped`` (``--miss mapped``, costs with a
     ``map_row_us``): a slot layer takes no switch, its hits are device rows and its misses rows the device reads
     from the host copy, and its uploads cost the token the measured share of their link time (``upload_share``;
-    in full where unmeasured); ``uploads`` False: residency moves nothing (static-hot-mapped). ``hits``: LRU's hit
-    rate by slot count (``hit_rate``), for residency that moves experts (uploads)."""
+    in full where unmeasured). A ``hot`` plan's slot layers move nothing: no upload. ``hits``: LRU's hit rate by
+    slot count, ``hot_hits`` a static hot set's (``hit_rate``; each where measured, ``hitrates``)."""
     if mapped and costs.map_row_us is None:
         raise SpecterError("the costs have no measured row read from the host copy (devcosts.measure_mapped)")
     k = layout.n_expert_used
-    h = hit_rate(plan.n_slots, layout.n_expert, hits if uploads else None)
+    h = hit_rate(plan.n_slots, layout.n_expert, hot_hits if plan.hot else hits)
     eb = {L.index: L.expert_bytes for L in layout.layers}
     t = costs.base_us
     share = costs.upload_share if mapped and costs.upload_share is not None else 1.0
@@ -141,13 +146,14 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped:
             t += k * h * costs.dev_row_us + miss * costs.map_row_us
         else:
             t += 2 * costs.split_us + k * costs.dev_row_us + miss * costs.cpu_row_us
-        if kind == "slots" and uploads:
+        if kind == "slots" and not plan.hot:
             t += share * miss * eb[il] / (costs.link_gbps * 1e3) if costs.link_gbps > 0 else 0.0
     return t
 
 
 def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_zero: int = 0,
-                mapped: bool = False, hits: Sequence[float] | None = None) -> LayerPlan:
+                mapped: bool = False, hits: Sequence[float] | None = None,
+                hot_hits: Sequence[float] | None = None) -> LayerPlan:
     """The plan of least predicted time whose experts fit in ``device_bytes``: f full layers (the last ones, as
     stock), s slot layers of n slots, the rest host, over every f, n and s (slots never fewer than top-k, nor E:
     a layer with every expert is a full layer). Stock's placements are among the candidates in their own right
@@ -156,7 +162,9 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
     (then the earlier: stock's): a switch is the cost the model knows least well (a stream synchronisation on a
     GPU, measured apart from its neighbours), so where the model cannot tell, the plan crosses fewer. ``n_zero``:
     the zero slots a slot layer on the device holds besides its slots (``budget.zero_slots``); ``mapped``: slot
-    layers priced as ``--miss mapped`` runs them, ``hits`` LRU's hit rate by slot count (``predict_us``)."""
+    layers priced as ``--miss mapped`` runs them, ``hits`` LRU's hit rate by slot count (``predict_us``);
+    ``hot_hits``: a static hot set's, measured, makes hot slot layers candidates too (LRU's win ties: a hot set
+    is chosen from a profile, and text unlike it misses more)."""
     if device_bytes < 0:
         raise SpecterError("negative device memory for experts")
     layers = [L.index for L in sorted(layout.layers, key=lambda L: L.index)]
@@ -185,8 +193,9 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
                 kinds = {**{il: "host" for il in rest}, **full}
                 for il in rest[len(rest) - s:] if s else []:
                     kinds[il] = "slots"
-                plan = LayerPlan(kinds, n if s else 0, z if s else 0)
-                t = predict_us(plan, layout, costs, mapped=mapped, hits=hits)
-                if better(t, plan):
-                    best = (t, plan)
+                for hot in (False, True) if s and hot_hits is not None else (False,):
+                    plan = LayerPlan(kinds, n if s else 0, z if s else 0, hot=hot)
+                    t = predict_us(plan, layout, costs, mapped=mapped, hits=hits, hot_hits=hot_hits)
+                    if better(t, plan):
+                        best = (t, plan)
     return best[1]

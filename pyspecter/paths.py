@@ -6,6 +6,7 @@ import contextlib
 import errno
 import glob
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -103,3 +104,33 @@ def remove_stale(path: Path) -> list[Path]:
             p.unlink()
             gone.append(p)
     return gone
+
+
+class Measurements:
+    """Measurements kept between runs in one JSON file of the cache (``NAME.json``), each entry keyed by what it
+    depends on and prefixed with the ``version`` of the way it was measured: an entry of another version is never
+    read, and is dropped at the next write. A file that is missing or not JSON reads as empty; one that cannot be
+    written costs a measurement next time, nothing else."""
+
+    def __init__(self, name: str, version: int) -> None:
+        self.name, self.version = name, version
+
+    @property
+    def file(self) -> Path:
+        return cache_dir() / f"{self.name}.json"
+
+    def key(self, *parts: object) -> str:
+        return "|".join([f"v{self.version}", *map(str, parts)])
+
+    def entries(self) -> dict:
+        try:
+            return json.loads(self.file.read_text()) if self.file.exists() else {}
+        except ValueError:
+            return {}
+
+    def save(self, key: str, entry: dict) -> None:
+        known = {k: v for k, v in self.entries().items() if k.startswith(f"v{self.version}|")}
+        known[key] = entry
+        with contextlib.suppress(OSError):
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.file, json.dumps(known, indent=1))

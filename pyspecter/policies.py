@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from pyspecter.errors import SpecterError
 
 # lru: least recently used (recency is what works for MoE routing: almost every expert is active within ~1k
@@ -33,3 +35,13 @@ def hot_experts(counts: Sequence[int], n: int) -> list[int]:
     = times expert e was selected), most used first; ties go to the lower id, so a profile gives one answer."""
     order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
     return order[: max(n, 0)]
+
+
+def hot_hit_curve(counts: Sequence[int], ids: np.ndarray) -> np.ndarray:
+    """The share of the routing ``ids`` [n, k] (one layer, -1: none) that a static hot set of s = 0..E experts
+    chosen from the profile ``counts`` (``hot_experts``) holds: a hit with s slots iff the expert's rank in the
+    profile is below s, so one pass gives every slot count."""
+    rank = np.empty(len(counts), np.int64)
+    rank[hot_experts(counts, len(counts))] = np.arange(len(counts))
+    r = rank[ids[ids >= 0]]
+    return np.array([np.mean(r < s) if len(r) else 0.0 for s in range(len(counts) + 1)], np.float64)

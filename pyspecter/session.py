@@ -296,7 +296,9 @@ class Session:
         # on the disk tier, 67-76% stalled on reads, its prefetches took the link from the misses waited for (40.2
         # MB per token against LRU's 37.3 at 50%; 58.1 against the reuse maps alone's 54.3 at 30%).
         ahead = learned and self._plans_ahead()
-        self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held,
+        # a plan's hot slot layers hold a static hot set: no residency engine, nothing moves after the warm-up
+        hot = self.layer_plan is not None and self.layer_plan.plan.hot
+        self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held, hook=not hot,
                                  policy="predicted" if fitted else cfg.policy, miss=self.miss, tier=self.tier,
                                  surrogates=self.surrogates, ordered=self.miss == "wait", held=self.held,
                                  record=record,
@@ -308,8 +310,12 @@ class Session:
         if cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
-            hot = routing_profile(cfg.profile, self.layout)
-            self.cache.warm({il: e for il, e in hot.items() if il in self.cache.layer_pos})  # a plan's slot layers
+            order = routing_profile(cfg.profile, self.layout)
+            self.cache.warm({il: e for il, e in order.items() if il in self.cache.layer_pos})  # a plan's slot layers
+        elif hot:  # the profile the plan priced the hot set with
+            from pyspecter.hitrates import hot_profile
+
+            self.cache.warm_hot(hot_profile(cfg.model, self.layout, cfg.n_threads))
 
     def _drop_draft(self) -> None:
         """The engine measured that the draft does not pay: free it, and give its memory to the slots."""

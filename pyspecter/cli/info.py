@@ -113,7 +113,8 @@ def inspect(
               f"{fmt_bytes(d['total_bytes'])}; {d['why']}")
         p, c = d["plan"], d["plan"]["costs"]
         print(f"layer plan for {fmt_bytes(p['device_bytes'])} of experts on the device: {p['plan']}"
-              + (f" (LRU hits {p['hit_rate']:.0%} on the calibration text)" if p.get("hit_rate") is not None else "")
+              + (f" ({'hot set' if p.get('hot') else 'LRU'} hits {p['hit_rate']:.0%} on the calibration text)"
+                 if p.get("hit_rate") is not None else "")
               + "; predicted "
               f"{p['predicted_ms']:.2f} ms/token, stock --n-cpu-moe {p['stock_n_cpu_moe']} "
               f"{p['predicted_stock_n_cpu_moe_ms']:.2f}, stock --cpu-moe {p['predicted_stock_cpu_moe_ms']:.2f} "

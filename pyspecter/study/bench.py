@@ -21,12 +21,12 @@ from pyspecter import native
 from pyspecter.budget import MemoryPlan, allocate_slots, check_slots, parse_budget, split_counts, zero_slots
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
+from pyspecter.hitrates import HIT_TOKENS, hot_profile
 from pyspecter.layerplan import LayerPlan
 from pyspecter.layout import ModelLayout, read_layout
 from pyspecter.models.calibration import select_neurons
-from pyspecter.native import Context, Model
+from pyspecter.native import Model
 from pyspecter.native.devices import Device, open_device
-from pyspecter.native.hooks import Hooks
 from pyspecter.placement import SlotCount, budget_slot_text
 from pyspecter.prompts import PACKAGED, load_prompts, render_prompt
 from pyspecter.speed import decode_tok_s
@@ -54,7 +54,6 @@ APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their
 DEFAULT_POLICIES = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu", "static-hot",
                     "prev-token")
 DEFAULT_PROMPT_LEN = 64  # tokens of the packaged (or synthetic) prompt when no prompt file is given
-CALIBRATION_TOKENS = 512  # static-hot's profile: a short read of text the bench never measures
 Progress = Callable[[str, int, int], None]  # (what is starting, runs done, runs in all; 0 in all: preparing)
 
 
@@ -82,34 +81,6 @@ def prompt_sets(path: Path, items: list[dict] | None, prompt_len: int | None) ->
         if items is None:
             return [_prompt_tokens(model, prompt_len or DEFAULT_PROMPT_LEN)]
         return [model.tokenize(render_prompt(model, p["messages"]))[:prompt_len] for p in items]
-
-
-def calibration_profile(path: Path, layout: ModelLayout, n_threads: int) -> dict[int, list[int]]:
-    """static-hot's routing profile: per MoE layer, the times each expert was selected while the model read the
-    packaged calibration prompts (the "tune" split, chat-rendered, its first CALIBRATION_TOKENS tokens, every
-    token counted). That text is never measured: bench measures the eval split or the user's prompt file."""
-    counts = {L.index: np.zeros(layout.n_expert, np.int64) for L in layout.layers}
-
-    def on_route(il: int, n_tokens: int, n_used: int, ids_p, _w_p) -> None:
-        if il in counts:
-            ids = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,))
-            counts[il] += np.bincount(ids[ids >= 0], minlength=layout.n_expert)
-
-    with Model(path) as model:
-        toks: list[int] = []
-        for p in load_prompts(split="tune"):
-            toks += model.tokenize(render_prompt(model, p["messages"]), add_special=not toks)
-        toks = toks[:CALIBRATION_TOKENS]
-        # one slot per layer, never filled: every row on the host path, stock's numbers
-        hooks = Hooks(model, on_route, n_slots=1)
-        try:
-            with Context(model, n_threads=n_threads, n_ctx=len(toks) + 8) as ctx:
-                # every row an output, so the last layer routes every token too (llama.cpp prunes non-outputs)
-                ctx.decode(toks, logits_all=True)
-            hooks.check()
-        finally:
-            hooks.close()
-    return {il: [int(x) for x in c] for il, c in counts.items()}
 
 
 RUNTIME_HEADROOM = 256 * 2**20  # Python, llama.cpp buffers and KV cache on top of the weights
@@ -271,7 +242,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             texts = forced_tokens(m, len(sets), n)
     if wants_hot := any(p.startswith("static-hot") for p in policies):
         say("static-hot: profiling the calibration prompts", 0, 0)
-    hot = calibration_profile(path, layout, n_threads) if wants_hot else None
+    hot = hot_profile(path, layout, n_threads) if wants_hot else None
     if dev is not None:  # what the scheduler actually does per token, beside its split count (device_columns)
         native.count_syncs(dev.ptr)
     say(f"measuring the {tier} tier's link", 0, 0)
@@ -378,8 +349,8 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
         if p == "stock-n-cpu-moe":
             out["policies"][p]["n_cpu_moe"] = n_cpu_moe_for(layout, budget_bytes)
         if p.startswith("static-hot"):
-            out["policies"][p]["profile"] = (f"routing of the first {CALIBRATION_TOKENS} tokens of the packaged "
-                                             "calibration (tune) prompts")
+            out["policies"][p]["profile"] = (f"routing of the first {HIT_TOKENS} tokens of the packaged "
+                                             "calibration text")
         if p == "surrogate":
             out["policies"][p].update(slots_per_layer=sur_slots, surrogate_width=surrogate_width, approximate=True,
                                       surrogate_uses=c["surrogate_uses"])

@@ -109,21 +109,23 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     n_cpu = info["stock_n_cpu_moe"]
     plans = {"stock-cpu-moe": stock_plan(layout, None), "stock-n-cpu-moe": stock_plan(layout, n_cpu),
              "stock-device": stock_plan(layout, 0),
-             "plan": LayerPlan({int(il): k for il, k in info["kinds"].items()}, info["n_slots"], info["n_zero"])}
+             "plan": LayerPlan({int(il): k for il, k in info["kinds"].items()}, info["n_slots"], info["n_zero"],
+                               hot=info.get("hot", False))}
     costs = DeviceCosts(**info["costs"])
-    hits = info.get("lru_hits")
+    curves = {"hits": info.get("lru_hits"), "hot_hits": info.get("hot_hits")}
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):
-            pol[name]["predicted_ms"] = predict_us(plan, layout, costs, hits=hits) / 1e3
-    # the mapped rows (every layer slots, misses read by the device from the host copy): a row read so, measured
-    mapped = [n for n in ("on-demand-mapped", "static-hot-mapped") if "tpot_ms" in pol.get(n, {})]
+            pol[name]["predicted_ms"] = predict_us(plan, layout, costs, **curves) / 1e3
+    # the mapped rows (every layer slots, misses read by the device from the host copy): a row read so, measured;
+    # static-hot's slots hold the hot set of the plan's profile (hitrates.hot_profile), on-demand's move (LRU)
     every = LayerPlan({L.index: "slots" for L in layout.layers}, out["slots_per_layer"])
+    mapped = {n: replace(every, hot=n == "static-hot-mapped") for n in ("on-demand-mapped", "static-hot-mapped")
+              if "tpot_ms" in pol.get(n, {})}
     if mapped:
         measured = measure_mapped(path, layout, device, costs, n_threads=n_threads)
         info["map_row_us"], info["upload_share"] = measured.map_row_us, measured.upload_share
-        for name in mapped:
-            pol[name]["predicted_ms"] = predict_us(every, layout, measured, mapped=True,
-                                                   uploads=name == "on-demand-mapped", hits=hits) / 1e3
+        for name, plan in mapped.items():
+            pol[name]["predicted_ms"] = predict_us(plan, layout, measured, mapped=True, **curves) / 1e3
     a, b = pol.get("stock-cpu-moe", {}), pol.get("stock-n-cpu-moe", {})
     if "tpot_ms" not in a:
         return
@@ -135,8 +137,7 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     info["calibrated"] = fitted.as_dict()
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):
-            pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted, hits=hits) / 1e3
-    for name in mapped:
+            pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted, **curves) / 1e3
+    for name, plan in mapped.items():
         as_mapped = replace(fitted, map_row_us=info["map_row_us"], upload_share=info["upload_share"])
-        pol[name]["predicted_calibrated_ms"] = predict_us(every, layout, as_mapped, mapped=True,
-                                                          uploads=name == "on-demand-mapped", hits=hits) / 1e3
+        pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, as_mapped, mapped=True, **curves) / 1e3

@@ -19,6 +19,7 @@ import psutil
 from pyspecter.budget import MemoryPlan
 from pyspecter.cache import ExpertCache
 from pyspecter.errors import SpecterError
+from pyspecter.hitrates import hot_profile
 from pyspecter.layerplan import LayerPlan, n_cpu_moe_for
 from pyspecter.layout import ModelLayout
 from pyspecter.misses import computes_in_place
@@ -26,7 +27,6 @@ from pyspecter.models.calibration import select_neurons
 from pyspecter.native import Context, Model, graph_splits, sync_counts
 from pyspecter.native.devices import Device
 from pyspecter.native_residency import DRAFT_RATES, draft_rates, layer_cpu_p50_us
-from pyspecter.policies import hot_experts
 from pyspecter.session import Session, SessionConfig
 from pyspecter.study.forced import FORCED, FREE, ForcedSampler, digest
 from pyspecter.surrogate import Surrogates
@@ -147,7 +147,7 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
             raise SpecterError("static-hot needs a routing profile")
         cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False, extra=extra,
                             miss="mapped" if policy.endswith("-mapped") else "wait")
-        cache.warm({il: hot_experts(hot[il], cache.usable(il)) for il in cache.layers})
+        cache.warm_hot(hot)
         return cache
     if policy in ("learned", "learned-evict"):
         # on-demand waits as in on-demand-lru-ordered, with eviction by the learned reuse maps (no duel: what they
@@ -216,10 +216,10 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
                extra: dict[int, int] | None = None, plan: LayerPlan | None = None,
                forced: list[list[int]] | None = None) -> Run:
     """One run of a non-speculative policy over every prompt. ``hot``: static-hot's profile, per MoE layer the
-    times each expert was selected (``bench.calibration_profile``: the model reading the packaged calibration
-    prompts, text the bench never measures); its slots get the most selected, once. ``device``: layers (and our
-    slots) on that device, experts' host copy in RAM. ``forced``: per prompt, the held-out tokens its decode is
-    fed (``forced.forced_tokens``) instead of the greedy ones."""
+    times each expert was selected (``hitrates.hot_profile``: the model reading the packaged calibration text,
+    never what bench measures); its slots get the most selected, once (a hot plan's slot layers too).
+    ``device``: layers (and our slots) on that device, experts' host copy in RAM. ``forced``: per prompt, the
+    held-out tokens its decode is fed (``forced.forced_tokens``) instead of the greedy ones."""
     proc = psutil.Process()
     t_load = time.perf_counter()
     if policy in ("plan", "plan-mapped"):
@@ -232,7 +232,10 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
     try:
         if policy in ("plan", "plan-mapped"):  # plan-mapped: its slot layers' misses read from the host copy
             cache = ExpertCache(model, layout, plan.n_slots, miss="mapped" if policy == "plan-mapped" else "cpu",
-                                tier=make_tier("ram"), kinds=plan.native_kinds()) if plan.layers("slots") else None
+                                tier=make_tier("ram"), kinds=plan.native_kinds(),
+                                hook=not plan.hot) if plan.layers("slots") else None
+            if plan.hot and cache is not None:  # a static hot set: nothing moves after this
+                cache.warm_hot(hot_profile(path, layout, n_threads))
         else:
             cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss

@@ -6,6 +6,7 @@ llama.cpp's op offload would send a host-weight matmul, with our negative ids, t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -333,7 +334,8 @@ def test_bench_on_rpc_device_has_llamacpp_baselines(own_rpc: tuple[str, subproce
     assert lp["predicted_ms"] <= lp["predicted_stock_cpu_moe_ms"] + 1e-9
     assert lp["device_bytes"] <= out["budget_bytes"]
     # the plan bench ran is the cost model's choice from the costs it reports
-    chosen = choose_plan(lay, out["budget_bytes"], DeviceCosts(**lp["costs"]), lp["n_zero"], hits=lp["lru_hits"])
+    chosen = choose_plan(lay, out["budget_bytes"], DeviceCosts(**lp["costs"]), lp["n_zero"], hits=lp["lru_hits"],
+                         hot_hits=lp["hot_hits"])
     assert lp["kinds"] == {str(il): k for il, k in sorted(chosen.kinds.items())}
     # --miss mapped: stock's tokens, no host switch taken whatever the token hit, its stand-in copy reported, and
     # a prediction from a row read from the host copy, measured (devcosts.measure_mapped)
@@ -450,8 +452,9 @@ def test_session_with_a_draft_on_a_device_that_holds_the_model_runs_all_full(rpc
 
 @pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss"])
 def test_session_layer_plans_on_rpc_device_are_exact(name: str, rpc: str) -> None:
-    """Mixed plans given to the session, stock's --n-cpu-moe N by name and slots in every layer: stock's greedy
-    tokens, and with full and host layers alone (no slots) exactly stock's splits."""
+    """Mixed plans given to the session, one of them with a static hot set in its slot layers, stock's --n-cpu-moe
+    N by name and slots in every layer: stock's greedy tokens, and with full and host layers alone (no slots)
+    exactly stock's splits. The hot set is the calibration profile's and never moves (no residency engine)."""
     from pyspecter.session import Session, SessionConfig
 
     dev = open_device(rpc)
@@ -460,10 +463,22 @@ def test_session_layer_plans_on_rpc_device_are_exact(name: str, rpc: str) -> Non
     with native.Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
         toks = m.tokenize(LONG_PROMPT)
     ref, cpu_moe = _stock_greedy(path, dev, toks, 12)
-    for spec in [*mixed_plans(lay), "n-cpu-moe:2", "slots"]:
+    hot = dataclasses.replace(mixed_plans(lay)[0], hot=True)
+    for spec in [*mixed_plans(lay), hot, "n-cpu-moe:2", "slots"]:
         with Session(SessionConfig(model=path, budget="50%", device=rpc, n_ctx=256, layer_plan=spec)) as s:
             assert (s.layer_plan is None) == (spec == "slots")
+            if spec == hot:
+                assert s.cache is not None and not s.cache.native
+                assert s.stats()["slots_text"].startswith("layer plan") and "hot slots" in s.stats()["slots_text"]
             assert s.generate(toks, 12, stop_at_eog=False) == ref, spec
+            if spec == hot:  # what the plan priced: the slots hold the profile's most used experts
+                from pyspecter.hitrates import hot_profile
+                from pyspecter.policies import hot_experts
+
+                prof = hot_profile(path, lay)
+                for il in hot.layers("slots"):
+                    held = [e for e in range(lay.n_expert) if native.slots().slot_of(s.target.ptr, il, e) >= 0]
+                    assert held == sorted(hot_experts(prof[il], s.cache.usable(il)))
             plan = s.layer_plan.plan if s.layer_plan else None
             _, want = _stock_greedy(path, dev, toks, 1, plan)
             assert s.target_splits == want, spec  # a slot layer costs what a host layer does
@@ -588,26 +603,29 @@ def test_teacher_forced_verify_on_rpc_device_meets_the_contract(rpc: str) -> Non
     assert r["contract_ok"], r["contract"]
 
 
-def test_lru_hits_come_from_the_models_own_routing_and_are_cached(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """devcosts.lru_hits: LRU's hit rate by slot count from one CPU prefill of the calibration text; none below
-    top-k slots, more with more slots, and what a direct LRU simulation of the same routing gives; cached per model
-    file, so the session's plan and bench's predictions read it without running the model again."""
-    from pyspecter import devcosts
+def test_hit_rates_come_from_the_models_own_routing_and_are_cached(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """hitrates: LRU's hit rate by slot count from one CPU prefill of the calibration text; none below top-k
+    slots, more with more slots, and what a direct LRU simulation of the same routing gives. The static hot set's:
+    the first half's profile on the second half, as counted directly; the profile is the whole trace's counts.
+    Cached per model file, so the session's plan and bench's predictions read them without running the model
+    again."""
+    from pyspecter import hitrates
     from pyspecter.lru import lru_miss_curve
+    from pyspecter.policies import hot_experts
     from pyspecter.prompts import calibration_tokens
 
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
     k, E = lay.n_expert_used, lay.n_expert
-    hits = devcosts.lru_hits(path, lay)
+    hits = hitrates.lru_hits(path, lay)
     assert len(hits) == E + 1 and all(h == 0.0 for h in hits[:k])
     assert all(0.0 <= a <= b <= 1.0 for a, b in zip(hits, hits[1:], strict=False)) and hits[E - 1] > hits[k]
     # the same rows through the host-path hook, simulated directly: LRU with E // 2 slots a layer
     seen: dict[int, list] = {}
     with native.Model(path) as m:
-        toks = calibration_tokens(m, devcosts.HIT_TOKENS)
+        toks = calibration_tokens(m, hitrates.HIT_TOKENS)
         hooks = Hooks(m, lambda il, n, u, ids, _w: seen.setdefault(il, []).append(
             np.ctypeslib.as_array(ids, shape=(n * u,)).reshape(n, u).copy()), n_slots=1)
         try:
@@ -615,11 +633,23 @@ def test_lru_hits_come_from_the_models_own_routing_and_are_cached(tmp_path: Path
                 ctx.decode(toks, logits_all=True)
         finally:
             hooks.close()
-    curves = [lru_miss_curve(np.concatenate(v), E, warm=devcosts.HIT_WARM) for v in seen.values()]
+    curves = [lru_miss_curve(np.concatenate(v), E, warm=hitrates.HIT_WARM) for v in seen.values()]
     assert hits[E // 2] == pytest.approx(1 - float(np.mean([c[E // 2] for c in curves])) / k, abs=1e-6)
+    hot = hitrates.hot_hits(path, lay)
+    half = len(toks) // 2
+    direct = []
+    for v in seen.values():
+        a = np.concatenate(v)
+        first = [int(x) for x in np.bincount(a[:half].ravel(), minlength=E)]
+        keep = set(hot_experts(first, E // 2))
+        direct.append(np.mean([int(e) in keep for e in a[half:].ravel()]))
+    assert len(hot) == E + 1 and hot[0] == 0.0 and hot[E] == 1.0
+    assert hot[E // 2] == pytest.approx(float(np.mean(direct)), abs=1e-6)
+    prof = hitrates.hot_profile(path, lay)
+    assert {il: sum(c) for il, c in prof.items()} == {il: len(toks) * k for il in seen}
 
     def no_model(*_a, **_k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(devcosts.native, "Model", no_model)
-    assert devcosts.lru_hits(path, lay) == hits
+    monkeypatch.setattr(hitrates.native, "Model", no_model)
+    assert hitrates.lru_hits(path, lay) == hits and hitrates.hot_hits(path, lay) == hot

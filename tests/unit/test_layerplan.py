@@ -174,12 +174,13 @@ def test_a_tie_goes_to_fewer_switches() -> None:
 
 def test_a_mapped_slot_layer_takes_no_switch_and_reads_its_misses_from_the_host_copy() -> None:
     """--miss mapped: a slot layer's hits are device rows, its misses rows read from the host copy, no switch;
-    uploads (LRU) priced as for any slot layer, and none for static residency."""
+    uploads (LRU) priced as for any slot layer, and none for a static hot set."""
     lay = _layout()  # 16 experts, top-2, 8 layers
     every = LayerPlan({L.index: "slots" for L in lay.layers}, 8)  # half the experts: hit rate 1/2, a miss a token
     costs = DeviceCosts(split_us=60.0, link_gbps=1.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0, map_row_us=10.0)
     upload = EB / 1e3  # one expert over a 1 GB/s link, µs
-    assert predict_us(every, lay, costs, mapped=True, uploads=False) == pytest.approx(500 + 8 * (1 * 2.0 + 1 * 10.0))
+    hot = LayerPlan(every.kinds, 8, hot=True)
+    assert predict_us(hot, lay, costs, mapped=True) == pytest.approx(500 + 8 * (1 * 2.0 + 1 * 10.0))
     assert predict_us(every, lay, costs, mapped=True) == pytest.approx(500 + 8 * (2.0 + 10.0 + upload))
     # the same layers with host paths: two switches, every row on the device, the misses on the host too
     assert predict_us(every, lay, costs) == pytest.approx(500 + 8 * (2 * 60 + 2 * 2.0 + 40.0 + upload))
@@ -201,14 +202,15 @@ def test_a_mapped_slot_layer_pays_the_measured_share_of_its_uploads() -> None:
     assert predict_us(every, lay, costs, mapped=True) == pytest.approx(500 + 8 * (2.0 + 10.0 + 0.25 * upload))
     assert predict_us(every, lay, costs) == pytest.approx(500 + 8 * (2 * 60 + 2 * 2.0 + 40.0 + upload))
     hidden = DeviceCosts(**{**costs.as_dict(), "upload_share": 0.0})
-    assert predict_us(every, lay, hidden, mapped=True) == predict_us(every, lay, hidden, mapped=True, uploads=False)
+    assert predict_us(every, lay, hidden, mapped=True) == predict_us(LayerPlan(every.kinds, 8, hot=True), lay, hidden,
+                                                                    mapped=True)
     assert costs.as_dict()["upload_share"] == 0.25 and "upload_share" not in GPU.as_dict()
 
 
 def test_a_measured_lru_hit_rate_prices_slot_layers_that_move_experts() -> None:
-    """hits (devcosts.lru_hits: LRU on the model's own routing, by slot count) replace the floor n / E for slot
-    layers whose residency moves experts; static residency (uploads False) keeps the floor, and a curve of the
-    wrong length is not read."""
+    """hits (hitrates.lru_hits: LRU on the model's own routing, by slot count) replace the floor n / E for slot
+    layers whose residency moves experts; a hot plan reads hot_hits instead (the floor where unmeasured), and a
+    curve of the wrong length is not read."""
     lay = _layout()  # 16 experts, top-2, 8 layers
     every = LayerPlan({L.index: "slots" for L in lay.layers}, 8)
     hits = [min(1.0, 0.1 * n) for n in range(lay.n_expert + 1)]  # 0.8 at 8 slots, against the floor's 0.5
@@ -222,8 +224,11 @@ def test_a_measured_lru_hit_rate_prices_slot_layers_that_move_experts() -> None:
         500 + 8 * (2 * 0.8 * 2.0 + miss * 10.0 + miss * upload))
     assert predict_us(every, lay, costs, hits=hits) == pytest.approx(
         500 + 8 * (2 * 60 + 2 * 2.0 + miss * 40.0 + miss * upload))
-    static = predict_us(every, lay, costs, mapped=True, uploads=False)
-    assert predict_us(every, lay, costs, mapped=True, uploads=False, hits=hits) == static
+    hot = LayerPlan(every.kinds, 8, hot=True)
+    static = predict_us(hot, lay, costs, mapped=True)
+    assert predict_us(hot, lay, costs, mapped=True, hits=hits) == static == pytest.approx(500 + 8 * (2.0 + 10.0))
+    assert predict_us(hot, lay, costs, mapped=True, hits=[0.0] * 17, hot_hits=hits) == pytest.approx(
+        500 + 8 * (2 * 0.8 * 2.0 + miss * 10.0))
 
 
 def test_uploads_hidden_beside_the_token_let_the_plan_choose_slot_layers() -> None:
@@ -255,3 +260,24 @@ def test_the_mapped_plan_is_never_predicted_slower_than_stock_and_reads_cheap_mi
     assert predict_us(plan, lay, costs, mapped=True) <= predict_us(stock, lay, costs) + 1e-6
     if map_row < costs.cpu_row_us:  # a miss read by the device beats a host visit: the leftover memory is slots
         assert plan.layers("slots") and plan.switches_per_token(mapped=True) < stock.switches_per_token()
+
+
+def test_a_hot_set_is_chosen_where_it_hits_nearly_as_well_as_lru_without_its_uploads() -> None:
+    """hot_hits (hitrates.hot_hits) make hot slot layers candidates: where the hot set hits as often as LRU they
+    win by the uploads they never make; where it hits much less, LRU's slot layers stay; a tie goes to LRU; without
+    hot_hits there is no hot plan. Either way the plan is never predicted slower than stock and fits."""
+    lay = _layout()  # 16 experts, top-2, 8 layers
+    costs = DeviceCosts(split_us=60.0, link_gbps=0.1, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0,
+                        map_row_us=10.0, upload_share=1.0)
+    budget = int(0.5 * lay.expert_total_bytes)
+    stock = stock_plan(lay, n_cpu_moe_for(lay, budget))
+    lru = [min(1.0, 0.1 * n) for n in range(lay.n_expert + 1)]
+    assert not choose_plan(lay, budget, costs, mapped=True, hits=lru).hot
+    plan = choose_plan(lay, budget, costs, mapped=True, hits=lru, hot_hits=[h * 0.95 for h in lru])
+    assert plan.hot and plan.layers("slots") and plan.device_bytes(lay) <= budget
+    assert predict_us(plan, lay, costs, mapped=True, hits=lru, hot_hits=[h * 0.95 for h in lru]) < predict_us(
+        stock, lay, costs)
+    assert "hot slots" in plan.describe(lay)
+    assert not choose_plan(lay, budget, costs, mapped=True, hits=lru, hot_hits=[h * 0.3 for h in lru]).hot
+    free = DeviceCosts(**{**costs.as_dict(), "upload_share": 0.0})  # uploads cost nothing: the two tie
+    assert not choose_plan(lay, budget, free, mapped=True, hits=lru, hot_hits=lru).hot
