@@ -113,9 +113,10 @@ def stock_plan(layout: ModelLayout, n_cpu_moe: int | None) -> LayerPlan:
 
 
 def hit_rate(n_slots: int, n_expert: int, hits: Sequence[float] | None = None) -> float:
-    """The hit rate the model assumes for n slots of n_expert: ``hits[n]`` where measured (``devcosts.lru_hits``:
-    LRU over the model's own routing of real text), else what they hold of an expert chosen at random, a floor
-    (routing repeats itself from token to token, and LRU keeps what repeats)."""
+    """The hit rate the model assumes for n slots of n_expert: ``hits[n]`` where measured (``hitrates``: LRU's, or
+    a static hot set's, over the model's own routing of real text), else what they hold of an expert chosen at
+    random, a floor (routing repeats itself from token to token and favours some experts: LRU keeps what repeats,
+    a hot set what is favoured)."""
     n = min(max(n_slots, 0), n_expert)
     return float(hits[n]) if hits is not None and len(hits) == n_expert + 1 else n / n_expert
 

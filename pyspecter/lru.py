@@ -1,5 +1,5 @@
 """LRU over a layer's routing: each access's place in the LRU stack, and from it the misses of every slot count
-in one pass. The plan prices slot layers with it (devcosts.lru_hits), the predictor fit sizes the budget's slots
+in one pass. The plan prices slot layers with it (hitrates.lru_hits), the predictor fit sizes the budget's slots
 with it (models/reuse_fit.py), and the study's reference simulator re-exports it (study/simulate.py)."""
 
 from __future__ import annotations

@@ -36,6 +36,17 @@ def calibration_tokens(model: Model, n: int) -> list[int]:
     return toks[:n]
 
 
+def tune_tokens(model: Model, n: int) -> list[int]:
+    """The first ``n`` tokens of the packaged prompts' tune split, each rendered with the model's chat template, as
+    one text: a chat as a session sees it, and never what bench measures (the eval split, the held-out text)."""
+    toks: list[int] = []
+    for p in load_prompts(split="tune"):
+        toks += model.tokenize(render_prompt(model, p["messages"]), add_special=not toks)
+        if len(toks) >= n:
+            break
+    return toks[:n]
+
+
 def load_prompts(path: str | os.PathLike | None = None, split: str | None = None) -> list[dict]:
     """Prompts from a file (default: the packaged eval_prompts.jsonl), as dicts with "id", "split" ("tune" |
     "eval"), "kind" and "messages" [{role, content}].

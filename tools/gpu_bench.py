@@ -329,11 +329,12 @@ def main(argv: list[str] | None = None) -> int:
                                "budget_pct": b.get("budget_pct"), "link_gbps": b.get("link_gbps"),
                                "n_moe_layers": b.get("n_moe_layers"), "layer_plan": b.get("layer_plan"),
                                "rows": rows(b), "bench": b})
-        lp = b.get("layer_plan") or {}
+        lp, lpm = b.get("layer_plan") or {}, b.get("layer_plan_mapped") or {}
         report["notes"].append(
             f"{budget} ({_f(b.get('budget_pct'), '.0f')}% of the experts): link {_f(b.get('link_gbps'), '.1f')} GB/s "
             f"measured at start; {b.get('slots', '-')}, {_zero(b)}; plan {lp.get('plan', '-')} from costs "
-            f"{lp.get('cost_source', '-')}; "
+            f"{lp.get('cost_source', '-')}; mapped plan {lpm.get('plan', '-')}, its slots predicted to hit "
+            f"{_f(lpm.get('hit_rate'), '.0%')} (calibration text); "
             f"refitted {json.dumps({k: round(v, 2) for k, v in (lp.get('calibrated') or {}).items()})}; "
             f"a row read from the host copy {_f(lp.get('map_row_us'), '.1f')} us, share of an upload's time a mapped "
             f"token waits for {_f(lp.get('upload_share'), '.2f')}; "

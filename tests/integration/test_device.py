@@ -605,15 +605,15 @@ def test_teacher_forced_verify_on_rpc_device_meets_the_contract(rpc: str) -> Non
 
 def test_hit_rates_come_from_the_models_own_routing_and_are_cached(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """hitrates: LRU's hit rate by slot count from one CPU prefill of the calibration text; none below top-k
-    slots, more with more slots, and what a direct LRU simulation of the same routing gives. The static hot set's:
-    the first half's profile on the second half, as counted directly; the profile is the whole trace's counts.
-    Cached per model file, so the session's plan and bench's predictions read them without running the model
-    again."""
+    """hitrates: LRU's hit rate by slot count from a CPU prefill of the calibration text; none below top-k slots,
+    more with more slots, and what a direct LRU simulation of the same routing gives. The static hot set's: the
+    chat prompts' profile (a prefill of the tune split) measured on the calibration text, as counted directly; the
+    profile is those counts. Cached per model file, so the session's plan and bench's predictions read them
+    without running the model again."""
     from pyspecter import hitrates
     from pyspecter.lru import lru_miss_curve
     from pyspecter.policies import hot_experts
-    from pyspecter.prompts import calibration_tokens
+    from pyspecter.prompts import calibration_tokens, tune_tokens
 
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
     path = build_tiny("tiny-qwen3moe")
@@ -623,30 +623,28 @@ def test_hit_rates_come_from_the_models_own_routing_and_are_cached(tmp_path: Pat
     assert len(hits) == E + 1 and all(h == 0.0 for h in hits[:k])
     assert all(0.0 <= a <= b <= 1.0 for a, b in zip(hits, hits[1:], strict=False)) and hits[E - 1] > hits[k]
     # the same rows through the host-path hook, simulated directly: LRU with E // 2 slots a layer
-    seen: dict[int, list] = {}
+    seen: list[dict[int, list]] = []
     with native.Model(path) as m:
-        toks = calibration_tokens(m, hitrates.HIT_TOKENS)
-        hooks = Hooks(m, lambda il, n, u, ids, _w: seen.setdefault(il, []).append(
+        texts = [tune_tokens(m, hitrates.HIT_TOKENS), calibration_tokens(m, hitrates.HIT_TOKENS)]
+        hooks = Hooks(m, lambda il, n, u, ids, _w: seen[-1].setdefault(il, []).append(
             np.ctypeslib.as_array(ids, shape=(n * u,)).reshape(n, u).copy()), n_slots=1)
         try:
-            with native.Context(m, n_ctx=len(toks) + 16) as ctx:
-                ctx.decode(toks, logits_all=True)
+            for toks in texts:
+                seen.append({})
+                with native.Context(m, n_ctx=len(toks) + 16) as ctx:
+                    ctx.decode(toks, logits_all=True)
         finally:
             hooks.close()
-    curves = [lru_miss_curve(np.concatenate(v), E, warm=hitrates.HIT_WARM) for v in seen.values()]
+    chat, calib = ({il: np.concatenate(v) for il, v in one.items()} for one in seen)
+    assert all(len(t) == hitrates.HIT_TOKENS for t in texts) and texts[0] != texts[1]
+    curves = [lru_miss_curve(a, E, warm=hitrates.HIT_WARM) for a in calib.values()]
     assert hits[E // 2] == pytest.approx(1 - float(np.mean([c[E // 2] for c in curves])) / k, abs=1e-6)
     hot = hitrates.hot_hits(path, lay)
-    half = len(toks) // 2
-    direct = []
-    for v in seen.values():
-        a = np.concatenate(v)
-        first = [int(x) for x in np.bincount(a[:half].ravel(), minlength=E)]
-        keep = set(hot_experts(first, E // 2))
-        direct.append(np.mean([int(e) in keep for e in a[half:].ravel()]))
+    prof = hitrates.hot_profile(path, lay)
+    assert prof == {il: [int(x) for x in np.bincount(a.ravel(), minlength=E)] for il, a in chat.items()}
+    direct = [np.mean([int(e) in set(hot_experts(prof[il], E // 2)) for e in a.ravel()]) for il, a in calib.items()]
     assert len(hot) == E + 1 and hot[0] == 0.0 and hot[E] == 1.0
     assert hot[E // 2] == pytest.approx(float(np.mean(direct)), abs=1e-6)
-    prof = hitrates.hot_profile(path, lay)
-    assert {il: sum(c) for il, c in prof.items()} == {il: len(toks) * k for il in seen}
 
     def no_model(*_a, **_k):
         raise AssertionError("measured again")
