@@ -156,6 +156,7 @@ class DevicePlan:
     plan: LayerPlan
     why: str
     info: dict | None = None
+    mapped: bool = False  # an auto plan priced as --miss mapped runs it, and faster so: the session runs it so
 
     @property
     def has_slots(self) -> bool:
@@ -174,7 +175,7 @@ def parse_layer_plan(spec: str) -> str | int:
 
 def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str | LayerPlan | None = None, *,
                       why_not: str | None = None, draft_bytes: int = 0, n_threads: int = 2,
-                      mapped: bool = False) -> DevicePlan | None:
+                      mapped: bool | None = False) -> DevicePlan | None:
     """What each MoE layer is on ``device`` (a ``native.devices.Device``) for ``budget`` (device memory for
     experts; None: all of them): ``spec`` as ``--layer-plan`` gives it (None: auto), or a ``LayerPlan`` itself.
     None: slots in every layer. ``why_not``: what keeps this session on slots in every layer (a draft, the
@@ -182,7 +183,8 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
     budget (the whole model fits the device), auto is every layer full whatever ``why_not`` says: stock's
     placement, no slot to index; ``draft_bytes``: a draft beside it on the device. ``n_threads``: the session's
     (the cost model's host rows are measured with them). ``mapped``: the session's misses are read by the device
-    from the host copy (``--miss mapped``): auto prices its slot layers so (``devcosts.plan_for``)."""
+    from the host copy (``--miss mapped``): auto prices its slot layers so; None (no miss mode asked for): as
+    ``priced_plan`` chooses, and ``DevicePlan.mapped`` says which."""
     if spec is None:
         spec = "auto"
     want = spec if isinstance(spec, LayerPlan) else parse_layer_plan(spec)
@@ -205,15 +207,43 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
     elif budget_bytes >= layout.expert_total_bytes:  # every layer full: no switch at all, nothing to measure
         plan, info, how = stock_plan(layout, 0), None, "every expert fits on the device"
     else:
-        from pyspecter.devcosts import plan_for
-
-        plan, info = plan_for(layout.path, layout, device, budget_bytes, n_threads, mapped=mapped)
+        plan, info = priced_plan(layout, device, budget_bytes, n_threads, mapped=mapped)
+        mapped = info["mapped"]
         how = (f"predicted {info['predicted_ms']:.1f} ms/token vs stock --n-cpu-moe {info['stock_n_cpu_moe']} "
                f"{info['predicted_stock_n_cpu_moe_ms']:.1f} ms at the same memory"
                + (", slot layers' misses read from the host copy" if mapped and plan.layers("slots") else ""))
     if want != "auto":
         _check_device_room(device, layout, plan.device_bytes(layout))
-    return DevicePlan(plan, f"layer plan: {plan.describe(layout)}; {how}", info)
+    return DevicePlan(plan, f"layer plan: {plan.describe(layout)}; {how}", info,
+                      mapped=bool(info and info["mapped"]))
+
+
+def priced_plan(layout: ModelLayout, device, device_bytes: int, n_threads: int = 2,
+                mapped: bool | None = False) -> tuple[LayerPlan, dict]:
+    """The cost model's plan for ``device_bytes`` of experts on ``device`` and what it predicts
+    (``devcosts.plan_for``); ``mapped``: its slot layers priced as ``--miss mapped`` runs them. None (no miss mode
+    asked for): priced both ways where the device reads the host copy in place (``reads_host_copy``), and the
+    faster of the two (``info["mapped"]`` says which), so the session takes the mapped path where the model
+    predicts it pays, and not elsewhere."""
+    from pyspecter.devcosts import plan_for
+
+    plan, info = plan_for(layout.path, layout, device, device_bytes, n_threads, mapped=bool(mapped))
+    if mapped is None and reads_host_copy(device, layout):
+        mplan, minfo = plan_for(layout.path, layout, device, device_bytes, n_threads, mapped=True)
+        if mplan.layers("slots") and minfo["predicted_ms"] < info["predicted_ms"]:
+            return mplan, minfo
+    return plan, info
+
+
+def reads_host_copy(device, layout: ModelLayout) -> bool:
+    """Whether ``device`` reads a miss from the host copy of the experts where it is (pinned host memory: a host
+    buffer type, CUDA's) and takes a miss's negative id: where ``--miss mapped`` costs no device memory beyond the
+    budget. The RPC device has no host buffer type (its stand-in copy is device memory), so it never does.
+    ``SPECTER_NO_MAPPED=1``: no device does (what gpu_check sets when its mapped cases failed on that GPU, so the
+    engine it benches keeps to the host path; ``--miss mapped`` asked for is still run)."""
+    if os.environ.get("SPECTER_NO_MAPPED") == "1":
+        return False
+    return device.host_buffer_type() is not None and device.zero_slots(layout.n_expert_used) == 0
 
 
 @dataclass(frozen=True)

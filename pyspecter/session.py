@@ -167,13 +167,16 @@ class Session:
         # which the learned predictor's tables index
         why_not = "a draft" if cfg.draft else "surrogates" if self.surrogates else None
         why_not = why_not or (f"the {self.tier.name} tier" if self.tier.name != "ram" else None)
-        # --miss mapped: the cost model prices slot layers without the host visit they no longer take
+        # --miss mapped: the cost model prices slot layers without the host visit they no longer take; no --miss:
+        # both ways where the device reads the host copy in place, and the session runs the faster
         self.layer_plan = device_layer_plan(self.layout, self.device, cfg.budget, cfg.layer_plan, why_not=why_not,
-                                            mapped=self.miss == "mapped",
+                                            mapped=None if cfg.miss is None else self.miss == "mapped",
                                             draft_bytes=self.draft_bytes, n_threads=cfg.n_threads) \
             if self.device is not None else None
         if self.layer_plan is not None:
             self.predictor = None
+            if self.layer_plan.mapped:
+                self.miss = "mapped"
         if self.predictor is None and self._router_ahead_wanted():
             # no fitted predictor: the next layer's own router predicts its routing (router_ahead.py), for the
             # native planner alone (eviction stays cfg.policy)

@@ -43,7 +43,9 @@ def inspect(
     threads: ThreadsOpt = 1,
     mapped: Annotated[bool, typer.Option("--mapped", help="--device: price the layer plan as --miss mapped runs it "
                                                          "(slot layers' misses read by the device from pinned host "
-                                                         "memory, no host visit; measured on the model)")] = False,
+                                                         "memory, no host visit; measured on the model). Default: "
+                                                         "the plan generate runs without --miss (both ways where "
+                                                         "the device reads pinned host memory, the faster)")] = False,
 ) -> None:
     """Show a MoE GGUF's expert layout: bytes per expert, expert vs non-expert bytes, slots a budget buys, and
     how the model fits this machine (or --device). With --draft, what the draft costs and how well it predicts."""
@@ -82,12 +84,12 @@ def inspect(
         assert device is not None
         native_errors_exit()
         info["device"] = dataclasses.asdict(device_fit(lay, device))
-        from pyspecter.devcosts import plan_for
         from pyspecter.native.devices import open_device
+        from pyspecter.placement import priced_plan
 
         # the layer plan for the budget (else what the device holds), its inputs measured on the model (cached)
         room = info["budget_bytes"] if budget is not None else info["device"]["slot_bytes"]
-        _, info["device"]["plan"] = plan_for(lay.path, lay, open_device(device), room, mapped=mapped)
+        _, info["device"]["plan"] = priced_plan(lay, open_device(device), room, mapped=True if mapped else None)
     if draft is not None:
         info["draft"] = draft_report(lay, resolve_model(draft), info.get("budget_bytes"), n=draft_tokens, k=k,
                                      threads=threads)

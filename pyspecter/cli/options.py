@@ -27,7 +27,9 @@ MissOpt = Annotated[str | None, typer.Option(help="on a miss: cpu (exact host co
                                                     "too, from pinned host memory, upload in the background); "
                                                     "default: wait "
                                                     "on the disk tier (its host copy is on disk too), host on the "
-                                                    "RAM tier without a device, else cpu. surrogate: APPROXIMATE, "
+                                                    "RAM tier without a device, else cpu (on a GPU whose layer "
+                                                    "plan is predicted faster with mapped: mapped). surrogate: "
+                                                    "APPROXIMATE, "
                                                     "computes single-token misses with a narrow copy of the expert "
                                                     "kept in RAM and prints its measured perplexity cost")]
 SurrogateOpt = Annotated[float, typer.Option(help="--miss surrogate: fraction of each expert's neurons kept")]

@@ -281,3 +281,55 @@ def test_a_hot_set_is_chosen_where_it_hits_nearly_as_well_as_lru_without_its_upl
     assert not choose_plan(lay, budget, costs, mapped=True, hits=lru, hot_hits=[h * 0.3 for h in lru]).hot
     free = DeviceCosts(**{**costs.as_dict(), "upload_share": 0.0})  # uploads cost nothing: the two tie
     assert not choose_plan(lay, budget, free, mapped=True, hits=lru, hot_hits=lru).hot
+
+
+class _Device:
+    """What priced_plan asks of a device: a host buffer type (pinned host memory, CUDA's; None on RPC) and the
+    zero slots its kernel needs."""
+
+    def __init__(self, host_buffer: int | None, zero: int = 0) -> None:
+        self._host, self._zero = host_buffer, zero
+
+    def host_buffer_type(self) -> int | None:
+        return self._host
+
+    def zero_slots(self, n_used: int) -> int:
+        return self._zero
+
+
+@pytest.mark.parametrize(("host_buffer", "zero", "mapped_ms", "want_mapped"), [
+    (1, 0, 8.0, True),  # pinned host memory, negative ids, predicted faster: the mapped plan
+    (1, 0, 12.0, False),  # predicted slower: the plain plan
+    (None, 0, 8.0, False),  # no host buffer type (RPC): its stand-in copy would be memory beyond the budget
+    (1, 2, 8.0, False),  # a kernel that takes no negative id: mapped misses cannot point anywhere
+])
+def test_without_a_miss_mode_the_plan_is_priced_both_ways_where_the_device_reads_the_host_copy(
+        monkeypatch: pytest.MonkeyPatch, host_buffer: int | None, zero: int, mapped_ms: float,
+        want_mapped: bool) -> None:
+    """placement.priced_plan(mapped=None), what a session given no --miss runs: the mapped plan where it is
+    predicted faster and the device reads pinned host memory in place; asked for either, that one alone."""
+    from pyspecter import devcosts
+    from pyspecter.placement import priced_plan
+
+    lay = _layout()
+    plain = stock_plan(lay, 4)
+    slots = LayerPlan({L.index: "slots" for L in lay.layers}, 8, hot=True)
+    asked: list[bool] = []
+
+    def plan_for(_path, _lay, _dev, _bytes, _threads=2, mapped=False):
+        asked.append(mapped)
+        return (slots, {"predicted_ms": mapped_ms, "mapped": True}) if mapped else (
+            plain, {"predicted_ms": 10.0, "mapped": False})
+
+    monkeypatch.setattr(devcosts, "plan_for", plan_for)
+    dev = _Device(host_buffer, zero)
+    plan, info = priced_plan(lay, dev, lay.expert_total_bytes // 2, mapped=None)
+    assert (plan, info["mapped"]) == ((slots, True) if want_mapped else (plain, False))
+    assert asked == ([False, True] if host_buffer is not None and not zero else [False])
+    asked.clear()
+    assert priced_plan(lay, dev, lay.expert_total_bytes // 2, mapped=False)[0] == plain and asked == [False]
+    asked.clear()
+    assert priced_plan(lay, dev, lay.expert_total_bytes // 2, mapped=True)[0] == slots and asked == [True]
+    monkeypatch.setenv("SPECTER_NO_MAPPED", "1")  # gpu_check, where the GPU's mapped cases failed
+    asked.clear()
+    assert priced_plan(lay, dev, lay.expert_total_bytes // 2, mapped=None)[0] == plain and asked == [False]
