@@ -99,7 +99,7 @@ def _f(x: object, fmt: str) -> str:
 
 
 ROW_NAMES = {"stock-n-cpu-moe": "stock `--n-cpu-moe {n}` (equal VRAM)", "stock-cpu-moe": "stock `--cpu-moe`",
-             "plan": "ours, the layer plan ({plan})", "engine": "ours, the engine", "stock-device":
+             "plan": "ours, the layer plan ({plan})", "engine": "ours, the engine{miss}", "stock-device":
              "stock, every expert on the device (the floor)",
              "on-demand-mapped": "ours, LRU, misses read by the GPU from pinned host memory (`--miss mapped`)",
              "plan-mapped": "ours, the layer plan priced and run with `--miss mapped` ({mapped_plan})"}
@@ -115,7 +115,9 @@ def rows(bench: dict) -> list[dict]:
         p = pol.get(name)
         if p is None:
             continue
-        label = ROW_NAMES[name].format(n=p.get("n_cpu_moe", "?"), plan=lp.get("plan", "?"),
+        # the engine's miss mode: its own choice given no --miss (mapped where the plan predicts it faster)
+        miss = f" (`--miss {p['miss']}`)" if p.get("miss") else ""
+        label = ROW_NAMES[name].format(n=p.get("n_cpu_moe", "?"), plan=lp.get("plan", "?"), miss=miss,
                                        mapped_plan=(bench.get("layer_plan_mapped") or {}).get("plan", "?"))
         if p.get("mapped_copy_mb"):  # not a GPU's pinned memory: a copy on the device (RPC) stood in for it
             label += f", a {p['mapped_copy_mb']:.0f} MiB device copy standing in"

@@ -66,6 +66,9 @@ def test_rows_and_floor(gb) -> None:
                       "prompt_tokens": 64, "model_s": 30.0, "sets": sets, "notes": []})
     assert "| 16GiB | ours, the layer plan (24 full, 12 slots (64/128), 12 host) | 16.00 | 0.80 | 812 |" in md
     assert "| 8GiB | ours, the engine | skipped: no room |" in md
+    # the engine's own choice of miss mode (mapped where its plan predicts that faster) is in its label
+    ran = {**_bench(False), "policies": {"engine": {"tpot_ms": 9.0, "miss": "mapped"}}}
+    assert gb.rows(ran)[0]["row"] == "ours, the engine (`--miss mapped`)"
     # where the time went: bench's three device times, per token; a row without them shows dashes
     assert "| 2.50 | 3.50 / 6.25 / 0.50 / 0.12 |" in md
     assert "| - / - / - / - |" in md
