@@ -257,13 +257,16 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
     uploads into the empty slots: what the token waits for of them (``_upload_share``; they share the link with
     C's reads). One load, not two side by side as ``measure`` does: a big model's pinned host copy is most of what
     it costs. On the RPC device a device copy stands in for the host's memory (csrc/mapped.cpp), so the row
-    measured there is the device's own, not the link's. Cached beside the costs."""
+    measured there is the device's own, not the link's. Cached beside the costs, with the link the share was
+    measured against: ``costs`` with another link (bench's refit) get the share that charges the measured bytes
+    the same time (``share_at``)."""
     from pyspecter.cache import ExpertCache
 
     key = cache_key(path, device, n_threads) + "|mapped"
     known = _cached().get(key, {})
-    if use_cache and "upload_share" in known:  # null where refused
-        return replace(costs, map_row_us=float(known["map_row_us"]), upload_share=known["upload_share"])
+    if use_cache and "share_link_gbps" in known:  # upload_share null where refused
+        return replace(costs, map_row_us=float(known["map_row_us"]),
+                       upload_share=share_at(known["upload_share"], known["share_link_gbps"], costs.link_gbps))
     k, L = layout.n_expert_used, len(layout.layers)
     with native.Model(path, device=device) as m:
         steps = [[t] for t in _tokens(m.n_vocab, 1 + reps)]
@@ -276,8 +279,17 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
             cache.close()
     a_over_c = (statistics.median(ta) - statistics.median(tc)) * 1e6
     map_row = max((L * (2 * costs.split_us + k * costs.cpu_row_us) - a_over_c) / (L * k), 0.0)
-    _save(key, {"map_row_us": map_row, "upload_share": share, "source": "measured"})
+    _save(key, {"map_row_us": map_row, "upload_share": share, "share_link_gbps": costs.link_gbps,
+                "source": "measured"})
     return replace(costs, map_row_us=map_row, upload_share=share)
+
+
+def share_at(share: float | None, measured_gbps: float, link_gbps: float) -> float | None:
+    """An upload share measured against a link of ``measured_gbps`` (``upload_share_of``) for costs whose link is
+    ``link_gbps``: the same time for the same bytes, so it scales with the link, in [0, 1]. None stays None."""
+    if share is None or measured_gbps <= 0 or link_gbps <= 0:
+        return share
+    return min(max(share * link_gbps / measured_gbps, 0.0), 1.0)
 
 
 _FIELDS = ("split_us", "link_gbps", "cpu_row_us", "dev_row_us", "base_us", "map_row_us", "upload_share")

@@ -138,6 +138,7 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):
             pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, fitted, **curves) / 1e3
+    if mapped:  # cached now: the row as measured, the share at the refitted link (devcosts.share_at)
+        as_mapped = measure_mapped(path, layout, device, fitted, n_threads=n_threads)
     for name, plan in mapped.items():
-        as_mapped = replace(fitted, map_row_us=info["map_row_us"], upload_share=info["upload_share"])
         pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, as_mapped, mapped=True, **curves) / 1e3

@@ -146,25 +146,32 @@ def test_the_plan_reads_a_saved_calibration(tmp_path, monkeypatch: pytest.Monkey
 
 def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_again(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """measure_mapped's cache entry keeps the row read from the host copy and the upload share (null where an
-    upload was refused: then None, counted in full); an entry from before the share was measured is not reused."""
+    """measure_mapped's cache entry keeps the row read from the host copy, the upload share (null where an upload
+    was refused: then None, counted in full) and the link it was measured against; costs with another link (bench's
+    refit) read the share that charges the same bytes the same time. An entry from before the share, or before its
+    link was kept, is not reused."""
     from pyspecter import devcosts
 
     f, Dev, costs = _cached_model(tmp_path, monkeypatch)
     key = cache_key(f, Dev()) + "|mapped"  # type: ignore[arg-type]
     for share in (0.25, None):
-        devcosts._save(key, {"map_row_us": 9.0, "upload_share": share, "source": "measured"})
+        devcosts._save(key, {"map_row_us": 9.0, "upload_share": share, "share_link_gbps": costs.link_gbps,
+                             "source": "measured"})
         got = devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]
         assert got == DeviceCosts(**{**costs.as_dict(), "map_row_us": 9.0}, upload_share=share)
         assert devcosts._costs(devcosts._cached()[key] | costs.as_dict()) == got
+        refit = DeviceCosts(**{**costs.as_dict(), "link_gbps": costs.link_gbps * 2})  # bench's faster link
+        again = devcosts.measure_mapped(f, _layout(), Dev(), refit)  # type: ignore[arg-type]
+        assert again.upload_share == (None if share is None else 0.5)
 
     def loads(*_a, **_k):
         raise SpecterError("measured again")
 
     monkeypatch.setattr(devcosts.native, "Model", loads)
-    devcosts._save(key, {"map_row_us": 9.0, "source": "measured"})  # before upload_share: measured again
-    with pytest.raises(SpecterError, match="measured again"):
-        devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]
+    for old in ({}, {"upload_share": 0.25}):  # before upload_share, before its link: measured again
+        devcosts._save(key, {"map_row_us": 9.0, "source": "measured", **old})
+        with pytest.raises(SpecterError, match="measured again"):
+            devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]
 
 
 def test_the_upload_share_charges_the_measured_uploads_what_they_added() -> None:
@@ -184,3 +191,14 @@ def test_the_upload_share_charges_the_measured_uploads_what_they_added() -> None
     assert predict_us(plan, lay, costs, mapped=True) == pytest.approx(extra_s * 1e6)
     assert upload_share_of(2 * nbytes / 2e9, nbytes, link) == 1.0 and upload_share_of(-1e-3, nbytes, link) == 0.0
     assert upload_share_of(1e-3, nbytes, 0.0) == 1.0  # no link measured: in full, as predict_us counts it
+
+
+def test_a_share_moves_with_the_link_it_is_charged_at() -> None:
+    """share_at: the time a share charges for the same bytes is kept when the link it multiplies changes, within
+    [0, 1]; unmeasured stays unmeasured."""
+    from pyspecter.devcosts import share_at
+
+    nbytes, link, share = 10**9, 4.0, 0.5
+    for other in (2.0, 6.0):
+        assert share_at(share, link, other) * nbytes / (other * 1e9) == pytest.approx(share * nbytes / (link * 1e9))
+    assert share_at(share, link, 16.0) == 1.0 and share_at(None, link, 2.0) is None and share_at(0.3, 0.0, 2.0) == 0.3
