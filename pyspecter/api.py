@@ -79,7 +79,7 @@ def load(model: str | os.PathLike, *, budget: str | None = None, tier: str | Non
         groups = select_neurons(path, surrogate_width)
     s = Session(SessionConfig(model=Path(path), draft=dpath, budget=where.budget, tier=where.tier,
                               device=where.device, miss=miss, layer_plan=layer_plan, surrogate_groups=groups,
-                              **config), placement=where)
+                              **config), placement=where, notify=say)
     try:
         if s.layer_plan is not None:
             say(s.layer_plan.why)

@@ -10,6 +10,7 @@ no second copy of the experts (``Placement.stock``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import psutil
@@ -175,7 +176,7 @@ def parse_layer_plan(spec: str) -> str | int:
 
 def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str | LayerPlan | None = None, *,
                       why_not: str | None = None, draft_bytes: int = 0, n_threads: int = 2,
-                      mapped: bool | None = False) -> DevicePlan | None:
+                      mapped: bool | None = False, say: Callable[[str], None] | None = None) -> DevicePlan | None:
     """What each MoE layer is on ``device`` (a ``native.devices.Device``) for ``budget`` (device memory for
     experts; None: all of them): ``spec`` as ``--layer-plan`` gives it (None: auto), or a ``LayerPlan`` itself.
     None: slots in every layer. ``why_not``: what keeps this session on slots in every layer (a draft, the
@@ -184,7 +185,8 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
     placement, no slot to index; ``draft_bytes``: a draft beside it on the device. ``n_threads``: the session's
     (the cost model's host rows are measured with them). ``mapped``: the session's misses are read by the device
     from the host copy (``--miss mapped``): auto prices its slot layers so; None (no miss mode asked for): as
-    ``priced_plan`` chooses, and ``DevicePlan.mapped`` says which."""
+    ``priced_plan`` chooses, and ``DevicePlan.mapped`` says which. ``say``: hears one line before the plan's
+    inputs are measured (the first time on a model, device and host threads: seconds, a big model's minute)."""
     if spec is None:
         spec = "auto"
     want = spec if isinstance(spec, LayerPlan) else parse_layer_plan(spec)
@@ -207,6 +209,11 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
     elif budget_bytes >= layout.expert_total_bytes:  # every layer full: no switch at all, nothing to measure
         plan, info, how = stock_plan(layout, 0), None, "every expert fits on the device"
     else:
+        from pyspecter.devcosts import cost_source
+
+        if say is not None and cost_source(layout.path, device, n_threads) == "none":
+            say(f"measuring the layer plan's costs on {device.name} (once per model, device and host threads; "
+                "cached)")
         plan, info = priced_plan(layout, device, budget_bytes, n_threads, mapped=mapped)
         mapped = info["mapped"]
         how = (f"predicted {info['predicted_ms']:.1f} ms/token vs stock --n-cpu-moe {info['stock_n_cpu_moe']} "

@@ -126,9 +126,11 @@ def sampling_params(cfg: SessionConfig, layout: ModelLayout) -> SamplingParams:
 
 
 class Session:
-    def __init__(self, cfg: SessionConfig, placement: Placement | None = None) -> None:
+    def __init__(self, cfg: SessionConfig, placement: Placement | None = None,
+                 notify: Callable[[str], None] | None = None) -> None:
         """``placement``: where the experts live, when the caller already chose it (``placement.place``, which
-        the session calls itself otherwise)."""
+        the session calls itself otherwise); ``notify``: hears a line before long work the user waits for (the
+        layer plan's first measurement on a device)."""
         # what pyspecter.load says about the session (its notify lines), and an approximate mode's measured cost
         # (quality.perplexity_delta): set by load, which opens every session a user asks for
         self.notes: list[str] = []
@@ -171,7 +173,7 @@ class Session:
         # both ways where the device reads the host copy in place, and the session runs the faster
         self.layer_plan = device_layer_plan(self.layout, self.device, cfg.budget, cfg.layer_plan, why_not=why_not,
                                             mapped=None if cfg.miss is None else self.miss == "mapped",
-                                            draft_bytes=self.draft_bytes, n_threads=cfg.n_threads) \
+                                            draft_bytes=self.draft_bytes, n_threads=cfg.n_threads, say=notify) \
             if self.device is not None else None
         if self.layer_plan is not None:
             self.predictor = None

@@ -431,6 +431,24 @@ def test_device_costs_measured_on_rpc_device(rpc: str, tmp_path: Path, monkeypat
         assert t <= predict_us(stock_plan(lay, n_cpu_moe_for(lay, budget)), lay, costs) + 1e-6
 
 
+def test_the_first_auto_plan_on_a_device_says_it_measures(rpc: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyspecter.load on a device with nothing cached: one line before the layer plan's costs are measured (the
+    user waits for them), then the plan's own line; the second session reads them cached and says only the
+    plan."""
+    from pyspecter.api import load
+
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    path = build_tiny("tiny-qwen3moe")
+    for first in (True, False):
+        lines: list[str] = []
+        with load(path, budget="50%", device=rpc, n_ctx=128, notify=lines.append) as s:
+            measuring = [i for i, line in enumerate(lines) if line.startswith("measuring the layer plan's costs")]
+            planned = [i for i, line in enumerate(lines) if line.startswith("layer plan: ")]
+            assert planned and (measuring == [] if not first else measuring[0] < planned[0]), lines
+            assert s.notes == lines
+
+
 def test_session_with_a_draft_on_a_device_that_holds_the_model_runs_all_full(rpc: str, tmp_path: Path) -> None:
     """The whole model fits the device and a draft is given: every layer full (stock's placement, no slot, no
     routing hook), the draft speculating beside it, stock's greedy tokens and splits."""
