@@ -48,9 +48,10 @@ def load(model: str | os.PathLike, *, budget: str | None = None, tier: str | Non
     What is left out is chosen as the command line chooses it: the CLI's generate, chat and serve open their
     session here. A model that fits runs as stock llama.cpp; ``session.placement.why`` says what was chosen.
 
-    ``miss``: wait, cpu, host, or surrogate (APPROXIMATE: single-token misses computed by a narrow copy of each
-    expert keeping ``surrogate_width`` of its neurons; its measured perplexity cost is ``session.quality``, see
-    ``quality.describe``). ``layer_plan`` (with a device): auto, slots or n-cpu-moe:N. Other keyword arguments are
+    ``miss``: wait, cpu, host, mapped, or surrogate (APPROXIMATE: single-token misses computed by a narrow copy of
+    each expert keeping ``surrogate_width`` of its neurons; its measured perplexity cost is ``session.quality``, see
+    ``quality.describe``); None: as the tier says, and on a GPU whose layer plan is predicted faster so, mapped.
+    ``layer_plan`` (with a device): auto, slots or n-cpu-moe:N. Other keyword arguments are
     ``SessionConfig`` fields (``n_ctx``, ``n_threads``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
     ``repeat_penalty``, ``seed``, ``k``, ``adaptive``, ``profile``, ``force``, ``predictor``...).
 
