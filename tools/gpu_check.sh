@@ -29,7 +29,8 @@
 #      kernel path it touches (mmvq, its several-token kernel, MMQ, MMF, the fused gate+up+GLU), against the CPU
 #   4. verify: every fixture arch (pyspecter/models/tiny.py TINY_MODELS) with --device cuda0, slots k, E/2 and E,
 #      misses wait and cpu, and at E/2 mapped (the GPU reads misses from pinned host memory: decode's with MMVQ/MMF,
-#      and with the long prompt a prompt ubatch's with MMQ, MMF or cuBLAS); verify's `contract_ok` decides where its
+#      and with the long prompt a prompt ubatch's with MMQ, MMF or cuBLAS), and at E/2 a static hot set (--hot, what a
+#      layer plan's hot slot layers run) with misses cpu and mapped; verify's `contract_ok` decides where its
 #      JSON has one (the GPU contract: never NaN/inf,
 #      every expert in a slot = stock-device, with misses no further from stock-device than stock's --cpu-moe run;
 #      the row shows the reference and the bound), else the CPU criterion against stock with the same placement
@@ -411,8 +412,9 @@ def zero_fallback(*row_files):
     """STATUS<tab>DETAIL<tab>FALLBACK of the verify rows: whether misses as negative ids (CUDA: patch 0008) held,
     and FALLBACK 1 when only they failed (every zero-slot case passed), so that the benches run with zero slots."""
     rows = [(line.rstrip("\n").split("\t") + [""] * 4)[:4] for f in row_files for line in open(f) if line.strip()]
-    # mapped misses need negative ids but are their own mechanism (a GPU reading host memory): their rows say so
-    neg = [r for r in rows if "(zero slots)" not in r[0] and "miss=mapped" not in r[0]]
+    # mapped misses need negative ids but are their own mechanism (a GPU reading host memory), and so is a static
+    # hot set (no residency engine): their rows say so
+    neg = [r for r in rows if "(zero slots)" not in r[0] and "miss=mapped" not in r[0] and "(hot set)" not in r[0]]
     zero = [r for r in rows if "(zero slots)" in r[0]]
     neg_bad, zero_bad = (sum(r[1] not in ("ok", "skip") for r in rs) for rs in (neg, zero))
     if not neg_bad:
@@ -739,7 +741,8 @@ for n, s in TINY_MODELS.items():
     # then misses the GPU reads from pinned host memory (--miss mapped, csrc/mapped.cpp)
     cs = [(half, "cpu", "short", "neg"), (half, "cpu", "short", "zero"), (half, "mapped", "short", "neg")] + [
         (k, miss, "short", "neg") for k in sorted({s.n_expert_used, half, s.n_expert}) for miss in ("wait", "cpu")
-        if (k, miss) != (half, "cpu")] + [(half, "cpu", "long", "neg"), (half, "mapped", "long", "neg")]
+        if (k, miss) != (half, "cpu")] + [(half, "cpu", "long", "neg"), (half, "mapped", "long", "neg")] + [
+        (half, miss, "short", "hot") for miss in ("cpu", "mapped")]  # a static hot set (verify --hot), as hot plans run
     per_arch.append([(n, *c) for c in cs])
 for j in range(max(map(len, per_arch))):
     for a, cs in enumerate(per_arch):
@@ -761,15 +764,16 @@ for j in range(max(map(len, per_arch))):
             STEPS=$WORK/verify/$key.row
             name="verify $m slots=$slots miss=$miss"
             [ "$plen" = long ] && name="$name (long prompt)"
-            zero=0
+            zero=0 hot=()
             [ "$mode" = zero ] && name="$name (zero slots)" && zero=1
+            [ "$mode" = hot ] && name="$name (hot set)" && hot=(--hot)
             f="$WORK/verify/$m-$slots-$miss-$plen-$mode.json"
             if [ "$plen" = long ]; then
                 run "$name" 90 "$VERIFY_UNTIL" "$f" env SPECTER_ZERO_SLOTS=$zero "$PY" -m pyspecter verify "$m" \
                     --slots "$slots" --miss "$miss" --device "$DEVICE" --json --prompt "$LONG_PROMPT"
             else
                 run "$name" 90 "$VERIFY_UNTIL" "$f" env SPECTER_ZERO_SLOTS=$zero "$PY" -m pyspecter verify "$m" \
-                    --slots "$slots" --miss "$miss" --device "$DEVICE" --json
+                    --slots "$slots" --miss "$miss" --device "$DEVICE" --json "${hot[@]}"
             fi
             rc=$RC
             # from the JSON verify printed (the contract where it reports one); without any, the cause of the crash

@@ -62,6 +62,9 @@ def verify(
                                          "(teacher forcing) instead of its greedy picks, and compare the logits "
                                          "at every step: for random-weight models, whose greedy text cycles")]
     = False,
+    hot: Annotated[bool, typer.Option("--hot", help="instead of --policy: the slots hold the model's static hot set "
+                                      "(its most used experts on packaged chat prompts) and nothing moves, as a "
+                                      "layer plan's hot slot layers run")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Run one prompt through stock llama.cpp and through expert slots; compare greedy tokens and logits.
@@ -85,14 +88,14 @@ def verify(
     miss = miss or ("wait" if tier == "disk" else "cpu")  # as generate and chat choose it
     native_errors_exit()
     r = run_verify(path, slots=slots, miss=miss, tier=tier, policy=policy, n_tokens=n,
-                   prompt=prompt or DEFAULT_PROMPT, device=device, forced=forced)
+                   prompt=prompt or DEFAULT_PROMPT, device=device, forced=forced, hot=hot)
     c = r.get("contract")
     ok = c["ok"] if c else r["identical_tokens"] and r["max_abs_logit_diff"] <= 1e-4
     if json_out:
         print(json.dumps(r, indent=1))
     else:
         print(f"{r['arch']} on {r['device']} slots={r['slots']}/{r['n_expert']} miss={miss} tier={r['tier']} "
-              f"policy={policy}: "
+              f"policy={r['policy']}: "
               f"{'IDENTICAL' if r['identical_tokens'] else 'DIFFERENT'} tokens ({r['n_tokens']}), "
               f"max |dlogit| {r['max_abs_logit_diff']:.2e}, hit rate {100 * r['hit_rate']:.1f}%, "
               f"{r['uploads']} uploads ({fmt_bytes(r['upload_bytes'])})")

@@ -8,6 +8,7 @@ import numpy as np
 
 from pyspecter.cache import ExpertCache
 from pyspecter.engine import generate_step, greedy
+from pyspecter.hitrates import hot_profile
 from pyspecter.layerplan import LayerPlan
 from pyspecter.layout import read_layout
 from pyspecter.native import Context, Model, device_stats, graph_splits
@@ -70,7 +71,7 @@ def device_contract(ours: np.ndarray, d_ours_device: float, stock_gap: float, al
 def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram", policy: str = "lru",
            prompt: str = DEFAULT_PROMPT, n_tokens: int = 16, n_threads: int = 2, n_batch: int = 512,
            ordered: bool = False, device: str | None = None, plan: LayerPlan | None = None,
-           forced: bool = False) -> dict:
+           forced: bool = False, hot: bool = False) -> dict:
     """Greedy tokens and logits of stock vs slot path. Attention and batching settings are identical in both
     (docs/DESIGN.md, exactness: routing near-ties make any difference there look like a slot bug). With a device,
     stock gets the same placement (layers on the device, experts in host memory, no op offload); with a layer
@@ -81,7 +82,9 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
 
     ``forced``: every run is fed the same held-out text after the prompt (study/forced.py) instead of its own
     greedy picks, so the logits are compared at every step even where a near-tie would make greedy runs part
-    (random-weight models: their greedy text cycles, real text makes the routing move)."""
+    (random-weight models: their greedy text cycles, real text makes the routing move). ``hot``: the slots hold
+    the model's static hot set (``hitrates.hot_profile``) and nothing moves, no residency engine: what a layer
+    plan's hot slot layers and bench's static-hot rows run."""
     layout = read_layout(path).require_moe()
     the_tier = make_tier(tier)  # validate before the expensive part
     dev = open_device(device)
@@ -96,10 +99,12 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
 
     with Model(path, device=dev, host_layers=host_layers) as model:
         cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered,
-                            kinds=plan.native_kinds() if plan is not None else None)
+                            kinds=plan.native_kinds() if plan is not None else None, hook=not hot)
         try:
             if all_resident:
                 cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
+            elif hot:
+                cache.warm_hot(hot_profile(path, layout, n_threads))
             with Context(model, n_threads=n_threads, n_batch=n_batch) as ctx:
                 splits = graph_splits()
                 got_tokens, got_logits = _decode(ctx, toks, n_tokens, fed)
@@ -113,7 +118,8 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         "model": str(path), "arch": layout.arch, "device": dev.name if dev else "CPU", "tier": the_tier.name,
         "emulated": the_tier.emulated,
         "slots": cache.n_slots, "n_expert": layout.n_expert, "n_expert_used": layout.n_expert_used,
-        "miss": miss, "policy": policy, "native": cache.native, "decode": "teacher-forced" if forced else "greedy",
+        "miss": miss, "policy": "hot" if hot else policy, "native": cache.native,
+        "decode": "teacher-forced" if forced else "greedy",
         "identical_tokens": ref_tokens == got_tokens,
         "max_abs_logit_diff": logit_gap(ref_tokens, ref_logits, got_tokens, got_logits), "n_tokens": len(got_tokens),
         "n_prompt_tokens": len(toks), "hit_rate": counters["hit_rate"],

@@ -107,6 +107,29 @@ def own_rpc() -> Iterator[tuple[str, subprocess.Popen]]:
         stop_server(proc)
 
 
+@pytest.mark.parametrize("miss", ["cpu", "mapped"])
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-mixtral"])
+def test_a_static_hot_set_on_rpc_device_is_exact(name: str, miss: str, rpc: str) -> None:
+    """verify --hot (what a layer plan's hot slot layers run): the profile's hot set in half the slots, no
+    residency engine, nothing uploaded after it; the misses on the host or read from the host copy; stock's tokens
+    and logits to the bit, and the GPU contract gpu_check's verify step holds it to."""
+    from pyspecter.hitrates import hot_profile
+    from pyspecter.policies import hot_experts
+
+    path = build_tiny(name)
+    lay = read_layout(path)
+    half = lay.n_expert // 2
+    r = verify(path, slots=half, miss=miss, prompt=LONG_PROMPT, n_tokens=12, device=rpc, hot=True)
+    assert r["policy"] == "hot" and not r["native"]
+    assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0, (r["stock_tokens"], r["slot_tokens"])
+    assert r["contract_ok"], r["contract"]
+    assert r["uploads"] == half * len(lay.layers)  # the hot set's, before the prompt: nothing moves after
+    prof = hot_profile(path, lay)
+    assert 0.0 < r["hit_rate"] < 1.0 and all(len(hot_experts(prof[L.index], half)) == half for L in lay.layers)
+    if miss == "mapped":
+        assert r["device_tables"]["mapped_rows"] > 0
+
+
 @pytest.mark.parametrize("miss", ["wait", "cpu"])
 @pytest.mark.parametrize("share", ["top-k", "half", "all"])
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))

@@ -217,3 +217,5 @@ def test_the_benches_fall_back_to_zero_slots_only_where_negative_ids_alone_faile
     assert verdict(("a", "FAIL"), ("a (zero slots)", "skip"))[::2] == ["FAIL", "0"]  # nothing shows zero slots work
     # a mapped case failing is its own row (a GPU reading host memory), not a verdict on the negative ids
     assert verdict(("a slots=4 miss=mapped", "FAIL"), ("a", "ok"), ("a (zero slots)", "ok"))[::2] == ["ok", "0"]
+    # and so is a static hot set's (verify --hot: no residency engine)
+    assert verdict(("a slots=4 miss=cpu (hot set)", "FAIL"), ("a", "ok"), ("a (zero slots)", "ok"))[::2] == ["ok", "0"]
