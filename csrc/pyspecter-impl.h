@@ -149,6 +149,11 @@ struct llama_pyspecter_layer {
     // owner: planner.cpp.
     std::vector<pyspecter_ahead_map> ahead;        // the planner's maps from this layer's router input
 
+    // owner: route.cpp. expert -> times this layer's routing selected it since the control plane last took the
+    // counts, and [n_expert] the tokens routed (llama_pyspecter_take_uses, between decodes: a static hot set
+    // re-chosen from the session's own text, hotset.py); counted where the host already sees the ids
+    std::vector<uint32_t> uses;
+
     // owner: mapped.cpp. The host copy as the device reads it, where a speculated ubatch's misses are read there
     // (null: not mapped)
     ggml_tensor * mapped[LLAMA_PYSPECTER_N_KINDS] = {};

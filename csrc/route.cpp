@@ -73,6 +73,53 @@ static std::unique_lock<std::mutex> decide(llama_pyspecter_layer * L, const ggml
     return native;
 }
 
+// The experts one routing call of layer L selected (ids [n_tokens][n_used], -1: none), counted for the control plane
+// (llama_pyspecter_take_uses). On the host side of the layer, which has the ids already: no copy, no wait.
+static void count_uses(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used) {
+    const size_t E = L->remap.size();
+    if (L->uses.size() != E + 1) {
+        L->uses.assign(E + 1, 0);
+    }
+    for (int32_t i = 0; i < n_tokens * n_used; ++i) {
+        if (ids[i] >= 0 && (size_t) ids[i] < E) {
+            L->uses[ids[i]]++;
+        }
+    }
+    L->uses[E] += (uint32_t) n_tokens;
+}
+
+int32_t llama_pyspecter_take_uses(llama_model * model, int32_t min_tokens, uint32_t * out, int32_t n) {
+    auto * s = pyspecter_slots_of(model);
+    if (!s) {
+        return model ? LLAMA_PYSPECTER_ERR_NO_SLOTS : LLAMA_PYSPECTER_ERR_ARG;
+    }
+    const size_t E = (size_t) s->n_expert;
+    if (!out || n < 0 || (size_t) n < s->layers.size() * E) {
+        return LLAMA_PYSPECTER_ERR_ARG;
+    }
+    int64_t routed = 0; // the first slot layer's: every slot layer routes every token
+    for (const auto & L : s->layers) {
+        if (L) {
+            routed = L->uses.size() == E + 1 ? L->uses[E] : 0;
+            break;
+        }
+    }
+    if (routed <= 0 || routed < min_tokens) {
+        return 0;
+    }
+    for (size_t il = 0; il < s->layers.size(); ++il) {
+        auto * L = s->layers[il].get();
+        const bool counted = L && L->uses.size() == E + 1;
+        for (size_t e = 0; e < E; ++e) {
+            out[il * E + e] = counted ? L->uses[e] : 0;
+        }
+        if (counted) {
+            std::fill(L->uses.begin(), L->uses.end(), 0u);
+        }
+    }
+    return (int32_t) std::min<int64_t>(routed, INT32_MAX);
+}
+
 // Router weights [1, n_used, n_tokens] (any strides) as [n_tokens][n_used] floats, for the routing hook.
 static void pack_weights(const ggml_tensor * w, int32_t n_tokens, int32_t n_used, float * out) {
     for (int32_t t = 0; t < n_tokens; ++t) {
@@ -113,6 +160,7 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     // the lock also covers the remap below: the tables the matmuls read are one snapshot
     auto native = decide(L, dst->src[2], dst->src[4], host_ids, n_tokens, n_used, with_late, /*served=*/false);
     pyspecter_draft_observe(L, host_ids, w, n_tokens, n_used); // a draft's step, or the window it handed over
+    count_uses(L, host_ids, n_tokens, n_used);
     if (s->route_cb) {
         // with native residency the hook only observes (traces, predictors): the decision is made
         // router weights, packed the same way (slot_ids is scratch until the remap below)
@@ -170,6 +218,7 @@ static bool after_slot_path(llama_pyspecter_layer * L, const ggml_tensor * x, co
     auto * s = L->parent;
     const bool native = decide(L, x, raw, ids, n_tokens, n_used, false, true).owns_lock(); // released at once
     pyspecter_draft_observe(L, ids, w, n_tokens, n_used); // a draft's step, or the window it handed over
+    count_uses(L, ids, n_tokens, n_used);
     if (s->route_cb) {
         thread_local std::vector<float> wts;
         if (w) {

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pyspecter import native
 from pyspecter.budget import check_slots
 from pyspecter.errors import SpecterError
+from pyspecter.hotset import HotSet
 from pyspecter.layout import ModelLayout
 from pyspecter.misses import MISS_MODES
 from pyspecter.native.hooks import Hooks
@@ -120,7 +121,8 @@ class ExpertCache:
         self.layer_pos = {L.index: j for j, L in enumerate(layout.layers)}  # order in the forward pass
         self.hooks = None
         self._observer = None
-        self._warm_uploads = self._warm_bytes = 0  # what warm() copied (static residency's only uploads)
+        self._warm_uploads = self._warm_bytes = 0  # what warm() and adapt() copied (static residency's uploads)
+        self._hot: HotSet | None = None  # a hot set re-chosen between decodes (warm_hot(adapt=True))
         self.nat: NativeResidency | None = None
         self._recording = record
         if hook:
@@ -325,16 +327,27 @@ class ExpertCache:
         one: the engine, if any, starts from it."""
         for il, experts in experts_by_layer.items():
             for slot, e in enumerate(experts[: self.usable(il)]):
-                self.tier.upload(il, e, slot)
-                self._warm_uploads += 1
-                self._warm_bytes += self.expert_bytes[il]
-                if self.api.set_slot(self.model.ptr, il, e, slot) != 0:
-                    raise SpecterError(f"layer {il}: could not map expert {e} to slot {slot}")
+                self._load(il, e, slot)
 
-    def warm_hot(self, profile: Mapping[int, list[int]]) -> None:
+    def _load(self, il: int, e: int, slot: int) -> None:
+        self.tier.upload(il, e, slot)
+        self._warm_uploads += 1
+        self._warm_bytes += self.expert_bytes[il]
+        if self.api.set_slot(self.model.ptr, il, e, slot) != 0:
+            raise SpecterError(f"layer {il}: could not map expert {e} to slot {slot}")
+
+    def warm_hot(self, profile: Mapping[int, list[int]], adapt: bool = False) -> None:
         """The static hot set: each slot layer's usable slots get its experts selected most often in ``profile``
-        (per MoE layer, the times each expert was selected: ``hitrates.hot_profile``), once."""
+        (per MoE layer, the times each expert was selected: ``hitrates.hot_profile``), once; adapt=True (static
+        residency): then re-chosen from the text's own routing by ``adapt`` between decodes (``hotset``)."""
+        if adapt and self.nat is None:
+            self._hot = HotSet(profile, self._usable, self.layout.n_expert_used, self.layout.n_expert)
         self.warm({il: hot_experts(profile[il], self.usable(il)) for il in self.layers})
+
+    def adapt(self) -> int:
+        """Call between decodes: an adaptive hot set is re-chosen once ``hotset.EVERY`` tokens were routed since
+        the last time (``HotSet.step``). Exact either way. Returns the experts uploaded."""
+        return self._hot.step(self.model, self._load) if self._hot is not None else 0
 
     def counters(self) -> dict:
         out = self._residency_counters()

@@ -33,8 +33,8 @@ def check_policy(name: str) -> None:
 def hot_experts(counts: Sequence[int], n: int) -> list[int]:
     """The static hot set: the ``n`` experts of a layer selected most often in a routing profile (``counts[e]``
     = times expert e was selected), most used first; ties go to the lower id, so a profile gives one answer."""
-    order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
-    return order[: max(n, 0)]
+    c = np.asarray(counts, np.float64)
+    return [int(e) for e in np.lexsort((np.arange(len(c)), -c))[: max(n, 0)]]  # by count, then by id
 
 
 def hot_hit_curve(counts: Sequence[int], ids: np.ndarray) -> np.ndarray:

@@ -317,10 +317,10 @@ class Session:
 
             order = routing_profile(cfg.profile, self.layout)
             self.cache.warm({il: e for il, e in order.items() if il in self.cache.layer_pos})  # a plan's slot layers
-        elif hot:  # the profile the plan priced the hot set with
+        elif hot:  # the profile the plan priced the hot set with, then the text's own routing (hotset.py)
             from pyspecter.hitrates import hot_profile
 
-            self.cache.warm_hot(hot_profile(cfg.model, self.layout, cfg.n_threads))
+            self.cache.warm_hot(hot_profile(cfg.model, self.layout, cfg.n_threads), adapt=True)
 
     def _drop_draft(self) -> None:
         """The engine measured that the draft does not pay: free it, and give its memory to the slots."""
@@ -382,6 +382,7 @@ class Session:
         for tok, _ in generate_step(self.tctx, todo, self.sampler, history=prompt):
             if self.cache is not None:
                 self.cache.check()
+                self.cache.adapt()  # between decodes: a hot set follows the text
             yield tok
             if stop_at_eog and self.target.is_eog(tok):
                 return

@@ -101,6 +101,11 @@ LLAMA_API size_t  llama_pyspecter_slots_nbytes (const struct llama_model * model
 LLAMA_API int32_t llama_pyspecter_slot_of  (const struct llama_model * model, int32_t il, int32_t expert);
 LLAMA_API int32_t llama_pyspecter_expert_in(const struct llama_model * model, int32_t il, int32_t slot);
 LLAMA_API int32_t llama_pyspecter_set_slot (struct llama_model * model, int32_t il, int32_t expert, int32_t slot);
+// What each slot layer's routing selected since the last take, for a hot set re-chosen between decodes: once the
+// first slot layer has routed at least min_tokens tokens (and at least one), fills out[il * n_expert + e] with the
+// times layer il selected expert e (0 for layers without slots), restarts the counts and returns the tokens routed;
+// otherwise returns 0 and leaves out alone. n >= n_layer * n_expert, else LLAMA_PYSPECTER_ERR_ARG. Between decodes.
+LLAMA_API int32_t llama_pyspecter_take_uses(struct llama_model * model, int32_t min_tokens, uint32_t * out, int32_t n);
 
 // Uploads. write_slot copies one kind's bytes of one expert (nbytes == expert_nbytes) from src into slot;
 // load_expert copies all kinds of expert e from the model's host copy. Both return 0 or a negative status.

@@ -62,9 +62,10 @@ def verify(
                                          "(teacher forcing) instead of its greedy picks, and compare the logits "
                                          "at every step: for random-weight models, whose greedy text cycles")]
     = False,
-    hot: Annotated[bool, typer.Option("--hot", help="instead of --policy: the slots hold the model's static hot set "
-                                      "(its most used experts on packaged chat prompts) and nothing moves, as a "
-                                      "layer plan's hot slot layers run")] = False,
+    hot: Annotated[bool, typer.Option("--hot", help="instead of --policy: the slots hold the model's hot set (its "
+                                      "most used experts on packaged chat prompts), no residency engine, "
+                                      "re-chosen from the text's own routing every 16 tokens, as a layer plan's "
+                                      "hot slot layers run")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Run one prompt through stock llama.cpp and through expert slots; compare greedy tokens and logits.

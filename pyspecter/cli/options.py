@@ -46,7 +46,8 @@ RepeatOpt = Annotated[float | None, typer.Option("--repeat-penalty", help=f"pena
 BENCH_POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
                   "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
                   "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine",
-                  "plan", "default", "on-demand-mapped", "static-hot-mapped", "plan-mapped")
+                  "plan", "default", "on-demand-mapped", "static-hot-mapped", "plan-mapped", "adaptive-hot",
+                  "adaptive-hot-mapped")
 BENCH_DEFAULTS = ("stock", "on-demand-lru", "on-demand-lru-ordered", "on-demand-lfu", "on-demand-cpu", "static-hot",
                   "prev-token")
 PromptsOpt = Annotated[Path | None, typer.Option(help="your prompts: a text file, one prompt a line, or JSONL "

@@ -312,6 +312,12 @@ def llama_pyspecter_set_slot(model: ModelPtr, il: int, expert: int, slot: int, /
     """Make expert resident in slot (which must hold its bytes); slot -1 evicts it. 0 or a negative status."""
 
 
+@ctypes_function("llama_pyspecter_take_uses", [_model, _i32, ctypes.POINTER(ctypes.c_uint32), _i32], _i32)
+def llama_pyspecter_take_uses(model: ModelPtr, min_tokens: int, out: Any, n: int, /) -> int:
+    """Each slot layer's expert uses since the last take, once min_tokens tokens were routed (out[il * n_expert +
+    e]); the tokens routed, 0 when fewer (out untouched), or a negative status."""
+
+
 @ctypes_function("llama_pyspecter_write_slot", [_model, _i32, _i32, _i32, ctypes.c_void_p, _size], _i32)
 def llama_pyspecter_write_slot(model: ModelPtr, il: int, kind: int, slot: int, src: int | ctypes.c_void_p,
                                nbytes: int, /) -> int:

@@ -32,7 +32,15 @@ from pyspecter.prompts import PACKAGED, load_prompts, render_prompt
 from pyspecter.speed import decode_tok_s
 from pyspecter.study.bench_csv import CSV_FIELDS, to_csv_rows  # noqa: F401 - bench's CSV, here too
 from pyspecter.study.bench_device import device_columns, layer_plans, predictions, syncs_over_device
-from pyspecter.study.bench_runs import ENGINE_STATS, Run, disk_overlap, n_cpu_moe_for, run_policy, run_specter
+from pyspecter.study.bench_runs import (
+    ENGINE_STATS,
+    HOT_POLICIES,
+    Run,
+    disk_overlap,
+    n_cpu_moe_for,
+    run_policy,
+    run_specter,
+)
 from pyspecter.study.capped import run_capped
 from pyspecter.study.forced import FORCED, FREE, default_mode, forced_tokens, same_logits
 from pyspecter.study.simulate import belady_misses
@@ -42,11 +50,11 @@ from pyspecter.tiers import make_tier
 POLICIES = ("stock", "all-resident", "all-resident-hooked", "on-demand-lru", "on-demand-lfu", "on-demand-cpu",
             "on-demand-lru-ordered", "static-hot", "prev-token", "specter", "specter-equal-slots", "surrogate",
             "stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "learned", "learned-evict", "engine", "plan",
-            "default", "on-demand-mapped", "static-hot-mapped", "plan-mapped")
+            "default", "on-demand-mapped", "static-hot-mapped", "plan-mapped", "adaptive-hot", "adaptive-hot-mapped")
 # need --device; "plan": the layer plan (full, host and slot layers) the cost model chooses at the budget;
 # "plan-mapped": the plan priced and run as --miss mapped (slot layers whose misses the device reads from the host)
 DEVICE_POLICIES = ("stock-cpu-moe", "stock-n-cpu-moe", "stock-device", "plan", "on-demand-mapped", "static-hot-mapped",
-                   "plan-mapped")
+                   "plan-mapped", "adaptive-hot-mapped")
 # with a device: llama.cpp's two ways of keeping experts on the host, beside ours at the same device memory
 DEVICE_DEFAULTS = ("stock-cpu-moe", "stock-n-cpu-moe", "on-demand-lru", "on-demand-cpu", "prev-token", "static-hot")
 APPROXIMATE = ("surrogate",)  # policies whose output is not the target's (their quality cost is measured apart)
@@ -240,7 +248,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
     if mode == FORCED:
         with Model(path, lazy_experts=True) as m:  # tokenizing reads no experts
             texts = forced_tokens(m, len(sets), n)
-    if wants_hot := any(p.startswith("static-hot") for p in policies):
+    if wants_hot := any(p.startswith(HOT_POLICIES) for p in policies):
         say("static-hot: profiling the calibration prompts", 0, 0)
     hot = hot_profile(path, layout, n_threads) if wants_hot else None
     if dev is not None:  # what the scheduler actually does per token, beside its split count (device_columns)
@@ -348,7 +356,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
                                       prefetches=c.get("prefetches", 0))
         if p == "stock-n-cpu-moe":
             out["policies"][p]["n_cpu_moe"] = n_cpu_moe_for(layout, budget_bytes)
-        if p.startswith("static-hot"):
+        if p.startswith(HOT_POLICIES):
             out["policies"][p]["profile"] = (f"routing of the first {HIT_TOKENS} tokens of the packaged "
                                              "calibration text")
         if p == "surrogate":

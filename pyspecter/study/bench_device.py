@@ -117,10 +117,11 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
         if "tpot_ms" in pol.get(name, {}):
             pol[name]["predicted_ms"] = predict_us(plan, layout, costs, **curves) / 1e3
     # the mapped rows (every layer slots, misses read by the device from the host copy): a row read so, measured;
-    # static-hot's slots hold the hot set of the plan's profile (hitrates.hot_profile), on-demand's move (LRU)
+    # static-hot's slots hold the hot set of the plan's profile (hitrates.hot_profile), on-demand's move (LRU);
+    # adaptive-hot's is priced as the static one it starts from
     every = LayerPlan({L.index: "slots" for L in layout.layers}, out["slots_per_layer"])
-    mapped = {n: replace(every, hot=n == "static-hot-mapped") for n in ("on-demand-mapped", "static-hot-mapped")
-              if "tpot_ms" in pol.get(n, {})}
+    mapped = {n: replace(every, hot=n != "on-demand-mapped")
+              for n in ("on-demand-mapped", "static-hot-mapped", "adaptive-hot-mapped") if "tpot_ms" in pol.get(n, {})}
     if mapped:
         measured = measure_mapped(path, layout, device, costs, n_threads=n_threads)
         info["map_row_us"], info["upload_share"] = measured.map_row_us, measured.upload_share

@@ -33,6 +33,9 @@ from pyspecter.surrogate import Surrogates
 from pyspecter.tiers import make_tier
 
 # what the engine's session reports of its native planner and eviction duel (Session.stats), per bench row
+# the rows whose slots hold the profile's hot set: pinned (static-hot) or re-chosen between decodes (adaptive-hot,
+# hotset.py: what a hot plan's slot layers run); -mapped: misses read by the device from the host copy
+HOT_POLICIES = ("static-hot", "adaptive-hot")
 ENGINE_STATS = ("miss", "plan_prefetches", "plan_skipped_late", "plan_refused", "plan_maps", "predictor_mib",
                 "predictor", "evict", "evict_switches")
 
@@ -139,15 +142,16 @@ def _cache_for(policy: str, model: Model, layout: ModelLayout, slots: int, tier:
         cache = ExpertCache(model, layout, layout.n_expert, tier=make_tier("ram"), hook=policy.endswith("hooked"))
         cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
         return cache
-    if policy.startswith("static-hot"):
-        # the profile's hottest experts, loaded once; no hook, so nothing ever moves and every miss is computed on
-        # the host (as on-demand-cpu computes its misses, without the uploads); -mapped: by the device, from the
-        # host copy (each miss crosses the link once, never uploaded)
+    if policy.startswith(HOT_POLICIES):
+        # the profile's hottest experts, loaded once; no hook, so nothing moves inside a layer and every miss is
+        # computed on the host (as on-demand-cpu computes its misses, without the uploads); -mapped: by the device,
+        # from the host copy (each miss crosses the link once, never uploaded). adaptive-hot re-chooses the set
+        # between decodes, and its uploads are timed with the decode before them
         if hot is None:
-            raise SpecterError("static-hot needs a routing profile")
+            raise SpecterError(f"{policy} needs a routing profile")
         cache = ExpertCache(model, layout, slots, tier=make_tier(tier), hook=False, extra=extra,
                             miss="mapped" if policy.endswith("-mapped") else "wait")
-        cache.warm_hot(hot)
+        cache.warm_hot(hot, adapt=policy.startswith("adaptive-hot"))
         return cache
     if policy in ("learned", "learned-evict"):
         # on-demand waits as in on-demand-lru-ordered, with eviction by the learned reuse maps (no duel: what they
@@ -234,8 +238,8 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
             cache = ExpertCache(model, layout, plan.n_slots, miss="mapped" if policy == "plan-mapped" else "cpu",
                                 tier=make_tier("ram"), kinds=plan.native_kinds(),
                                 hook=not plan.hot) if plan.layers("slots") else None
-            if plan.hot and cache is not None:  # a static hot set: nothing moves after this
-                cache.warm_hot(hot_profile(path, layout, n_threads))
+            if plan.hot and cache is not None:  # a hot set, re-chosen between decodes as the session's is
+                cache.warm_hot(hot_profile(path, layout, n_threads), adapt=True)
         else:
             cache = _cache_for(policy, model, layout, slots, tier, path, surrogate_width, hot, budget_bytes, extra)
         prefill, tpots, parts, tokens, peak = 0.0, [], [], [], proc.memory_info().rss
@@ -266,6 +270,8 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
                         tokens.append(forced[i][t])
                     t0 = time.perf_counter()
                     logits = ctx.decode([tokens[-1]])
+                    if cache:
+                        cache.adapt()  # an adaptive hot set's moves, as the session makes them between decodes
                     tpots.append(time.perf_counter() - t0)
                     peak = max(peak, proc.memory_info().rss)
                 syncs = _add_syncs(syncs)

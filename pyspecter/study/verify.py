@@ -2,33 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from pyspecter.cache import ExpertCache
-from pyspecter.engine import generate_step, greedy
+from pyspecter.engine import generate_step
 from pyspecter.hitrates import hot_profile
 from pyspecter.layerplan import LayerPlan
 from pyspecter.layout import read_layout
 from pyspecter.native import Context, Model, device_stats, graph_splits
 from pyspecter.native.devices import open_device
+from pyspecter.sampling import Sampler
 from pyspecter.study.forced import ForcedSampler, forced_tokens
 from pyspecter.tiers import make_tier
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Explain why the sky is blue, step by step."
 
 
-def _decode(ctx: Context, toks: list[int], n_tokens: int, fed: list[int] | None) -> tuple[list[int], np.ndarray]:
-    """Greedy, or teacher-forced with the tokens ``fed``: (tokens, the logits each came after)."""
-    if fed is None:
-        return greedy(ctx, toks, n_tokens)
+def _decode(ctx: Context, toks: list[int], n_tokens: int, fed: list[int] | None,
+            between: Callable[[], object] = lambda: None) -> tuple[list[int], np.ndarray]:
+    """Greedy, or teacher-forced with the tokens ``fed``: (tokens, the logits each came after). ``between`` runs
+    between decodes (an adaptive hot set's moves)."""
     out, rows = [], []
-    for tok, logits in generate_step(ctx, toks, ForcedSampler(fed)):
+    for tok, logits in generate_step(ctx, toks, Sampler() if fed is None else ForcedSampler(fed)):
         out.append(tok)
         rows.append(logits)
         if len(out) >= n_tokens:
             break
+        between()
     return out, np.stack(rows)
 
 
@@ -83,8 +86,8 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
     ``forced``: every run is fed the same held-out text after the prompt (study/forced.py) instead of its own
     greedy picks, so the logits are compared at every step even where a near-tie would make greedy runs part
     (random-weight models: their greedy text cycles, real text makes the routing move). ``hot``: the slots hold
-    the model's static hot set (``hitrates.hot_profile``) and nothing moves, no residency engine: what a layer
-    plan's hot slot layers and bench's static-hot rows run."""
+    the model's hot set (``hitrates.hot_profile``), no residency engine, re-chosen from the text's own routing
+    between decodes (``hotset``): what a layer plan's hot slot layers run (``hot_moves``: experts it loaded)."""
     layout = read_layout(path).require_moe()
     the_tier = make_tier(tier)  # validate before the expensive part
     dev = open_device(device)
@@ -103,11 +106,12 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         try:
             if all_resident:
                 cache.warm({L.index: list(range(layout.n_expert)) for L in layout.layers})
-            elif hot:
-                cache.warm_hot(hot_profile(path, layout, n_threads))
+            elif hot:  # as a hot plan runs it: re-chosen from the text's own routing between decodes
+                cache.warm_hot(hot_profile(path, layout, n_threads), adapt=True)
+            moved = []
             with Context(model, n_threads=n_threads, n_batch=n_batch) as ctx:
                 splits = graph_splits()
-                got_tokens, got_logits = _decode(ctx, toks, n_tokens, fed)
+                got_tokens, got_logits = _decode(ctx, toks, n_tokens, fed, lambda: moved.append(cache.adapt()))
                 cache.check()
             counters = cache.counters()
             dev_stats = device_stats(model.ptr).as_dict()
@@ -126,7 +130,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         "slot_row_rate": counters["slot_row_rate"], "uploads": counters["uploads"],
         "upload_bytes": counters["upload_bytes"], "overflow_rows": counters["overflow_rows"], "late": counters["late"],
         "hook_us_per_call": counters["hook_us_per_call"], "route_us_per_call": counters["route_us_per_call"],
-        "stock_tokens": ref_tokens, "slot_tokens": got_tokens,
+        "hot_moves": sum(moved), "stock_tokens": ref_tokens, "slot_tokens": got_tokens,
         "stock_splits": stock_splits, "splits": splits, "device_tables": dev_stats,
     }
     if contract_run:

@@ -1,0 +1,44 @@
+"""The adaptive hot set's rule, without llama.cpp: decayed counts from a profile, the set they choose, and the
+uploads that move the slots from one set to the next."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyspecter.hotset import HotSet, moves
+from pyspecter.policies import hot_experts
+
+
+def test_the_profile_chooses_the_first_set_and_the_texts_counts_take_over() -> None:
+    profile = {3: [9, 7, 1, 0], 5: [0, 0, 4, 8]}
+    h = HotSet(profile, {3: 2, 5: 1}, n_used=2, n_expert=4, every=4, decay=0.5)
+    assert h.chosen == {3: [0, 1], 5: [3]}
+    # the profile is one window's selections (every * n_used = 8), so a window that uses other experts replaces it
+    assert h.scores[3].sum() == pytest.approx(8.0)
+    uses = np.zeros((6, 4), np.uint32)
+    uses[3] = [0, 1, 3, 4]
+    uses[5] = [0, 0, 0, 8]  # layer 5 keeps its set: not reported as changed
+    assert h.update(uses) == {3: [3, 2]}
+    assert h.chosen[5] == [3]
+    want = 0.5 * np.array([9, 7, 1, 0]) * 8 / 17 + uses[3]
+    assert h.scores[3] == pytest.approx(want)
+    assert h.chosen[3] == hot_experts(want, 2)
+
+
+def test_a_window_like_the_last_changes_nothing() -> None:
+    h = HotSet({0: [4, 4, 0, 0]}, {0: 2}, n_used=2, n_expert=4, every=4, decay=0.8)
+    assert h.update(np.array([[4, 4, 0, 0]], np.uint32)) == {}
+    assert h.update(np.array([[0, 4, 4, 0]], np.uint32)) == {}  # 1 still leads, 0 decays but keeps its rank
+    assert sorted(h.chosen[0]) == [0, 1]
+
+
+def test_moves_keep_what_stays_and_fill_empty_slots_first() -> None:
+    assert moves([5, 2, 7], [2, 5, 7]) == []  # the same set, in any order: nothing uploaded
+    assert moves([5, 2, 7], [2, 9, 5]) == [(2, 9)]  # 7 left: its slot gets 9
+    assert moves([5, -1, 7], [8, 9, 5]) == [(1, 8), (2, 9)]  # the empty slot first, hottest first
+    assert moves([-1, -1], [1, 0]) == [(0, 1), (1, 0)]
+    owner = [0, 1, 2, 3]
+    for slot, e in moves(owner, [3, 6, 0, 4]):
+        owner[slot] = e
+    assert sorted(owner) == [0, 3, 4, 6]
