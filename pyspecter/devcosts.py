@@ -27,7 +27,7 @@ import numpy as np
 
 from pyspecter import native
 from pyspecter.budget import zero_slots
-from pyspecter.hitrates import hot_hits, lru_hits
+from pyspecter.hitrates import hot_hits, hot_moves, lru_hits
 from pyspecter.layerplan import (
     DeviceCosts,
     LayerPlan,
@@ -259,15 +259,21 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
     it costs. On the RPC device a device copy stands in for the host's memory (csrc/mapped.cpp), so the row
     measured there is the device's own, not the link's. Cached beside the costs, with the link the share was
     measured against: ``costs`` with another link (bench's refit) get the share that charges the measured bytes
-    the same time (``share_at``)."""
+    the same time (``share_at``). What is cached is A - C itself, and the row is solved from it with the costs it
+    is read with: solved once with the costs of the day, it went stale when bench refitted them (on the RPC device
+    a row of 0 us beside a device row refitted to 306 us, and a plan predicted at 1.8 ms a token that ran 13)."""
     from pyspecter.cache import ExpertCache
 
     key = cache_key(path, device, n_threads) + "|mapped"
     known = _cached().get(key, {})
-    if use_cache and "share_link_gbps" in known:  # upload_share null where refused
-        return replace(costs, map_row_us=float(known["map_row_us"]),
-                       upload_share=share_at(known["upload_share"], known["share_link_gbps"], costs.link_gbps))
     k, L = layout.n_expert_used, len(layout.layers)
+
+    def row(a_over_c: float) -> float:
+        return max((L * (2 * costs.split_us + k * costs.cpu_row_us) - a_over_c) / (L * k), 0.0)
+
+    if use_cache and "a_over_c_us" in known:  # upload_share null where refused
+        return replace(costs, map_row_us=row(float(known["a_over_c_us"])),
+                       upload_share=share_at(known["upload_share"], known["share_link_gbps"], costs.link_gbps))
     with native.Model(path, device=device) as m:
         steps = [[t] for t in _tokens(m.n_vocab, 1 + reps)]
         (ta,) = _timed_rounds([m], steps, n_threads)
@@ -278,10 +284,9 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
         finally:
             cache.close()
     a_over_c = (statistics.median(ta) - statistics.median(tc)) * 1e6
-    map_row = max((L * (2 * costs.split_us + k * costs.cpu_row_us) - a_over_c) / (L * k), 0.0)
-    _save(key, {"map_row_us": map_row, "upload_share": share, "share_link_gbps": costs.link_gbps,
+    _save(key, {"a_over_c_us": a_over_c, "upload_share": share, "share_link_gbps": costs.link_gbps,
                 "source": "measured"})
-    return replace(costs, map_row_us=map_row, upload_share=share)
+    return replace(costs, map_row_us=row(a_over_c), upload_share=share)
 
 
 def share_at(share: float | None, measured_gbps: float, link_gbps: float) -> float | None:
@@ -348,24 +353,26 @@ def plan_for(path: str | Path, layout: ModelLayout, device: Device, device_bytes
     token beside stock's --cpu-moe and --n-cpu-moe at that memory, measured with the host's ``n_threads``. Where
     every expert fits, every layer is full, as the session runs it (``placement.device_layer_plan``): stock's own
     placement, no switch to trade. ``mapped``: slot layers as ``--miss mapped`` runs them, priced with a row read
-    from the host copy (``measure_mapped``). Slot layers hit as LRU does on the model's routing, or as a static
-    hot set does, whichever the plan chose (``hitrates``)."""
+    from the host copy (``measure_mapped``). Slot layers hit as LRU does on the model's routing, or as the hot
+    set does, whichever the plan chose, its moves charged (``hitrates``)."""
     costs = measure(path, layout, device, n_threads=n_threads)
     if mapped:
         costs = measure_mapped(path, layout, device, costs, n_threads=n_threads)
-    hits, hot = lru_hits(path, layout, n_threads), hot_hits(path, layout, n_threads)
+    hits, hot, moves = lru_hits(path, layout, n_threads), hot_hits(path, layout, n_threads), hot_moves(path, layout,
+                                                                                                       n_threads)
     plan = (stock_plan(layout, 0) if device_bytes >= layout.expert_total_bytes
             else choose_plan(layout, device_bytes, costs, zero_slots(layout, device), mapped=mapped, hits=hits,
-                             hot_hits=hot))
+                             hot_hits=hot, hot_moves=moves))
     n_cpu = n_cpu_moe_for(layout, device_bytes)
     return plan, {"plan": plan.describe(layout), "cost_source": cost_source(path, device, n_threads),
                   "kinds": {str(il): k for il, k in sorted(plan.kinds.items())},
                   "n_slots": plan.n_slots, "n_zero": plan.n_zero, "hot": plan.hot,
                   "device_bytes": plan.device_bytes(layout), "costs": costs.as_dict(), "lru_hits": hits,
-                  "hot_hits": hot,
+                  "hot_hits": hot, "hot_moves": moves,
                   "hit_rate": (hit_rate(plan.n_slots, layout.n_expert, hot if plan.hot else hits)
                                if plan.layers("slots") else None),
-                  "predicted_ms": predict_us(plan, layout, costs, mapped=mapped, hits=hits, hot_hits=hot) / 1e3,
+                  "predicted_ms": predict_us(plan, layout, costs, mapped=mapped, hits=hits, hot_hits=hot,
+                                             hot_moves=moves) / 1e3,
                   "stock_n_cpu_moe": n_cpu,
                   "mapped": mapped,
                   "predicted_stock_n_cpu_moe_ms": predict_us(stock_plan(layout, n_cpu), layout, costs) / 1e3,

@@ -1,8 +1,9 @@
-"""What slots hold of the model's own routing: LRU's and a static hot set's hit rate by slot count, and the profile
-a hot set is chosen from, from two prefills on the CPU of packaged text bench never measures on: the tune split's
-chat prompts, then the calibration text. The layer plan prices its slot layers with them (``devcosts.plan_for``);
-the session's hot slot layers and bench's static-hot rows hold the hot set of the same profile. Cached per model
-file (``~/.cache/pyspecter/routing.json``): routing is the model's, whatever the device."""
+"""What slots hold of the model's own routing: LRU's and a hot set's hit rate by slot count, the hot set's moves, and
+the profile a hot set starts from, from two prefills on the CPU of packaged text bench never measures on: the tune
+split's chat prompts, then the calibration text. The layer plan prices its slot layers with them
+(``devcosts.plan_for``); the session's hot slot layers and bench's static-hot and adaptive-hot rows start from the
+same profile. Cached per model file (``~/.cache/pyspecter/routing.json``): routing is the model's, whatever the
+device."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from pyspecter import native
+from pyspecter.hotset import curves
 from pyspecter.layout import ModelLayout
 from pyspecter.lru import lru_miss_curve
 from pyspecter.native.hooks import Hooks
@@ -23,13 +25,13 @@ from pyspecter.prompts import calibration_tokens, tune_tokens
 # half against second) it read 77% at 16 of 32 slots on bench-qwen3moe, where bench's held-out text hit 46%: text
 # unlike the profile's misses more, and so may a user's
 HIT_TOKENS, HIT_WARM = 256, 32
-_STORE = Measurements("routing", 2)
+_STORE = Measurements("routing", 3)
 
 
 def _routing(path: str | Path, layout: ModelLayout, n_threads: int, use_cache: bool) -> dict:
-    """The traces' figures: ``hits`` (LRU on the calibration text), ``hot_hits`` (the chat prompts' hot set on the
-    calibration text) and ``counts`` (the chat prompts' profile: per MoE layer, the times each expert was
-    selected), cached."""
+    """The traces' figures on the calibration text: ``hits`` (LRU's), ``static_hits`` (the chat prompts' hot set,
+    pinned), ``hot_hits`` and ``hot_moves`` (that set re-chosen as it runs, ``hotset.curves``); and ``counts``
+    (the chat prompts' profile: per MoE layer, the times each expert was selected), cached."""
     st = Path(path).stat()
     key = _STORE.key(Path(path).resolve(), st.st_size, st.st_mtime_ns)
     known = _STORE.entries()
@@ -40,8 +42,11 @@ def _routing(path: str | Path, layout: ModelLayout, n_threads: int, use_cache: b
         chat, calib = _traces(model, layout, [tune_tokens(model, HIT_TOKENS), calibration_tokens(model, HIT_TOKENS)],
                               n_threads)
     misses = np.mean([lru_miss_curve(a, E, warm=min(HIT_WARM, len(a) // 4)) for a in calib.values()], axis=0)
-    hot = np.mean([hot_hit_curve(_counts(chat[il], E), calib[il]) for il in calib], axis=0)
-    entry = {"hits": [float(min(max(1.0 - m / k, 0.0), 1.0)) for m in misses], "hot_hits": [float(h) for h in hot],
+    static = np.mean([hot_hit_curve(_counts(chat[il], E), calib[il]) for il in calib], axis=0)
+    held, loaded = np.mean([curves(_counts(chat[il], E), calib[il], k) for il in calib], axis=0)
+    entry = {"hits": [float(min(max(1.0 - m / k, 0.0), 1.0)) for m in misses],
+             "static_hits": [float(h) for h in static], "hot_hits": [float(h) for h in held],
+             "hot_moves": [float(m) for m in loaded],
              "counts": {str(il): _counts(a, E) for il, a in sorted(chat.items())}, "tokens": HIT_TOKENS}
     _STORE.save(key, entry)
     return entry
@@ -80,10 +85,17 @@ def lru_hits(path: str | Path, layout: ModelLayout, n_threads: int = 2, use_cach
     return [float(h) for h in _routing(path, layout, n_threads, use_cache)["hits"]]
 
 
-def hot_hits(path: str | Path, layout: ModelLayout, n_threads: int = 2, use_cache: bool = True) -> list[float]:
-    """A static hot set's hit rate with s = 0..E slots a layer: each layer's s experts selected most often in the
-    chat prompts' trace (``hot_profile``), measured on the calibration text's."""
-    return [float(h) for h in _routing(path, layout, n_threads, use_cache)["hot_hits"]]
+def hot_hits(path: str | Path, layout: ModelLayout, n_threads: int = 2, use_cache: bool = True,
+             static: bool = False) -> list[float]:
+    """The hot set's hit rate with s = 0..E slots a layer on the calibration text: starting as each layer's s
+    experts selected most often in the chat prompts' trace (``hot_profile``) and re-chosen as it runs
+    (``hotset``); static=True: never re-chosen (bench's static-hot rows)."""
+    return [float(h) for h in _routing(path, layout, n_threads, use_cache)["static_hits" if static else "hot_hits"]]
+
+
+def hot_moves(path: str | Path, layout: ModelLayout, n_threads: int = 2) -> list[float]:
+    """The experts the hot set of s = 0..E slots loads a layer a token on the calibration text (``hot_hits``)."""
+    return [float(m) for m in _routing(path, layout, n_threads, True)["hot_moves"]]
 
 
 def hot_profile(path: str | Path, layout: ModelLayout, n_threads: int = 2) -> dict[int, list[int]]:

@@ -122,14 +122,17 @@ def hit_rate(n_slots: int, n_expert: int, hits: Sequence[float] | None = None) -
 
 
 def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped: bool = False,
-               hits: Sequence[float] | None = None, hot_hits: Sequence[float] | None = None) -> float:
+               hits: Sequence[float] | None = None, hot_hits: Sequence[float] | None = None,
+               hot_moves: Sequence[float] | None = None) -> float:
     """Predicted time per decode token: the costs' base plus each MoE layer's experts and switches. A slot layer's
     device path runs all k rows (misses on zero slots), its misses run on the host as well and are uploaded
     (counted in full: on RPC the link is this machine's CPU). ``mapped`` (``--miss mapped``, costs with a
     ``map_row_us``): a slot layer takes no switch, its hits are device rows and its misses rows the device reads
     from the host copy, and its uploads cost the token the measured share of their link time (``upload_share``;
-    in full where unmeasured). A ``hot`` plan's slot layers move nothing: no upload. ``hits``: LRU's hit rate by
-    slot count, ``hot_hits`` a static hot set's (``hit_rate``; each where measured, ``hitrates``)."""
+    in full where unmeasured). A ``hot`` plan's slot layers move nothing inside a layer: their uploads are the hot
+    set's moves between decodes, ``hot_moves[n]`` experts a layer a token, in full (nothing runs beside them).
+    ``hits``: LRU's hit rate by slot count, ``hot_hits`` the hot set's (``hit_rate``; each where measured,
+    ``hitrates``)."""
     if mapped and costs.map_row_us is None:
         raise SpecterError("the costs have no measured row read from the host copy (devcosts.measure_mapped)")
     k = layout.n_expert_used
@@ -147,14 +150,16 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped:
             t += k * h * costs.dev_row_us + miss * costs.map_row_us
         else:
             t += 2 * costs.split_us + k * costs.dev_row_us + miss * costs.cpu_row_us
-        if kind == "slots" and not plan.hot:
-            t += share * miss * eb[il] / (costs.link_gbps * 1e3) if costs.link_gbps > 0 else 0.0
+        if kind == "slots" and costs.link_gbps > 0:
+            # a hot set's moves, between decodes; LRU's misses, beside the token
+            loads = (hot_moves[plan.n_slots] if hot_moves is not None else 0.0) if plan.hot else share * miss
+            t += loads * eb[il] / (costs.link_gbps * 1e3)
     return t
 
 
 def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_zero: int = 0,
                 mapped: bool = False, hits: Sequence[float] | None = None,
-                hot_hits: Sequence[float] | None = None) -> LayerPlan:
+                hot_hits: Sequence[float] | None = None, hot_moves: Sequence[float] | None = None) -> LayerPlan:
     """The plan of least predicted time whose experts fit in ``device_bytes``: f full layers (the last ones, as
     stock), s slot layers of n slots, the rest host, over every f, n and s (slots never fewer than top-k, nor E:
     a layer with every expert is a full layer). Stock's placements are among the candidates in their own right
@@ -164,8 +169,8 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
     GPU, measured apart from its neighbours), so where the model cannot tell, the plan crosses fewer. ``n_zero``:
     the zero slots a slot layer on the device holds besides its slots (``budget.zero_slots``); ``mapped``: slot
     layers priced as ``--miss mapped`` runs them, ``hits`` LRU's hit rate by slot count (``predict_us``);
-    ``hot_hits``: a static hot set's, measured, makes hot slot layers candidates too (LRU's win ties: a hot set
-    is chosen from a profile, and text unlike it misses more)."""
+    ``hot_hits``: the hot set's, measured, makes hot slot layers candidates too, their moves charged from
+    ``hot_moves`` (LRU's win ties: a hot set starts from a profile, and text unlike it misses more)."""
     if device_bytes < 0:
         raise SpecterError("negative device memory for experts")
     layers = [L.index for L in sorted(layout.layers, key=lambda L: L.index)]
@@ -196,7 +201,8 @@ def choose_plan(layout: ModelLayout, device_bytes: int, costs: DeviceCosts, n_ze
                     kinds[il] = "slots"
                 for hot in (False, True) if s and hot_hits is not None else (False,):
                     plan = LayerPlan(kinds, n if s else 0, z if s else 0, hot=hot)
-                    t = predict_us(plan, layout, costs, mapped=mapped, hits=hits, hot_hits=hot_hits)
+                    t = predict_us(plan, layout, costs, mapped=mapped, hits=hits, hot_hits=hot_hits,
+                                   hot_moves=hot_moves)
                     if better(t, plan):
                         best = (t, plan)
     return best[1]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pyspecter.devcosts import calibrate, measure_mapped, plan_for, save_calibration
 from pyspecter.errors import SpecterError
+from pyspecter.hitrates import hot_hits
 from pyspecter.layerplan import DeviceCosts, LayerPlan, predict_us, stock_plan
 from pyspecter.layout import ModelLayout
 from pyspecter.native.devices import Device
@@ -112,21 +113,23 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
              "plan": LayerPlan({int(il): k for il, k in info["kinds"].items()}, info["n_slots"], info["n_zero"],
                                hot=info.get("hot", False))}
     costs = DeviceCosts(**info["costs"])
-    curves = {"hits": info.get("lru_hits"), "hot_hits": info.get("hot_hits")}
+    curves = {"hits": info.get("lru_hits"), "hot_hits": info.get("hot_hits"), "hot_moves": info.get("hot_moves")}
     for name, plan in plans.items():
         if "tpot_ms" in pol.get(name, {}):
             pol[name]["predicted_ms"] = predict_us(plan, layout, costs, **curves) / 1e3
     # the mapped rows (every layer slots, misses read by the device from the host copy): a row read so, measured;
-    # static-hot's slots hold the hot set of the plan's profile (hitrates.hot_profile), on-demand's move (LRU);
-    # adaptive-hot's is priced as the static one it starts from
+    # static-hot's slots hold the hot set of the plan's profile (hitrates.hot_profile), pinned; adaptive-hot's
+    # start from it and move between decodes, as a hot plan's; on-demand's move inside a layer (LRU)
     every = LayerPlan({L.index: "slots" for L in layout.layers}, out["slots_per_layer"])
     mapped = {n: replace(every, hot=n != "on-demand-mapped")
               for n in ("on-demand-mapped", "static-hot-mapped", "adaptive-hot-mapped") if "tpot_ms" in pol.get(n, {})}
+    pinned = {**curves, "hot_hits": hot_hits(path, layout, n_threads, static=True), "hot_moves": None}
+    row_curves = {n: pinned if n == "static-hot-mapped" else curves for n in mapped}
     if mapped:
         measured = measure_mapped(path, layout, device, costs, n_threads=n_threads)
         info["map_row_us"], info["upload_share"] = measured.map_row_us, measured.upload_share
         for name, plan in mapped.items():
-            pol[name]["predicted_ms"] = predict_us(plan, layout, measured, mapped=True, **curves) / 1e3
+            pol[name]["predicted_ms"] = predict_us(plan, layout, measured, mapped=True, **row_curves[name]) / 1e3
     a, b = pol.get("stock-cpu-moe", {}), pol.get("stock-n-cpu-moe", {})
     if "tpot_ms" not in a:
         return
@@ -142,4 +145,5 @@ def predictions(out: dict, layout: ModelLayout, path: Path, device: Device, n_th
     if mapped:  # cached now: the row as measured, the share at the refitted link (devcosts.share_at)
         as_mapped = measure_mapped(path, layout, device, fitted, n_threads=n_threads)
     for name, plan in mapped.items():
-        pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, as_mapped, mapped=True, **curves) / 1e3
+        pol[name]["predicted_calibrated_ms"] = predict_us(plan, layout, as_mapped, mapped=True,
+                                                          **row_curves[name]) / 1e3

@@ -694,9 +694,9 @@ def test_hit_rates_come_from_the_models_own_routing_and_are_cached(tmp_path: Pat
     """hitrates: LRU's hit rate by slot count from a CPU prefill of the calibration text; none below top-k slots,
     more with more slots, and what a direct LRU simulation of the same routing gives. The static hot set's: the
     chat prompts' profile (a prefill of the tune split) measured on the calibration text, as counted directly; the
-    profile is those counts. Cached per model file, so the session's plan and bench's predictions read them
-    without running the model again."""
-    from pyspecter import hitrates
+    profile is those counts. The adaptive set's (hits and moves): hotset.curves on the same routing. Cached per
+    model file, so the session's plan and bench's predictions read them without running the model again."""
+    from pyspecter import hitrates, hotset
     from pyspecter.lru import lru_miss_curve
     from pyspecter.policies import hot_experts
     from pyspecter.prompts import calibration_tokens, tune_tokens
@@ -725,12 +725,16 @@ def test_hit_rates_come_from_the_models_own_routing_and_are_cached(tmp_path: Pat
     assert all(len(t) == hitrates.HIT_TOKENS for t in texts) and texts[0] != texts[1]
     curves = [lru_miss_curve(a, E, warm=hitrates.HIT_WARM) for a in calib.values()]
     assert hits[E // 2] == pytest.approx(1 - float(np.mean([c[E // 2] for c in curves])) / k, abs=1e-6)
-    hot = hitrates.hot_hits(path, lay)
+    static = hitrates.hot_hits(path, lay, static=True)
     prof = hitrates.hot_profile(path, lay)
     assert prof == {il: [int(x) for x in np.bincount(a.ravel(), minlength=E)] for il, a in chat.items()}
     direct = [np.mean([int(e) in set(hot_experts(prof[il], E // 2)) for e in a.ravel()]) for il, a in calib.items()]
-    assert len(hot) == E + 1 and hot[0] == 0.0 and hot[E] == 1.0
-    assert hot[E // 2] == pytest.approx(float(np.mean(direct)), abs=1e-6)
+    assert len(static) == E + 1 and static[0] == 0.0 and static[E] == 1.0
+    assert static[E // 2] == pytest.approx(float(np.mean(direct)), abs=1e-6)
+    hot, moves = hitrates.hot_hits(path, lay), hitrates.hot_moves(path, lay)
+    want = np.mean([hotset.curves(prof[il], a, k) for il, a in calib.items()], axis=0)
+    assert hot == pytest.approx(list(want[0]), abs=1e-9) and moves == pytest.approx(list(want[1]), abs=1e-9)
+    assert len(moves) == E + 1 and moves[0] == moves[E] == 0.0
 
     def no_model(*_a, **_k):
         raise AssertionError("measured again")

@@ -146,29 +146,32 @@ def test_the_plan_reads_a_saved_calibration(tmp_path, monkeypatch: pytest.Monkey
 
 def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_again(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """measure_mapped's cache entry keeps the row read from the host copy, the upload share (null where an upload
-    was refused: then None, counted in full) and the link it was measured against; costs with another link (bench's
-    refit) read the share that charges the same bytes the same time. An entry from before the share, or before its
-    link was kept, is not reused."""
+    """measure_mapped's cache entry keeps what it measured, stock --cpu-moe's time less every row read from the host
+    copy (A - C), the upload share (null where an upload was refused: then None, counted in full) and the link it was
+    measured against. The row is solved from A - C with the costs it is read with, so costs refitted since (bench's)
+    get a row that agrees with them, and the share that charges the same bytes the same time. An entry from before
+    any of these is not reused."""
     from pyspecter import devcosts
 
     f, Dev, costs = _cached_model(tmp_path, monkeypatch)
     key = cache_key(f, Dev()) + "|mapped"  # type: ignore[arg-type]
     for share in (0.25, None):
-        devcosts._save(key, {"map_row_us": 9.0, "upload_share": share, "share_link_gbps": costs.link_gbps,
+        # 8 layers, top-2: A - C = 8 (2 split + 2 cpu_row) - 16 map_row, so 688 us is a row of 9 us with these costs
+        devcosts._save(key, {"a_over_c_us": 688.0, "upload_share": share, "share_link_gbps": costs.link_gbps,
                              "source": "measured"})
         got = devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]
         assert got == DeviceCosts(**{**costs.as_dict(), "map_row_us": 9.0}, upload_share=share)
-        assert devcosts._costs(devcosts._cached()[key] | costs.as_dict()) == got
         refit = DeviceCosts(**{**costs.as_dict(), "link_gbps": costs.link_gbps * 2})  # bench's faster link
         again = devcosts.measure_mapped(f, _layout(), Dev(), refit)  # type: ignore[arg-type]
         assert again.upload_share == (None if share is None else 0.5)
+        dearer = DeviceCosts(**{**costs.as_dict(), "split_us": 20.0})  # a refit that made the split dearer
+        assert devcosts.measure_mapped(f, _layout(), Dev(), dearer).map_row_us == 17.0  # type: ignore[arg-type]
 
     def loads(*_a, **_k):
         raise SpecterError("measured again")
 
     monkeypatch.setattr(devcosts.native, "Model", loads)
-    for old in ({}, {"upload_share": 0.25}):  # before upload_share, before its link: measured again
+    for old in ({}, {"upload_share": 0.25}, {"upload_share": 0.25, "share_link_gbps": 30.0}):  # solved rows
         devcosts._save(key, {"map_row_us": 9.0, "source": "measured", **old})
         with pytest.raises(SpecterError, match="measured again"):
             devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]

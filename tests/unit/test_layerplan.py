@@ -174,13 +174,16 @@ def test_a_tie_goes_to_fewer_switches() -> None:
 
 def test_a_mapped_slot_layer_takes_no_switch_and_reads_its_misses_from_the_host_copy() -> None:
     """--miss mapped: a slot layer's hits are device rows, its misses rows read from the host copy, no switch;
-    uploads (LRU) priced as for any slot layer, and none for a static hot set."""
+    uploads (LRU) priced as for any slot layer; a hot set's are its moves between decodes, in full."""
     lay = _layout()  # 16 experts, top-2, 8 layers
     every = LayerPlan({L.index: "slots" for L in lay.layers}, 8)  # half the experts: hit rate 1/2, a miss a token
     costs = DeviceCosts(split_us=60.0, link_gbps=1.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0, map_row_us=10.0)
     upload = EB / 1e3  # one expert over a 1 GB/s link, µs
     hot = LayerPlan(every.kinds, 8, hot=True)
     assert predict_us(hot, lay, costs, mapped=True) == pytest.approx(500 + 8 * (1 * 2.0 + 1 * 10.0))
+    moves = [0.0] * 8 + [0.25] + [0.0] * 8  # a quarter of an expert a layer a token with 8 slots
+    assert predict_us(hot, lay, costs, mapped=True, hot_moves=moves) == pytest.approx(
+        500 + 8 * (1 * 2.0 + 1 * 10.0 + 0.25 * upload))
     assert predict_us(every, lay, costs, mapped=True) == pytest.approx(500 + 8 * (2.0 + 10.0 + upload))
     # the same layers with host paths: two switches, every row on the device, the misses on the host too
     assert predict_us(every, lay, costs) == pytest.approx(500 + 8 * (2 * 60 + 2 * 2.0 + 40.0 + upload))
@@ -281,6 +284,9 @@ def test_a_hot_set_is_chosen_where_it_hits_nearly_as_well_as_lru_without_its_upl
     assert not choose_plan(lay, budget, costs, mapped=True, hits=lru, hot_hits=[h * 0.3 for h in lru]).hot
     free = DeviceCosts(**{**costs.as_dict(), "upload_share": 0.0})  # uploads cost nothing: the two tie
     assert not choose_plan(lay, budget, free, mapped=True, hits=lru, hot_hits=lru).hot
+    # a hot set that hits as LRU does but loads as many experts between decodes as LRU uploads misses loses
+    assert not choose_plan(lay, budget, costs, mapped=True, hits=lru, hot_hits=[h * 0.95 for h in lru],
+                           hot_moves=[2 * (1 - h) for h in lru]).hot
 
 
 class _Device:
