@@ -40,6 +40,7 @@ class HotSet:
         self._slots = dict(slots)
         self.scores = {il: _scaled(profile[il], every * n_used) for il in slots}
         self.chosen = {il: hot_experts(self.scores[il], n) for il, n in slots.items()}
+        self._buf: ctypes.Array | None = None  # C's counts, read into the same buffer after every decode
 
     def update(self, uses: np.ndarray) -> dict[int, list[int]]:
         """Hear a window's counts (``uses[il, e]``: times layer il selected expert e since the last window); the
@@ -59,11 +60,12 @@ class HotSet:
         the slot of one that left, unmapped first, so that no table maps a slot while its bytes change. Returns the
         experts loaded."""
         api = native.slots()
-        buf = (ctypes.c_uint32 * (model.n_layer * self.n_expert))()
-        if api.take_uses(model.ptr, self.every, buf, len(buf)) <= 0:
+        if self._buf is None:
+            self._buf = (ctypes.c_uint32 * (model.n_layer * self.n_expert))()
+        if api.take_uses(model.ptr, self.every, self._buf, len(self._buf)) <= 0:
             return 0
         n = 0
-        for il, want in self.update(np.frombuffer(buf, np.uint32).reshape(-1, self.n_expert)).items():
+        for il, want in self.update(np.frombuffer(self._buf, np.uint32).reshape(-1, self.n_expert)).items():
             owner = [api.expert_in(model.ptr, il, slot) for slot in range(self._slots[il])]
             for slot, e in moves(owner, want):
                 if owner[slot] >= 0 and api.set_slot(model.ptr, il, owner[slot], -1) != 0:

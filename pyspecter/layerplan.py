@@ -4,8 +4,9 @@
   host   all of them in host memory, computed there: two switches per token (stock ``--cpu-moe`` layers);
   slots  the dynamic cache: the slot path on the device, misses on the host, one host visit (two switches); with
          misses the device reads from the host copy (``--miss mapped``) no visit, each miss a row read over the link.
-         A plan's slot layers are all LRU (misses uploaded) or all ``hot``: a static hot set chosen from the model's
-         routing of calibration text, that never moves (no upload; each miss computed where the miss mode says).
+         A plan's slot layers are all LRU (misses uploaded) or all ``hot``: a hot set that starts from the model's
+         routing of chat prompts and moves only between decodes (``hotset``: no upload inside a layer; each miss
+         computed where the miss mode says).
 
 Stock ``--n-cpu-moe N`` (the first N blocks host, the rest full) is one point of this space at its own device
 memory, so the plan chosen at that memory is never predicted slower than it. The model's inputs (the cost of one
@@ -55,7 +56,7 @@ class LayerPlan:
     kinds: dict[int, str]  # MoE layer -> full | host | slots
     n_slots: int = 0  # slots per slot layer (0: no slot layer)
     n_zero: int = 0  # all-zero slots each slot layer holds besides (budget.zero_slots: 0 or top-k, by device)
-    hot: bool = False  # the slot layers hold a static hot set (hitrates.hot_profile): nothing moves, no upload
+    hot: bool = False  # the slot layers hold a hot set (hotset.HotSet): no residency engine, moves between decodes
 
     def __post_init__(self) -> None:
         bad = {k for k in self.kinds.values() if k not in KINDS}
@@ -114,7 +115,7 @@ def stock_plan(layout: ModelLayout, n_cpu_moe: int | None) -> LayerPlan:
 
 def hit_rate(n_slots: int, n_expert: int, hits: Sequence[float] | None = None) -> float:
     """The hit rate the model assumes for n slots of n_expert: ``hits[n]`` where measured (``hitrates``: LRU's, or
-    a static hot set's, over the model's own routing of real text), else what they hold of an expert chosen at
+    a hot set's, over the model's own routing of real text), else what they hold of an expert chosen at
     random, a floor (routing repeats itself from token to token and favours some experts: LRU keeps what repeats,
     a hot set what is favoured)."""
     n = min(max(n_slots, 0), n_expert)

@@ -43,7 +43,8 @@
 #      budget (GPU_CHECK_VRAM, default 50% of the expert bytes) on the largest model made here in time (bench-qwen3moe: random weights, generated locally), policies stock-device, all-resident (the two
 #      give the routing round trip per layer), stock-cpu-moe, stock-n-cpu-moe, plan (the layer plan of full, host
 #      and slot layers the cost model chooses at the budget), on-demand-lru, on-demand-mapped (--miss mapped),
-#      static-hot-mapped (the calibration's hottest experts, misses read by the GPU, nothing uploaded), plan-mapped
+#      static-hot-mapped (the chat profile's hottest experts, misses read by the GPU, nothing uploaded),
+#      adaptive-hot-mapped (the same set re-chosen between decodes from the text's routing), plan-mapped
 #      (the layer plan priced and run with --miss mapped), learned (layer-ahead prefetches: its
 #      predictor, fitted by --prepare, is carried in .gpu/predictors and used only for the same model file) and
 #      specter (with a draft made by `pyspecter draft`), as far as this pyspecter's `bench --help` offers --device
@@ -812,10 +813,10 @@ fi
 
 # --- 5. bench -----------------------------------------------------------------------------------------------------
 # all-resident beside stock-device: bench then reports the routing round trip per MoE layer
-WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru on-demand-mapped static-hot-mapped plan-mapped specter"
+WANT="stock-device all-resident stock-cpu-moe stock-n-cpu-moe plan on-demand-lru on-demand-mapped static-hot-mapped adaptive-hot-mapped plan-mapped specter"
 # step 6's time comes first: the draft specter needs takes a minute and a half to make
 [ "$BIG" = 1 ] && WANT=${WANT/ specter/}
-[ "$MAPPED" = 1 ] || WANT=${WANT/ on-demand-mapped static-hot-mapped plan-mapped/}
+[ "$MAPPED" = 1 ] || WANT=${WANT/ on-demand-mapped static-hot-mapped adaptive-hot-mapped plan-mapped/}
 if [ "$BUILT" = 1 ]; then
     run "bench --help" 60 "$DEADLINE" "$WORK/bench_help.txt" env COLUMNS=300 "$PY" -m pyspecter bench --help
     help_rc=$RC
