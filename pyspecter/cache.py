@@ -331,10 +331,13 @@ class ExpertCache:
 
     def _load(self, il: int, e: int, slot: int) -> None:
         self.tier.upload(il, e, slot)
-        self._warm_uploads += 1
-        self._warm_bytes += self.expert_bytes[il]
+        self._landed(il)
         if self.api.set_slot(self.model.ptr, il, e, slot) != 0:
             raise SpecterError(f"layer {il}: could not map expert {e} to slot {slot}")
+
+    def _landed(self, il: int) -> None:
+        self._warm_uploads += 1
+        self._warm_bytes += self.expert_bytes[il]
 
     def warm_hot(self, profile: Mapping[int, list[int]], adapt: bool = False) -> None:
         """The static hot set: each slot layer's usable slots get its experts selected most often in ``profile``
@@ -347,7 +350,9 @@ class ExpertCache:
     def adapt(self) -> int:
         """Call between decodes: an adaptive hot set is re-chosen once ``hotset.EVERY`` tokens were routed since
         the last time (``HotSet.step``). Exact either way. Returns the experts uploaded."""
-        return self._hot.step(self.model, self._load) if self._hot is not None else 0
+        if self._hot is None:
+            return 0
+        return self._hot.step(self.model, self._load, self._landed, queue=self.tier.home != "file")
 
     def counters(self) -> dict:
         out = self._residency_counters()

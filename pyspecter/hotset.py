@@ -1,6 +1,6 @@
 """A hot set that follows the text: a static hot set (slots loaded from a routing profile, no residency engine, a
 miss computed on the host or read from the host copy) re-chosen between decodes from what the session's own routing
-selected, so that its few uploads happen between tokens and never inside a layer.
+selected. Its few uploads are queued between tokens, land beside the next decodes, and never wait inside a layer.
 
 The counts come from C (``llama_pyspecter_take_uses``: counted where the host already has a slot layer's ids, its
 split route op or a speculated ubatch's settling); the rule is here. Each layer's scores start from the profile,
@@ -41,6 +41,8 @@ class HotSet:
         self.scores = {il: _scaled(profile[il], every * n_used) for il in slots}
         self.chosen = {il: hot_experts(self.scores[il], n) for il, n in slots.items()}
         self._buf: ctypes.Array | None = None  # C's counts, read into the same buffer after every decode
+        self._due: set[int] = set()  # layers whose set changed, moved once none of their uploads is in flight
+        self._queued: list[tuple[int, int, int, int]] = []  # (ticket, layer, expert, slot) of uploads in flight
 
     def update(self, uses: np.ndarray) -> dict[int, list[int]]:
         """Hear a window's counts (``uses[il, e]``: times layer il selected expert e since the last window); the
@@ -54,24 +56,46 @@ class HotSet:
             self.chosen[il] = new
         return changed
 
-    def step(self, model: native.Model, load: Callable[[int, int, int], None]) -> int:
+    def step(self, model: native.Model, load: Callable[[int, int, int], None], landed: Callable[[int], None],
+             queue: bool = True) -> int:
         """Between decodes: once ``every`` tokens were routed since the last window, hear the window's counts from
-        C and load each expert that entered a layer's hot set (``load(il, expert, slot)``: upload, then map) into
-        the slot of one that left, unmapped first, so that no table maps a slot while its bytes change. Returns the
-        experts loaded."""
+        C, and load each expert that entered a layer's hot set into the slot of one that left, unmapped first, so
+        that no table maps a slot while its bytes change. queue: the copy is queued on C's upload thread from the
+        model's host copy (it overlaps the next decodes, and the expert is mapped at the first call after it
+        landed, ``landed(il)``); else ``load(il, expert, slot)`` uploads and maps it now (the disk tier, whose
+        copy is the file). A layer with uploads in flight moves again only once they have landed; a failed one
+        leaves its slot empty (its expert's rows are misses, computed exactly). Returns the experts loaded."""
         api = native.slots()
+        while self._queued:  # tickets finish in order
+            ticket, il, e, slot = self._queued[0]
+            status = api.upload_status(model.ptr, ticket)
+            if status == 0:
+                break
+            self._queued.pop(0)
+            if status == 1:
+                if api.set_slot(model.ptr, il, e, slot) != 0:
+                    raise SpecterError(f"layer {il}: could not map expert {e} to slot {slot}")
+                landed(il)
         if self._buf is None:
             self._buf = (ctypes.c_uint32 * (model.n_layer * self.n_expert))()
-        if api.take_uses(model.ptr, self.every, self._buf, len(self._buf)) <= 0:
-            return 0
+        if api.take_uses(model.ptr, self.every, self._buf, len(self._buf)) > 0:
+            self._due.update(self.update(np.frombuffer(self._buf, np.uint32).reshape(-1, self.n_expert)))
+        busy = {il for _, il, _, _ in self._queued}
         n = 0
-        for il, want in self.update(np.frombuffer(self._buf, np.uint32).reshape(-1, self.n_expert)).items():
+        for il in sorted(self._due - busy):
             owner = [api.expert_in(model.ptr, il, slot) for slot in range(self._slots[il])]
-            for slot, e in moves(owner, want):
+            for slot, e in moves(owner, self.chosen[il]):
                 if owner[slot] >= 0 and api.set_slot(model.ptr, il, owner[slot], -1) != 0:
                     raise SpecterError(f"layer {il}: could not unmap expert {owner[slot]}")
-                load(il, e, slot)
+                if not queue:
+                    load(il, e, slot)
+                elif (ticket := api.load_expert_async(model.ptr, il, e, slot)) > 0:
+                    self._queued.append((ticket, il, e, slot))
+                else:
+                    raise SpecterError(f"layer {il}: the upload of expert {e} was refused "
+                                       f"({native.status_name(ticket)})")
                 n += 1
+            self._due.discard(il)
         return n
 
 

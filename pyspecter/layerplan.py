@@ -131,7 +131,7 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped:
     ``map_row_us``): a slot layer takes no switch, its hits are device rows and its misses rows the device reads
     from the host copy, and its uploads cost the token the measured share of their link time (``upload_share``;
     in full where unmeasured). A ``hot`` plan's slot layers move nothing inside a layer: their uploads are the hot
-    set's moves between decodes, ``hot_moves[n]`` experts a layer a token, in full (nothing runs beside them).
+    set's moves, ``hot_moves[n]`` experts a layer a token, queued between decodes and charged as uploads are.
     ``hits``: LRU's hit rate by slot count, ``hot_hits`` the hot set's (``hit_rate``; each where measured,
     ``hitrates``)."""
     if mapped and costs.map_row_us is None:
@@ -152,9 +152,9 @@ def predict_us(plan: LayerPlan, layout: ModelLayout, costs: DeviceCosts, mapped:
         else:
             t += 2 * costs.split_us + k * costs.dev_row_us + miss * costs.cpu_row_us
         if kind == "slots" and costs.link_gbps > 0:
-            # a hot set's moves, between decodes; LRU's misses, beside the token
-            loads = (hot_moves[plan.n_slots] if hot_moves is not None else 0.0) if plan.hot else share * miss
-            t += loads * eb[il] / (costs.link_gbps * 1e3)
+            # a hot set's moves (queued between decodes, landing beside the next), or LRU's misses
+            loads = (hot_moves[plan.n_slots] if hot_moves is not None else 0.0) if plan.hot else miss
+            t += share * loads * eb[il] / (costs.link_gbps * 1e3)
     return t
 
 

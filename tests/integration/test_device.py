@@ -125,7 +125,8 @@ def test_an_adaptive_hot_set_on_rpc_device_is_exact(name: str, miss: str, rpc: s
     assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0, (r["stock_tokens"], r["slot_tokens"])
     assert r["contract_ok"], r["contract"]
     assert r["hot_moves"] > 0  # the prompt and 12 tokens are two windows: the set moved
-    assert r["uploads"] == half * len(lay.layers) + r["hot_moves"]  # the profile's set, then the moves alone
+    # the profile's set, then the moves that landed (queued on the upload thread: the last may still be in flight)
+    assert half * len(lay.layers) < r["uploads"] <= half * len(lay.layers) + r["hot_moves"]
     prof = hot_profile(path, lay)
     assert 0.0 < r["hit_rate"] < 1.0 and all(len(hot_experts(prof[L.index], half)) == half for L in lay.layers)
     if miss == "mapped":
@@ -657,21 +658,23 @@ def native_greedy_steps(ctx: native.Context, prompt: list[int], n: int):
             return
 
 
-@pytest.mark.parametrize("miss, ordered", [("cpu", False), ("wait", False), ("wait", True)])
-def test_uploads_that_land_late_are_never_read_early(miss: str, ordered: bool, rpc: str,
+@pytest.mark.parametrize("miss, ordered, hot", [("cpu", False, False), ("wait", False, False), ("wait", True, False),
+                                               ("cpu", False, True), ("mapped", False, True)])
+def test_uploads_that_land_late_are_never_read_early(miss: str, ordered: bool, hot: bool, rpc: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection in the upload path (SPECTER_UPLOAD_FAULT_US): every batch copies NaN, and its real bytes
     land 3 ms after its event has passed, as a copy on another stream is undefined until its batch has landed
     (RPC would otherwise run it before anything queued later). Under eviction at top-k slots, with misses computed
     on the host or awaited (ordered: in the same ubatch, by the wait op, several reads in flight at once), no
     kernel may read a slot in that window: the logits stay stock's to the bit. With reap mapping reads still in
-    flight, the host and ordered cases fail."""
+    flight, the host and ordered cases fail. hot: an adaptive hot set's moves, queued between decodes and mapped
+    once landed, while the next decodes run (half the slots, 40 tokens: several windows)."""
     monkeypatch.setenv("SPECTER_UPLOAD_FAULT_US", "3000")
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
-    r = verify(path, slots=lay.n_expert_used, miss=miss, ordered=ordered, prompt=LONG_PROMPT, n_tokens=10,
-               device=rpc)
-    assert r["uploads"] > 0
+    r = verify(path, slots=lay.n_expert // 2 if hot else lay.n_expert_used, miss=miss, ordered=ordered,
+               prompt=LONG_PROMPT, n_tokens=40 if hot else 10, device=rpc, hot=hot)
+    assert r["uploads"] > 0 and (r["hot_moves"] > 0 or not hot)
     assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0, (r["stock_tokens"], r["slot_tokens"])
     assert r["contract_ok"], r["contract"]
     if ordered:  # a layer's misses are read side by side: the readers keep several batches on the wire

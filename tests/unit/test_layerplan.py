@@ -174,7 +174,7 @@ def test_a_tie_goes_to_fewer_switches() -> None:
 
 def test_a_mapped_slot_layer_takes_no_switch_and_reads_its_misses_from_the_host_copy() -> None:
     """--miss mapped: a slot layer's hits are device rows, its misses rows read from the host copy, no switch;
-    uploads (LRU) priced as for any slot layer; a hot set's are its moves between decodes, in full."""
+    uploads (LRU) priced as for any slot layer, and a hot set's moves the same way."""
     lay = _layout()  # 16 experts, top-2, 8 layers
     every = LayerPlan({L.index: "slots" for L in lay.layers}, 8)  # half the experts: hit rate 1/2, a miss a token
     costs = DeviceCosts(split_us=60.0, link_gbps=1.0, cpu_row_us=40.0, dev_row_us=2.0, base_us=500.0, map_row_us=10.0)
