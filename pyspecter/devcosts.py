@@ -289,6 +289,11 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
     return replace(costs, map_row_us=row(a_over_c), upload_share=share)
 
 
+def mapped_cached(path: str | Path, device: Device, n_threads: int = 2) -> bool:
+    """Whether ``measure_mapped``'s measurement for this model, device and host threads is cached."""
+    return "a_over_c_us" in _cached().get(cache_key(path, device, n_threads) + "|mapped", {})
+
+
 def share_at(share: float | None, measured_gbps: float, link_gbps: float) -> float | None:
     """An upload share measured against a link of ``measured_gbps`` (``upload_share_of``) for costs whose link is
     ``link_gbps``: the same time for the same bytes, so it scales with the link, in [0, 1]. None stays None."""

@@ -506,17 +506,20 @@ def test_the_first_auto_plan_on_a_device_says_it_measures(rpc: str, tmp_path: Pa
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """pyspecter.load on a device with nothing cached: one line before the layer plan's costs are measured (the
     user waits for them), then the plan's own line; the second session reads them cached and says only the
-    plan."""
+    plan. A session with --miss mapped whose costs are cached but not the row read from the host copy says it
+    measures that row, once."""
     from pyspecter.api import load
 
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
     path = build_tiny("tiny-qwen3moe")
-    for first in (True, False):
+    for miss, says in ((None, "measuring the layer plan's costs"), (None, None),  # the second: cached
+                       ("mapped", "measuring a row the device reads from the host copy"), ("mapped", None)):
         lines: list[str] = []
-        with load(path, budget="50%", device=rpc, n_ctx=128, notify=lines.append) as s:
-            measuring = [i for i, line in enumerate(lines) if line.startswith("measuring the layer plan's costs")]
+        with load(path, budget="50%", device=rpc, n_ctx=128, miss=miss, notify=lines.append) as s:
+            measuring = [i for i, line in enumerate(lines) if line.startswith("measuring ")]
             planned = [i for i, line in enumerate(lines) if line.startswith("layer plan: ")]
-            assert planned and (measuring == [] if not first else measuring[0] < planned[0]), lines
+            assert planned and (measuring == [] if says is None else
+                                (measuring[0] < planned[0] and lines[measuring[0]].startswith(says))), lines
             assert s.notes == lines
 
 
