@@ -8,11 +8,11 @@ scaled to one window's selections, and every ``EVERY`` routed tokens become ``DE
 counts; the hot set is the top of the scores (``policies.hot_experts``), and only the experts that enter it are
 uploaded, into the slots of those that left.
 
-Why these values (a study of smol-moe's routing, whose router follows real activations: the 12 packaged eval chat
-prompts, 160 greedy tokens each, 8 of 16 slots a layer): the tune prompts' static hot set held 52.9% of the
-answers' rows, one re-chosen from each prompt's own prefill 60.0%, re-chosen every 16 tokens at decay 0.8 67.6%
-with 0.06 experts uploaded a layer a token, where LRU held 63.4% and uploads a miss each time (0.73 a layer a token).
-Every 32 tokens read 66.5% with 0.035 uploads; decay 0.5 gave within a point of 0.8.
+Why these values (``python tools/hotset_study.py smol-moe -n 160``: smol-moe's router follows real activations; the
+12 packaged eval chat prompts, 160 greedy tokens each, 8 of 16 slots a layer): the tune prompts' hot set, pinned,
+held 53.0% of the answers' rows; re-chosen this way 67.4%, loading 0.07 experts a layer a token; LRU 64.3%,
+uploading every miss (0.71 a layer a token). Every 32 tokens read a point lower with half the loads, decay 0.5 within
+a point of 0.8, and the prompt's counts alone, never re-chosen, 60.0% (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
