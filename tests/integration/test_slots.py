@@ -40,6 +40,18 @@ def test_slots_exact(name: str, miss: str, tier: str) -> None:
             assert r["slot_row_rate"] == 1.0  # every miss was uploaded and waited for
 
 
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_an_adaptive_hot_set_is_exact_on_the_cpu_tiers(tier: str) -> None:
+    """verify --hot on the CPU: the hot set moves between decodes, queued on the upload thread from the host copy
+    (ram) or read from the file and mapped at once (disk: its copy is the file); stock's tokens and logits."""
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    r = verify(path, slots=lay.n_expert // 2, miss="cpu", tier=tier, n_tokens=40, hot=True,
+               prompt="Why is the sky blue? " * 6)
+    assert r["hot_moves"] > 0 and r["uploads"] > lay.n_expert // 2 * len(lay.layers)
+    assert r["identical_tokens"] and r["max_abs_logit_diff"] == 0.0, (r["stock_tokens"], r["slot_tokens"])
+
+
 PROMPTS = [
     "hello", "Once upon a time there was a tiny mixture of experts.", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15",
     "def f(x):\n    return x * x\n", "Why is the sky blue? " * 6, "a",
