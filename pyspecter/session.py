@@ -301,7 +301,8 @@ class Session:
         # on the disk tier, 67-76% stalled on reads, its prefetches took the link from the misses waited for (40.2
         # MB per token against LRU's 37.3 at 50%; 58.1 against the reuse maps alone's 54.3 at 30%).
         ahead = learned and self._plans_ahead()
-        # a plan's hot slot layers hold a static hot set: no residency engine, nothing moves after the warm-up
+        # a plan's hot slot layers hold a hot set: no residency engine, nothing moves inside a layer (the set is
+        # re-chosen between decodes, ExpertCache.adapt)
         hot = self.layer_plan is not None and self.layer_plan.plan.hot
         self.cache = ExpertCache(self.target, self.layout, self.n_slots + self.held, hook=not hot,
                                  policy="predicted" if fitted else cfg.policy, miss=self.miss, tier=self.tier,

@@ -29,7 +29,7 @@
 #      kernel path it touches (mmvq, its several-token kernel, MMQ, MMF, the fused gate+up+GLU), against the CPU
 #   4. verify: every fixture arch (pyspecter/models/tiny.py TINY_MODELS) with --device cuda0, slots k, E/2 and E,
 #      misses wait and cpu, and at E/2 mapped (the GPU reads misses from pinned host memory: decode's with MMVQ/MMF,
-#      and with the long prompt a prompt ubatch's with MMQ, MMF or cuBLAS), and at E/2 a static hot set (--hot, what a
+#      and with the long prompt a prompt ubatch's with MMQ, MMF or cuBLAS), and at E/2 a hot set (--hot, moving between decodes, what a
 #      layer plan's hot slot layers run) with misses cpu and mapped; verify's `contract_ok` decides where its
 #      JSON has one (the GPU contract: never NaN/inf,
 #      every expert in a slot = stock-device, with misses no further from stock-device than stock's --cpu-moe run;
@@ -743,7 +743,7 @@ for n, s in TINY_MODELS.items():
     cs = [(half, "cpu", "short", "neg"), (half, "cpu", "short", "zero"), (half, "mapped", "short", "neg")] + [
         (k, miss, "short", "neg") for k in sorted({s.n_expert_used, half, s.n_expert}) for miss in ("wait", "cpu")
         if (k, miss) != (half, "cpu")] + [(half, "cpu", "long", "neg"), (half, "mapped", "long", "neg")] + [
-        (half, miss, "short", "hot") for miss in ("cpu", "mapped")]  # a static hot set (verify --hot), as hot plans run
+        (half, miss, "short", "hot") for miss in ("cpu", "mapped")]  # a hot set (verify --hot), as hot plans run
     per_arch.append([(n, *c) for c in cs])
 for j in range(max(map(len, per_arch))):
     for a, cs in enumerate(per_arch):
