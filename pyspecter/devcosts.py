@@ -261,18 +261,24 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
     measured against: ``costs`` with another link (bench's refit) get the share that charges the measured bytes
     the same time (``share_at``). What is cached is A - C itself, and the row is solved from it with the costs it
     is read with: solved once with the costs of the day, it went stale when bench refitted them (on the RPC device
-    a row of 0 us beside a device row refitted to 306 us, and a plan predicted at 1.8 ms a token that ran 13)."""
+    a row of 0 us beside a device row refitted to 306 us, and a plan predicted at 1.8 ms a token that ran 13).
+    A - C is kept with the A it was measured beside and read as that share of the A the costs predict, so that
+    costs refitted on a quieter or busier machine read it in their own time."""
     from pyspecter.cache import ExpertCache
 
     key = cache_key(path, device, n_threads) + "|mapped"
     known = _cached().get(key, {})
     k, L = layout.n_expert_used, len(layout.layers)
 
-    def row(a_over_c: float) -> float:
-        return max((L * (2 * costs.split_us + k * costs.cpu_row_us) - a_over_c) / (L * k), 0.0)
+    host = L * (2 * costs.split_us + k * costs.cpu_row_us)
+
+    def row(a_over_c: float, a_us: float | None) -> float:
+        # A - C in the costs' time: measured beside an A of a_us, where the costs say A takes base + host
+        scale = (costs.base_us + host) / a_us if a_us else 1.0
+        return max((host - a_over_c * scale) / (L * k), 0.0)
 
     if use_cache and "a_over_c_us" in known:  # upload_share null where refused
-        return replace(costs, map_row_us=row(float(known["a_over_c_us"])),
+        return replace(costs, map_row_us=row(float(known["a_over_c_us"]), known.get("a_us")),
                        upload_share=share_at(known["upload_share"], known["share_link_gbps"], costs.link_gbps))
     with native.Model(path, device=device) as m:
         steps = [[t] for t in _tokens(m.n_vocab, 1 + reps)]
@@ -283,10 +289,11 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
             share = _upload_share(m, layout, k, costs.link_gbps, statistics.median(tc), n_threads)
         finally:
             cache.close()
-    a_over_c = (statistics.median(ta) - statistics.median(tc)) * 1e6
-    _save(key, {"a_over_c_us": a_over_c, "upload_share": share, "share_link_gbps": costs.link_gbps,
+    a_us = statistics.median(ta) * 1e6
+    a_over_c = a_us - statistics.median(tc) * 1e6
+    _save(key, {"a_over_c_us": a_over_c, "a_us": a_us, "upload_share": share, "share_link_gbps": costs.link_gbps,
                 "source": "measured"})
-    return replace(costs, map_row_us=row(a_over_c), upload_share=share)
+    return replace(costs, map_row_us=row(a_over_c, a_us), upload_share=share)
 
 
 def mapped_cached(path: str | Path, device: Device, n_threads: int = 2) -> bool:
@@ -324,17 +331,34 @@ def calibrate(layout: ModelLayout, costs: DeviceCosts, cpu_moe_ms: float, n_cpu_
     over bench's many uploads. As ``solve`` does, the host-over-full difference per layer (2 split + k (cpu_row -
     dev_row)) is kept exactly: the split gives way first (the row costs, from a measurement of their own, stay),
     then the host row; the base is what --cpu-moe's time leaves. Without full layers at that budget the two rows
-    are one placement, and only the base and the link move."""
+    are one placement, and only the base and the link move. Where the rows would leave --cpu-moe's time less than
+    nothing (measured on a busier machine: on the RPC device they left a base of 0 and every row predicted 20-55%
+    slow), the base and rows as measured are scaled down by one factor, and the split still keeps the difference."""
     k = layout.n_expert_used
     L = len(layout.layers)
     m = sum(1 for L_ in layout.layers if L_.index >= n_cpu_moe)
-    split, cpu, dev = costs.split_us, costs.cpu_row_us, costs.dev_row_us
-    if m > 0 and n_cpu_moe_ms is not None:
-        host_over_full = 1e3 * (cpu_moe_ms - n_cpu_moe_ms) / m
-        split = (host_over_full - k * (cpu - dev)) / 2
-        if split < 0:
-            split, cpu = 0.0, dev + max(host_over_full, 0.0) / k
-    base = max(1e3 * cpu_moe_ms - L * (2 * split + k * cpu), 0.0)
+    a = 1e3 * cpu_moe_ms
+    hof = 1e3 * (cpu_moe_ms - n_cpu_moe_ms) / m if m > 0 and n_cpu_moe_ms is not None else None
+
+    def fit(f: float) -> tuple[float, float, float]:
+        """split, host row and device row with the rows as measured times f, the difference kept where known."""
+        split, cpu, dev = costs.split_us, f * costs.cpu_row_us, f * costs.dev_row_us
+        if hof is not None:
+            split = (hof - k * (cpu - dev)) / 2
+            if split < 0:
+                split, cpu = 0.0, dev + max(hof, 0.0) / k
+        return split, cpu, dev
+
+    f = 1.0
+    split, cpu, dev = fit(f)
+    if a - L * (2 * split + k * cpu) < 0:
+        # a = f base + L (2 split + k cpu): with the difference known, L (hof + k f dev); else split as measured
+        num, den = ((a - L * hof, costs.base_us + L * k * costs.dev_row_us) if hof is not None
+                    else (a - 2 * L * costs.split_us, costs.base_us + L * k * costs.cpu_row_us))
+        if num > 0 and den > 0:
+            f = num / den
+            split, cpu, dev = fit(f)
+    base = max(a - L * (2 * split + k * cpu), 0.0)
     return DeviceCosts(split_us=split, link_gbps=link_gbps if link_gbps > 0 else costs.link_gbps, cpu_row_us=cpu,
                        dev_row_us=dev, base_us=base)
 

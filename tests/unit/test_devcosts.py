@@ -121,6 +121,32 @@ def test_calibrate_keeps_the_difference_when_the_split_would_go_negative() -> No
     assert got.link_gbps == 5.0 and got.base_us >= 0.0  # no link measured: the first one stays
 
 
+@pytest.mark.parametrize("with_difference", [True, False], ids=["both-rows", "cpu-moe-only"])
+def test_calibrate_scales_rows_measured_on_a_busier_machine(with_difference: bool) -> None:
+    """Rows measured while the machine was 1.6x slower leave bench's --cpu-moe less than nothing for the base: the
+    refit scales the base and rows as measured by one factor, so that bench's stock rows come back exactly with a
+    base above 0 (before: a base of 0 and both rows predicted slow)."""
+    from pyspecter.devcosts import calibrate
+    from pyspecter.layerplan import predict_us, stock_plan
+
+    lay = _layout()
+    true = DeviceCosts(split_us=1500.0, link_gbps=1.5, cpu_row_us=450.0, dev_row_us=450.0, base_us=2000.0)
+    first = DeviceCosts(split_us=true.split_us, link_gbps=1.0, cpu_row_us=1.6 * true.cpu_row_us,
+                        dev_row_us=1.6 * true.dev_row_us, base_us=1.6 * true.base_us)
+    n_cpu = 3
+    a = predict_us(stock_plan(lay, None), lay, true) / 1e3
+    b = predict_us(stock_plan(lay, n_cpu), lay, true) / 1e3 if with_difference else None
+    k, L = lay.n_expert_used, len(lay.layers)
+    assert 1e3 * a - L * (2 * first.split_us + k * first.cpu_row_us) < 0  # the rows alone outgrow the token
+    got = calibrate(lay, first, a, b, n_cpu, true.link_gbps)
+    assert got.base_us > 0
+    assert math.isclose(predict_us(stock_plan(lay, None), lay, got) / 1e3, a, rel_tol=1e-9)
+    if with_difference:
+        assert math.isclose(predict_us(stock_plan(lay, n_cpu), lay, got) / 1e3, b, rel_tol=1e-9)
+        for field in ("split_us", "base_us", "cpu_row_us", "dev_row_us"):
+            assert math.isclose(getattr(got, field), getattr(true, field), rel_tol=1e-9), field
+
+
 class _Dev:
     description = "dev"
 
@@ -166,6 +192,11 @@ def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_agai
         assert again.upload_share == (None if share is None else 0.5)
         dearer = DeviceCosts(**{**costs.as_dict(), "split_us": 20.0})  # a refit that made the split dearer
         assert devcosts.measure_mapped(f, _layout(), Dev(), dearer).map_row_us == 17.0  # type: ignore[arg-type]
+        # kept with the A it was measured beside: measured on a machine twice as slow, A - C is read at half
+        a = costs.base_us + 8 * (2 * costs.split_us + 2 * costs.cpu_row_us)
+        devcosts._save(key, {"a_over_c_us": 2 * 688.0, "a_us": 2 * a, "upload_share": share,
+                             "share_link_gbps": costs.link_gbps, "source": "measured"})
+        assert devcosts.measure_mapped(f, _layout(), Dev(), costs).map_row_us == pytest.approx(9.0)  # type: ignore
 
     def loads(*_a, **_k):
         raise SpecterError("measured again")
