@@ -44,9 +44,9 @@ class DraftRouting:
         self.stop()
 
 
-def routing_profile(trace_path: str | Path, layout: ModelLayout) -> dict[int, list[int]]:
-    """Experts of each MoE layer, hottest first, from a trace's target routing (``pyspecter trace``): what a
-    fresh session should load before its first token instead of starting with a burst of misses."""
+def routing_counts(trace_path: str | Path, layout: ModelLayout) -> dict[int, list[int]]:
+    """Per MoE layer, the times each expert was selected in a trace's target routing (``pyspecter trace``): what
+    a hot set is chosen from and starts its scores with (``hotset.HotSet``)."""
     import numpy as np
 
     from pyspecter.tracefile import load_trace
@@ -60,7 +60,14 @@ def routing_profile(trace_path: str | Path, layout: ModelLayout) -> dict[int, li
     out = {}
     for j, il in enumerate(tr.meta["moe_layers"]):
         col = ids[:, j, :].ravel()
-        counts = np.bincount(col[col >= 0], minlength=layout.n_expert)
-        # stable: ties keep expert order, so the profile is deterministic
-        out[int(il)] = [int(e) for e in np.argsort(-counts, kind="stable")]
+        out[int(il)] = [int(c) for c in np.bincount(col[col >= 0], minlength=layout.n_expert)]
     return out
+
+
+def routing_profile(trace_path: str | Path, layout: ModelLayout) -> dict[int, list[int]]:
+    """Experts of each MoE layer, hottest first (ties: the lower id, so the profile is deterministic), from a
+    trace's routing (``routing_counts``): what a fresh session should load before its first token instead of
+    starting with a burst of misses."""
+    from pyspecter.policies import hot_experts
+
+    return {il: hot_experts(c, len(c)) for il, c in routing_counts(trace_path, layout).items()}

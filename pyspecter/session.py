@@ -313,15 +313,17 @@ class Session:
                                  reuse=self.predictor if fitted else None, ahead=self.predictor if ahead else None)
         if self.surrogates is not None:
             self.surrogates.release()  # C holds its own copy of the kept bytes
-        if cfg.profile is not None:
+        if hot:  # the given profile, else the one the plan priced the hot set with; then the text's own routing
+            from pyspecter.hitrates import hot_profile
+            from pyspecter.predict import routing_counts
+
+            self.cache.warm_hot(routing_counts(cfg.profile, self.layout) if cfg.profile is not None
+                                else hot_profile(cfg.model, self.layout, cfg.n_threads), adapt=True)  # hotset.py
+        elif cfg.profile is not None:
             from pyspecter.predict import routing_profile
 
             order = routing_profile(cfg.profile, self.layout)
             self.cache.warm({il: e for il, e in order.items() if il in self.cache.layer_pos})  # a plan's slot layers
-        elif hot:  # the profile the plan priced the hot set with, then the text's own routing (hotset.py)
-            from pyspecter.hitrates import hot_profile
-
-            self.cache.warm_hot(hot_profile(cfg.model, self.layout, cfg.n_threads), adapt=True)
 
     def _drop_draft(self) -> None:
         """The engine measured that the draft does not pay: free it, and give its memory to the slots."""

@@ -72,7 +72,8 @@ LayerPlanOpt = Annotated[str | None, typer.Option(
          "seconds, and cached), slots (slots in every layer), n-cpu-moe:N (llama.cpp's --n-cpu-moe N: blocks below "
          "N on the host, the rest whole on the device)")]
 ProfileOpt = Annotated[Path | None, typer.Option(help="trace from `pyspecter trace`: fill the slots with its "
-                                                      "hottest experts before the first token")]
+                                                      "hottest experts before the first token (a device plan's hot "
+                                                      "set starts there, then follows the text)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 ForcedOpt = Annotated[bool | None, typer.Option(
     "--teacher-forced/--free", show_default=False,

@@ -576,6 +576,35 @@ def test_session_layer_plans_on_rpc_device_are_exact(name: str, rpc: str) -> Non
                 assert s.cache is None and not s.stats()["has_slots"]
 
 
+def test_a_hot_plan_starts_from_a_given_profile_and_follows_the_text(rpc: str, tmp_path: Path) -> None:
+    """--profile with a plan's hot slot layers: the set starts as the trace's hottest experts (not the calibration
+    profile's), then moves between decodes as without one; stock's greedy tokens."""
+    from pyspecter.policies import hot_experts
+    from pyspecter.predict import routing_counts
+    from pyspecter.session import Session, SessionConfig
+    from pyspecter.study.trace import record_trace
+
+    dev = open_device(rpc)
+    path = build_tiny("tiny-qwen3moe")
+    lay = read_layout(path)
+    trace = tmp_path / "t.npz"
+    record_trace(path, trace, prompts=["a profile of other text", "and more of it"], n=6, progress=False,
+                 n_threads=1, gate_lookahead=0)
+    counts = routing_counts(trace, lay)
+    with native.Model(path, lazy_experts=True) as m:
+        toks = m.tokenize(LONG_PROMPT)
+    ref, _ = _stock_greedy(path, dev, toks, 12)
+    hot = dataclasses.replace(mixed_plans(lay)[0], hot=True)
+    with Session(SessionConfig(model=path, budget="50%", device=rpc, n_ctx=256, layer_plan=hot,
+                               profile=trace)) as s:
+        for il in hot.layers("slots"):
+            held = {e for e in range(lay.n_expert) if native.slots().slot_of(s.target.ptr, il, e) >= 0}
+            assert held == set(hot_experts(counts[il], s.cache.usable(il))), il
+        start = s.cache.counters()["uploads"]
+        assert s.generate(toks, 12, stop_at_eog=False) == ref
+        assert s.cache.counters()["uploads"] > start  # it followed the text
+
+
 def test_cli_generate_layer_plan_on_rpc_device(own_rpc: tuple[str, subprocess.Popen]) -> None:
     endpoint, _ = own_rpc
     r = run_cli("generate", "tiny-qwen3moe", "-p", "hi", "-n", "4", "--device", endpoint, "--budget", "50%",
