@@ -7,6 +7,8 @@ device."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -52,27 +54,37 @@ def _routing(path: str | Path, layout: ModelLayout, n_threads: int, use_cache: b
     return entry
 
 
-def _traces(model: native.Model, layout: ModelLayout, texts: list[list[int]],
-            n_threads: int) -> list[dict[int, np.ndarray]]:
-    """Each MoE layer's routing ids [n, k] of one prefill of each text, every row on the host path."""
+@contextmanager
+def recording(model: native.Model, layout: ModelLayout) -> Iterator[dict[int, list[np.ndarray]]]:
+    """While open, each MoE layer's routing ids of every decode call, [tokens, k] per call in call order, every row
+    on the host path (one slot, never filled). Empty the dict to start again."""
     moe = {L.index for L in layout.layers}
-    ids: list[dict[int, list[np.ndarray]]] = []
+    ids: dict[int, list[np.ndarray]] = {}
 
     def on_route(il: int, n_tokens: int, n_used: int, ids_p, _w_p) -> None:
         if il in moe:
             a = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,)).reshape(n_tokens, n_used)
-            ids[-1].setdefault(il, []).append(a.copy())
+            ids.setdefault(il, []).append(a.copy())
 
-    hooks = Hooks(model, on_route, n_slots=1)  # one slot, never filled: every row on the host path
+    hooks = Hooks(model, on_route, n_slots=1)
     try:
-        for toks in texts:
-            ids.append({})
-            with native.Context(model, n_ctx=len(toks) + 16, n_threads=n_threads) as ctx:
-                ctx.decode(toks, logits_all=True)  # every row's routing, the last layer's too
-                hooks.check()
+        yield ids
+        hooks.check()
     finally:
         hooks.close()
-    return [{il: np.concatenate(v) for il, v in one.items()} for one in ids]
+
+
+def _traces(model: native.Model, layout: ModelLayout, texts: list[list[int]],
+            n_threads: int) -> list[dict[int, np.ndarray]]:
+    """Each MoE layer's routing ids [n, k] of one prefill of each text, every row on the host path."""
+    out = []
+    with recording(model, layout) as ids:
+        for toks in texts:
+            ids.clear()
+            with native.Context(model, n_ctx=len(toks) + 16, n_threads=n_threads) as ctx:
+                ctx.decode(toks, logits_all=True)  # every row's routing, the last layer's too
+            out.append({il: np.concatenate(v) for il, v in ids.items()})
+    return out
 
 
 def _counts(ids: np.ndarray, n_expert: int) -> list[int]:

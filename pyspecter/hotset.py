@@ -99,13 +99,14 @@ class HotSet:
         return n
 
 
-def curves(profile: Sequence[int], ids: np.ndarray, n_used: int, every: int = EVERY,
-           decay: float = DECAY) -> tuple[np.ndarray, np.ndarray]:
+def curves(profile: Sequence[int], ids: np.ndarray, n_used: int, every: int = EVERY, decay: float = DECAY,
+           prompt: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """What the adaptive hot set does on one layer's routing ``ids`` [n, k] (-1: none), starting from ``profile``,
     for every slot count s = 0..E at once: the share of the rows it holds, and the experts it loads a token. Each
     window of ``every`` tokens meets the set the windows before it chose, as the session's decodes do. The set of s
     slots is the top s of one ranking, so a row hits with s slots iff its expert ranks below s, and the experts
-    loaded are the s of the new top s less those also in the old."""
+    loaded are the s of the new top s less those also in the old. ``prompt``: the first ``prompt`` rows are a
+    prefill, one window (as ``take_uses`` hands it over after one), not scored: the rest are its answer."""
     E = len(profile)
     h = HotSet({0: profile}, {0: E}, n_used, E, every, decay)
     held, loaded, rows = np.zeros(E + 1), np.zeros(E + 1), 0
@@ -115,17 +116,19 @@ def curves(profile: Sequence[int], ids: np.ndarray, n_used: int, every: int = EV
         r[h.chosen[0]] = np.arange(E)
         return r
 
-    for w in range(0, len(ids), every):
-        win = ids[w:w + every]
+    starts = ([0] if prompt else []) + list(range(prompt, len(ids), every))
+    for i, w in enumerate(starts):
+        win = ids[w:starts[i + 1] if i + 1 < len(starts) else len(ids)]
         used = win[win >= 0]
         old = ranks()
-        held[1:] += np.cumsum(np.bincount(old[used], minlength=E))
-        rows += len(used)
+        if w >= prompt:  # the answer's windows (all of them without a prompt)
+            held[1:] += np.cumsum(np.bincount(old[used], minlength=E))
+            rows += len(used)
         h.update(np.bincount(used, minlength=E)[None, :])
-        if w + every < len(ids):  # a move after the last window loads nothing the text meets
+        if i + 1 < len(starts):  # a move after the last window loads nothing the text meets
             both = np.cumsum(np.bincount(np.maximum(old, ranks()), minlength=E))
             loaded[1:] += np.arange(1, E + 1) - both
-    return held / max(rows, 1), loaded / max(len(ids), 1)
+    return held / max(rows, 1), loaded / max(len(ids) - prompt, 1)
 
 
 def moves(owner: Sequence[int], want: Sequence[int]) -> list[tuple[int, int]]:

@@ -7,8 +7,8 @@ answers. Counts only, on the CPU: no timing.
 Per eval prompt: one prefill (every row on the host path, as ``hitrates`` traces), then ``-n`` greedy tokens. The
 answers' rows are scored, each slot count s of E:
   - pinned: the profile's top s (``hitrates.hot_profile``: the tune prompts' routing), never moved;
-  - adaptive: ``HotSet`` from the same profile, updated with the prompt's counts after its prefill, then every
-    ``hotset.EVERY`` answer tokens, each window met by the set chosen before it; loads counted per token;
+  - adaptive: the session's rule from the same profile (``hotset.curves`` with the prompt as its first window, as
+    C hands a prefill's counts over after it), then every ``hotset.EVERY`` answer tokens; loads per answer token;
   - LRU: the prompt's rows fill the cache, the answer's are scored (``lru.lru_miss_curve``), a miss an upload.
 """
 
@@ -20,40 +20,28 @@ import json
 import numpy as np
 
 from pyspecter import native
-from pyspecter.hitrates import hot_profile
-from pyspecter.hotset import EVERY, HotSet, moves
+from pyspecter.hitrates import hot_profile, recording
+from pyspecter.hotset import EVERY, curves
 from pyspecter.layout import read_layout
 from pyspecter.lru import lru_miss_curve
 from pyspecter.models.catalog import resolve_model
-from pyspecter.native.hooks import Hooks
+from pyspecter.policies import hot_hit_curve
 from pyspecter.prompts import load_prompts, render_prompt
 
 
 def traces(path, layout, n: int) -> list[dict[int, tuple[np.ndarray, np.ndarray]]]:
     """Per eval prompt, per MoE layer: (the prompt's routing ids, the answer's), [tokens, k] each."""
-    moe, cur = {L.index for L in layout.layers}, {}
-
-    def on_route(il, n_tokens, n_used, ids_p, _w) -> None:
-        if il in moe:
-            a = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,)).reshape(n_tokens, n_used)
-            cur.setdefault(il, []).append(a.copy())
-
     out = []
-    with native.Model(path) as model:
-        hooks = Hooks(model, on_route, n_slots=1)  # one slot, never filled: every row on the host path
-        try:
-            for p in load_prompts(split="eval"):
-                toks = model.tokenize(render_prompt(model, p["messages"]))
-                cur.clear()
-                with native.Context(model, n_ctx=len(toks) + n + 8, n_threads=2) as ctx:
-                    logits = ctx.decode(toks)
-                    for _ in range(n):
-                        logits = ctx.decode([int(np.argmax(logits))])
-                hooks.check()
-                # the prefill's call first; the last layer routes only the rows whose logits are asked for
-                out.append({il: (v[0], np.concatenate(v[1:])) for il, v in cur.items()})
-        finally:
-            hooks.close()
+    with native.Model(path) as model, recording(model, layout) as cur:
+        for p in load_prompts(split="eval"):
+            toks = model.tokenize(render_prompt(model, p["messages"]))
+            cur.clear()
+            with native.Context(model, n_ctx=len(toks) + n + 8, n_threads=2) as ctx:
+                logits = ctx.decode(toks)
+                for _ in range(n):
+                    logits = ctx.decode([int(np.argmax(logits))])
+            # the prefill's call first; the last layer routes only the rows whose logits are asked for
+            out.append({il: (v[0], np.concatenate(v[1:])) for il, v in cur.items()})
     return out
 
 
@@ -62,38 +50,17 @@ def study(name: str, n: int) -> dict:
     layout = read_layout(path)
     E, k = layout.n_expert, layout.n_expert_used
     profile = hot_profile(path, layout)
-    turns = traces(path, layout, n)
-    rows = {"pinned": [], "adaptive": [], "adaptive_loads": [], "lru": []}
-    for s in range(1, E):
-        acc = {key: [] for key in rows}
-        for turn in turns:
-            for il, (prompt, answer) in turn.items():
-                used = answer[answer >= 0]
-                acc["pinned"].append(np.isin(used, HotSet(profile, {il: s}, k, E).chosen[il]).mean())
-                h = HotSet(profile, {il: s}, k, E)
-                owner = list(h.chosen[il])
-                loads, hits = 0, 0
-                windows = [prompt] + [answer[w:w + EVERY] for w in range(0, len(answer), EVERY)]
-                for i, win in enumerate(windows):
-                    if i:
-                        hits += int(np.isin(win[win >= 0], owner).sum())
-                    h.update(_uses(il, win, E))
-                    if i + 1 < len(windows):
-                        for slot, e in moves(owner, h.chosen[il]):
-                            owner[slot] = e
-                            loads += 1
-                acc["adaptive"].append(hits / max(len(used), 1))
-                acc["adaptive_loads"].append(loads / max(len(answer), 1))
-                seq = np.concatenate([prompt, answer])
-                acc["lru"].append(1 - lru_miss_curve(seq, E, warm=len(prompt))[s] / k)
-        for key in rows:
-            rows[key].append(float(np.mean(acc[key])))
-    return {"model": name, "n_expert": E, "n_expert_used": k, "answer_tokens": n, "prompts": len(turns),
-            "every": EVERY, "slots": list(range(1, E)), **rows}
-
-
-def _uses(il: int, win: np.ndarray, E: int) -> dict[int, np.ndarray]:
-    return {il: np.bincount(win[win >= 0], minlength=E)}
+    acc: dict[str, list[np.ndarray]] = {"pinned": [], "adaptive": [], "adaptive_loads": [], "lru": []}
+    for turn in traces(path, layout, n):
+        for il, (prompt, answer) in turn.items():
+            acc["pinned"].append(hot_hit_curve(profile[il], answer))
+            held, loaded = curves(profile[il], np.concatenate([prompt, answer]), k, prompt=len(prompt))
+            acc["adaptive"].append(held)
+            acc["adaptive_loads"].append(loaded)
+            acc["lru"].append(1 - lru_miss_curve(np.concatenate([prompt, answer]), E, warm=len(prompt)) / k)
+    rows = {key: [float(x) for x in np.mean(v, axis=0)[1:E]] for key, v in acc.items()}
+    return {"model": name, "n_expert": E, "n_expert_used": k, "answer_tokens": n, "prompts": len(load_prompts(
+        split="eval")), "every": EVERY, "slots": list(range(1, E)), **rows}
 
 
 def main() -> None:

@@ -44,28 +44,32 @@ def test_moves_keep_what_stays_and_fill_empty_slots_first() -> None:
     assert sorted(owner) == [0, 3, 4, 6]
 
 
-def test_the_curves_are_what_the_set_holds_and_loads_window_by_window() -> None:
+@pytest.mark.parametrize("prompt", [0, 23])
+def test_the_curves_are_what_the_set_holds_and_loads_window_by_window(prompt: int) -> None:
     """hotset.curves, every slot count from one ranking a window, against the set itself run with s slots: each
-    window met by the set chosen before it, the moves between windows, none after the last."""
+    window met by the set chosen before it, the moves between windows, none after the last. With a prompt, its
+    rows are one window (a prefill), not scored, and the loads are per answer token (tools/hotset_study.py)."""
     rng = np.random.default_rng(7)
     E, k, every = 8, 2, 16
     ids = rng.choice(E, size=(70, k), p=np.arange(1, E + 1) / (E * (E + 1) / 2))
     ids[::5, 1] = -1  # rows without an expert are not rows
     profile = [5, 1, 0, 3, 9, 2, 2, 4]
-    held, loaded = curves(profile, ids, k, every=every)
-    used = ids[ids >= 0]
+    held, loaded = curves(profile, ids, k, every=every, prompt=prompt)
+    answer = ids[prompt:]
+    used = answer[answer >= 0]
+    windows = ([ids[:prompt]] if prompt else []) + [answer[w:w + every] for w in range(0, len(answer), every)]
     for s in range(E + 1):
         h = HotSet({0: profile}, {0: s}, k, E, every=every)
         hits = n = 0
         owner = list(h.chosen[0])
-        for w in range(0, len(ids), every):
-            win = ids[w:w + every]
-            hits += int(np.isin(win[win >= 0], owner).sum())
+        for i, win in enumerate(windows):
+            if i or not prompt:
+                hits += int(np.isin(win[win >= 0], owner).sum())
             h.update(np.bincount(win[win >= 0], minlength=E)[None, :])
-            if w + every < len(ids):
+            if i + 1 < len(windows):
                 for slot, e in moves(owner, h.chosen[0]):
                     owner[slot] = e
                     n += 1
         assert held[s] == pytest.approx(hits / len(used))
-        assert loaded[s] == pytest.approx(n / len(ids))
+        assert loaded[s] == pytest.approx(n / len(answer))
     assert held[0] == 0.0 and held[E] == 1.0 and loaded[0] == loaded[E] == 0.0
