@@ -30,12 +30,21 @@ HIT_TOKENS, HIT_WARM = 256, 32
 _STORE = Measurements("routing", 3)
 
 
+def _key(path: str | Path) -> str:
+    st = Path(path).stat()
+    return _STORE.key(Path(path).resolve(), st.st_size, st.st_mtime_ns)
+
+
+def cached(path: str | Path) -> bool:
+    """Whether this model file's routing figures are cached (else the first plan traces it: two CPU prefills)."""
+    return _key(path) in _STORE.entries()
+
+
 def _routing(path: str | Path, layout: ModelLayout, n_threads: int, use_cache: bool) -> dict:
     """The traces' figures on the calibration text: ``hits`` (LRU's), ``static_hits`` (the chat prompts' hot set,
     pinned), ``hot_hits`` and ``hot_moves`` (that set re-chosen as it runs, ``hotset.curves``); and ``counts``
     (the chat prompts' profile: per MoE layer, the times each expert was selected), cached."""
-    st = Path(path).stat()
-    key = _STORE.key(Path(path).resolve(), st.st_size, st.st_mtime_ns)
+    key = _key(path)
     known = _STORE.entries()
     if use_cache and key in known:
         return known[key]

@@ -209,6 +209,7 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
     elif budget_bytes >= layout.expert_total_bytes:  # every layer full: no switch at all, nothing to measure
         plan, info, how = stock_plan(layout, 0), None, "every expert fits on the device"
     else:
+        from pyspecter import hitrates
         from pyspecter.devcosts import cost_source, mapped_cached
 
         once = "once per model, device and host threads; cached"
@@ -217,6 +218,9 @@ def device_layer_plan(layout: ModelLayout, device, budget: str | None, spec: str
         elif (say is not None and (mapped or (mapped is None and reads_host_copy(device, layout)))
               and not mapped_cached(layout.path, device, n_threads)):  # the costs without --miss mapped's row
             say(f"measuring a row the device reads from the host copy on {device.name} (--miss mapped; {once})")
+        elif say is not None and not hitrates.cached(layout.path):  # costs cached, the routing not (a new version)
+            say("measuring how the model's own routing hits slots (two CPU prefills of packaged text; once per "
+                "model; cached)")
         plan, info = priced_plan(layout, device, budget_bytes, n_threads, mapped=mapped)
         mapped = info["mapped"]
         how = (f"predicted {info['predicted_ms']:.1f} ms/token vs stock --n-cpu-moe {info['stock_n_cpu_moe']} "

@@ -507,13 +507,18 @@ def test_the_first_auto_plan_on_a_device_says_it_measures(rpc: str, tmp_path: Pa
     """pyspecter.load on a device with nothing cached: one line before the layer plan's costs are measured (the
     user waits for them), then the plan's own line; the second session reads them cached and says only the
     plan. A session with --miss mapped whose costs are cached but not the row read from the host copy says it
-    measures that row, once."""
+    measures that row, once; one whose costs are cached but not the model's routing (its cache dropped, or of an
+    older version), that it traces the routing."""
     from pyspecter.api import load
+    from pyspecter.paths import cache_dir
 
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
     path = build_tiny("tiny-qwen3moe")
     for miss, says in ((None, "measuring the layer plan's costs"), (None, None),  # the second: cached
-                       ("mapped", "measuring a row the device reads from the host copy"), ("mapped", None)):
+                       ("mapped", "measuring a row the device reads from the host copy"), ("mapped", None),
+                       ("mapped", "measuring how the model's own routing")):
+        if says and "routing" in says:
+            (cache_dir() / "routing.json").unlink()
         lines: list[str] = []
         with load(path, budget="50%", device=rpc, n_ctx=128, miss=miss, notify=lines.append) as s:
             measuring = [i for i, line in enumerate(lines) if line.startswith("measuring ")]
