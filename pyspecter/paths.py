@@ -117,7 +117,9 @@ class Measurements:
 
     @property
     def file(self) -> Path:
-        return cache_dir() / f"{self.name}.json"
+        """In ``$SPECTER_MEASUREMENTS`` where set, else the cache's root: the test suite sets it to a folder of
+        its own, so that its throwaway models and RPC servers on random ports never enter the user's files."""
+        return Path(os.environ.get("SPECTER_MEASUREMENTS") or cache_dir()) / f"{self.name}.json"
 
     def key(self, *parts: object) -> str:
         return "|".join([f"v{self.version}", *map(str, parts)])

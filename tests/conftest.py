@@ -1,12 +1,31 @@
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The measured costs and routing (devcosts.json, routing.json) go to a folder of the test session's own, for it
+    and the CLI processes it starts: the suite's models in temporary folders and its RPC servers on random ports
+    would otherwise each leave an entry in the user's files. Built models stay in the shared cache; a test that
+    reads those files in a cache of its own unsets it."""
+    if "SPECTER_MEASUREMENTS" not in os.environ:
+        config._specter_measurements = os.environ["SPECTER_MEASUREMENTS"] = tempfile.mkdtemp(prefix="specter-m-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_specter_measurements", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("SPECTER_MEASUREMENTS", None)
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

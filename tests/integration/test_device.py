@@ -475,6 +475,7 @@ def test_device_costs_measured_on_rpc_device(rpc: str, tmp_path: Path, monkeypat
     from pyspecter.layerplan import n_cpu_moe_for
 
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECTER_MEASUREMENTS", raising=False)
     dev = open_device(rpc)
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
@@ -513,6 +514,7 @@ def test_the_first_auto_plan_on_a_device_says_it_measures(rpc: str, tmp_path: Pa
     from pyspecter.paths import cache_dir
 
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECTER_MEASUREMENTS", raising=False)
     path = build_tiny("tiny-qwen3moe")
     for miss, says in ((None, "measuring the layer plan's costs"), (None, None),  # the second: cached
                        ("mapped", "measuring a row the device reads from the host copy"), ("mapped", None),
@@ -742,6 +744,7 @@ def test_hit_rates_come_from_the_models_own_routing_and_are_cached(tmp_path: Pat
     from pyspecter.prompts import calibration_tokens, tune_tokens
 
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECTER_MEASUREMENTS", raising=False)
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
     k, E = lay.n_expert_used, lay.n_expert

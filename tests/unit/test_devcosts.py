@@ -154,6 +154,7 @@ class _Dev:
 def _cached_model(tmp_path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, type, DeviceCosts]:
     """A model file, a device and costs, with the cost cache in tmp_path."""
     monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECTER_MEASUREMENTS", raising=False)
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
     return f, _Dev, DeviceCosts(split_us=12.0, link_gbps=30.0, cpu_row_us=40.0, dev_row_us=3.0, base_us=700.0)
@@ -236,3 +237,21 @@ def test_a_share_moves_with_the_link_it_is_charged_at() -> None:
     for other in (2.0, 6.0):
         assert share_at(share, link, other) * nbytes / (other * 1e9) == pytest.approx(share * nbytes / (link * 1e9))
     assert share_at(share, link, 16.0) == 1.0 and share_at(None, link, 2.0) is None and share_at(0.3, 0.0, 2.0) == 0.3
+
+
+def test_measurements_go_where_specter_measurements_says_else_to_the_cache(tmp_path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test session keeps its measurements in a folder of its own (conftest: its RPC servers on random ports
+    left an entry each in the user's devcosts.json); a user's go to the cache's root, as before."""
+    import os
+
+    from pyspecter.paths import Measurements, cache_dir
+
+    assert os.environ.get("SPECTER_MEASUREMENTS") and Path(os.environ["SPECTER_MEASUREMENTS"]) != cache_dir()
+    store = Measurements("probe", 1)
+    monkeypatch.setenv("SPECTER_MEASUREMENTS", str(tmp_path / "m"))
+    store.save(store.key("a"), {"x": 1.0})
+    assert store.file == tmp_path / "m" / "probe.json" and store.entries() == {"v1|a": {"x": 1.0}}
+    monkeypatch.delenv("SPECTER_MEASUREMENTS")
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path / "c"))
+    assert store.file == tmp_path / "c" / "probe.json" and store.entries() == {}
