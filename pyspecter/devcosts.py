@@ -10,8 +10,9 @@ main trade. Each one-token step is paired with a step of W distinct tokens: the 
 beyond k, counted per layer on the CPU with the same tokens, give cpu_row (A's extra time over A's extra rows) and
 dev_row (B's, its host layers' share taken out), and the split is what the host-over-full difference leaves
 (never below 0: the difference is kept exact, the rows give way). Each figure is a median of paired differences,
-so that load on the machine which comes and goes falls on both sides of each. The link is timed on a few uploads
-into slots of one layer.
+so that load on the machine which comes and goes falls on both sides of each, and which placement goes first
+turns every pair. Before any step is timed, a prompt of WARM distinct tokens touches most experts of every layer
+(``_warm_up``). The link is timed on a few uploads into slots of one layer.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ from pyspecter.native.hooks import Hooks
 from pyspecter.paths import Measurements
 
 # in the cache key: a measurement made another way is measured again, never reused
-VERSION = 4
+VERSION = 5  # 5: the warm-up prompt and the turning order (2026-12-07)
 WIDTH = 4  # tokens per step of the wide rounds
+# The warm-up prompt's tokens: with k of E experts a token, 64 tokens select each expert of a layer with
+# probability 1 - (1 - k/E)^64, above 98% from k/E = 1/16 (Qwen3-30B-A3B: 8 of 128).
+WARM = 64
 _STORE = Measurements("devcosts", VERSION)
 
 
@@ -60,26 +64,44 @@ def _tokens(n_vocab: int, n: int) -> list[int]:
     return [(1 + 7919 * i) % n_vocab for i in range(n)]
 
 
+def _warm_up(n_vocab: int, n: int) -> list[int]:
+    """The untimed first step of every timed model: a prompt of WARM distinct tokens after ``n`` measured ones.
+    An expert's first read in a process is a page fault per page of an mmap'd model (and a disk read on a cold
+    page cache): with one warm-up token, the placement that went first paid them in its first timed steps, 81 ms
+    against 22 for the other on the RPC device (bench-qwen3moe, 2026-12-07), and the host-over-full difference
+    read 3.6 ms a layer where bench's stock rows differ by 0.5."""
+    return _tokens(n_vocab, n + WARM)[n:]
+
+
 def _steps(reps: int, width: int, n_vocab: int) -> list[list[int]]:
-    """The decode steps every timed placement and the routing count run, in order: a warm-up token, then
-    ``reps`` pairs of a one-token step and a ``width``-token step (side by side, so that a change in the machine's
-    load falls on both of a pair)."""
-    toks = _tokens(n_vocab, 1 + reps * (1 + width))
-    out, at = [toks[:1]], 1
+    """The decode steps every timed placement and the routing count run, in order: the warm-up, then ``reps``
+    pairs of a one-token step and a ``width``-token step (side by side, so that a change in the machine's load
+    falls on both of a pair)."""
+    n = reps * (1 + width)
+    toks = _tokens(n_vocab, n)
+    out, at = [_warm_up(n_vocab, n)], 0
     for _ in range(reps):
         out += [toks[at:at + 1], toks[at + 1:at + 1 + width]]
         at += 1 + width
     return out
 
 
+def _reversed(i: int) -> bool:
+    """Whether step ``i`` of ``_steps`` runs the models in reverse order: every other pair (the warm-up, 0, not)."""
+    return (i + 1) // 2 % 2 == 1
+
+
 def _timed_rounds(models: list[native.Model], steps: list[list[int]], n_threads: int) -> list[list[float]]:
-    """Seconds of each step (the warm-up's left out) on each model, the models taking turns step by step."""
+    """Seconds of each step (the warm-up's left out) on each model, the models taking turns step by step, their
+    order reversed every other pair of steps: the second of two placements run back to back may find what the
+    first warmed (the host experts' pages and caches, the server's), so neither always goes first."""
     n_ctx = sum(map(len, steps)) + 16
     ctxs = [native.Context(m, n_ctx=n_ctx, n_threads=n_threads) for m in models]
     try:
         out: list[list[float]] = [[] for _ in models]
         for i, step in enumerate(steps):
-            for ctx, times in zip(ctxs, out, strict=True):
+            turns = list(zip(ctxs, out, strict=True))
+            for ctx, times in (turns[::-1] if _reversed(i) else turns):
                 t0 = time.perf_counter()
                 ctx.decode(step, logits=True)
                 if i:
@@ -107,8 +129,8 @@ def _extra_rows(path: str | Path, layout: ModelLayout, steps: list[list[int]], n
         hooks = Hooks(model, on_route, n_slots=1)  # one slot, never filled: every row on the host path
         try:
             with native.Context(model, n_ctx=sum(map(len, steps)) + 16, n_threads=n_threads) as ctx:
-                for step in steps:
-                    wide[0] = len(step) > 1
+                for i, step in enumerate(steps):
+                    wide[0] = i > 0 and len(step) > 1  # the warm-up is not a measured step
                     ctx.decode(step, logits=True)
                     hooks.check()
         finally:
@@ -159,7 +181,7 @@ def solve(layout: ModelLayout, m: int, host_over_full_s: float, wide_a_s: float,
     return DeviceCosts(split_us=split, link_gbps=link_gbps, cpu_row_us=cpu, dev_row_us=dev, base_us=base)
 
 
-def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int = 5, n_threads: int = 2,
+def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int = 6, n_threads: int = 2,
             use_cache: bool = True) -> DeviceCosts:
     """The costs of ``layout``'s model on ``device`` (cached; ``use_cache=False`` measures again)."""
     key = cache_key(path, device, n_threads)
@@ -281,7 +303,7 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
         return replace(costs, map_row_us=row(float(known["a_over_c_us"]), known.get("a_us")),
                        upload_share=share_at(known["upload_share"], known["share_link_gbps"], costs.link_gbps))
     with native.Model(path, device=device) as m:
-        steps = [[t] for t in _tokens(m.n_vocab, 1 + reps)]
+        steps = [_warm_up(m.n_vocab, reps)] + [[t] for t in _tokens(m.n_vocab, reps)]
         (ta,) = _timed_rounds([m], steps, n_threads)
         cache = ExpertCache(m, layout, k, miss="mapped", hook=False)  # nothing resident: every row a miss
         try:

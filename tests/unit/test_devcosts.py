@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_layerplan import _layout
 
-from pyspecter.devcosts import VERSION, _steps, cache_key, solve
+from pyspecter.devcosts import VERSION, WARM, _reversed, _steps, cache_key, solve
 from pyspecter.errors import SpecterError
 from pyspecter.layerplan import DeviceCosts
 
@@ -59,10 +59,18 @@ def test_noise_gives_way_to_the_measured_host_over_full_difference(wide_a: float
 
 
 def test_the_steps_pair_one_token_with_distinct_wide_ones_and_the_key_carries_version_and_threads(tmp_path) -> None:
-    steps = _steps(5, 4, 32000)
-    assert [len(s) for s in steps] == [1] + [1, 4] * 5
+    """After a warm-up prompt (an mmap'd model's first read of an expert is page faults: they fell on the first
+    timed steps of the placement that went first), pairs of a one-token and a wide step, each kind run first by
+    either placement alike."""
+    steps = _steps(6, 4, 32000)
+    assert [len(s) for s in steps] == [WARM] + [1, 4] * 6
     flat = [t for s in steps for t in s]
     assert len(set(flat)) == len(flat)  # distinct tokens route to other experts: a wide step adds rows
+    assert not _reversed(0)
+    for first in (1, 2):  # the one-token steps, the wide ones
+        turned = [_reversed(i) for i in range(first, len(steps), 2)]
+        assert turned.count(True) == turned.count(False) == 3 and turned != sorted(turned)
+        assert all(_reversed(i) == _reversed(i + 1) for i in range(1, len(steps), 2))  # a pair in one order
 
     class Dev:
         description = "dev"
