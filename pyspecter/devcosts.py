@@ -9,10 +9,9 @@ Their difference at one token a step is what a host layer costs over a full one,
 main trade. Each one-token step is paired with a step of W distinct tokens: the distinct experts those route to
 beyond k, counted per layer on the CPU with the same tokens, give cpu_row (A's extra time over A's extra rows) and
 dev_row (B's, its host layers' share taken out), and the split is what the host-over-full difference leaves
-(never below 0: the difference is kept exact, the rows give way). Each figure is a median of paired differences,
-so that load on the machine which comes and goes falls on both sides of each, and which placement goes first
-turns every pair. Before any step is timed, a prompt of WARM distinct tokens touches most experts of every layer
-(``_warm_up``). The link is timed on a few uploads into slots of one layer.
+(never below 0: the difference is kept exact, the rows give way). Each figure is a median of paired differences
+(load that comes and goes falls on both sides), which placement goes first turns every pair, and nothing is timed
+before a warm-up prompt (``_warm_up``). The link is timed on a few uploads into slots of one layer.
 """
 
 from __future__ import annotations
@@ -46,9 +45,7 @@ from pyspecter.paths import Measurements
 # in the cache key: a measurement made another way is measured again, never reused
 VERSION = 5  # 5: the warm-up prompt and the turning order (2026-12-07)
 WIDTH = 4  # tokens per step of the wide rounds
-# The warm-up prompt's tokens: with k of E experts a token, 64 tokens select each expert of a layer with
-# probability 1 - (1 - k/E)^64, above 98% from k/E = 1/16 (Qwen3-30B-A3B: 8 of 128).
-WARM = 64
+WARM = 64  # the warm-up's tokens: each expert selected with chance 1 - (1 - k/E)^64, > 98% from k/E = 1/16
 _STORE = Measurements("devcosts", VERSION)
 
 
@@ -65,11 +62,9 @@ def _tokens(n_vocab: int, n: int) -> list[int]:
 
 
 def _warm_up(n_vocab: int, n: int) -> list[int]:
-    """The untimed first step of every timed model: a prompt of WARM distinct tokens after ``n`` measured ones.
-    An expert's first read in a process is a page fault per page of an mmap'd model (and a disk read on a cold
-    page cache): with one warm-up token, the placement that went first paid them in its first timed steps, 81 ms
-    against 22 for the other on the RPC device (bench-qwen3moe, 2026-12-07), and the host-over-full difference
-    read 3.6 ms a layer where bench's stock rows differ by 0.5."""
+    """The untimed first step of every timed model: WARM distinct tokens after ``n`` measured ones. An expert's
+    first read in a process is page faults on an mmap'd model: with one warm-up token they fell on the first timed
+    steps of the placement that went first (81 ms against 22 on the RPC device: BENCHMARKS.md, 2026-12-07)."""
     return _tokens(n_vocab, n + WARM)[n:]
 
 
@@ -92,9 +87,8 @@ def _reversed(i: int) -> bool:
 
 
 def _timed_rounds(models: list[native.Model], steps: list[list[int]], n_threads: int) -> list[list[float]]:
-    """Seconds of each step (the warm-up's left out) on each model, the models taking turns step by step, their
-    order reversed every other pair of steps: the second of two placements run back to back may find what the
-    first warmed (the host experts' pages and caches, the server's), so neither always goes first."""
+    """Seconds of each step (the warm-up's left out) on each model, the models taking turns step by step, in the
+    order ``_reversed`` says: the second of two run back to back may find what the first warmed."""
     n_ctx = sum(map(len, steps)) + 16
     ctxs = [native.Context(m, n_ctx=n_ctx, n_threads=n_threads) for m in models]
     try:
@@ -185,7 +179,7 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
             use_cache: bool = True) -> DeviceCosts:
     """The costs of ``layout``'s model on ``device`` (cached; ``use_cache=False`` measures again)."""
     key = cache_key(path, device, n_threads)
-    known = _cached()
+    known = _STORE.entries()
     if use_cache and key in known:
         return _costs(known[key])
     L = len(layout.layers)
@@ -206,7 +200,7 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
     one_a, wide_a, one_b, wide_b = ta[0::2], ta[1::2], tb[0::2], tb[1::2]
     costs = solve(layout, m, med(one_a, one_b), med(wide_a, one_a), med(wide_b, one_b), extra, link,
                   statistics.median(one_a))
-    _save(key, {**costs.as_dict(), "source": "measured"})
+    _STORE.save(key, {**costs.as_dict(), "source": "measured"})
     return costs
 
 
@@ -275,21 +269,18 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
     mapped``), and ``upload_share``. One load of the model with every layer's experts on the host decodes one-token
     steps twice: as stock --cpu-moe (A), then with every layer a slot layer holding nothing, so that each row is
     read from the host copy (C). A - C = L (2 split + k cpu_row) - L k map_row, the split and the host row taken
-    from ``costs`` (C's one extra wait a token, for the log, counts in its rows). Then C's steps again beside
-    uploads into the empty slots: what the token waits for of them (``_upload_share``; they share the link with
-    C's reads). One load, not two side by side as ``measure`` does: a big model's pinned host copy is most of what
-    it costs. On the RPC device a device copy stands in for the host's memory (csrc/mapped.cpp), so the row
-    measured there is the device's own, not the link's. Cached beside the costs, with the link the share was
+    from ``costs``. Then C's steps again beside uploads into the empty slots: what the token waits for of them
+    (``_upload_share``). One load, not two as ``measure`` has: a big model's pinned host copy is most of what it
+    costs. On the RPC device a device copy stands in for the host's memory (csrc/mapped.cpp), so the row measured
+    there is the device's own, not the link's. Cached beside the costs, with the link the share was
     measured against: ``costs`` with another link (bench's refit) get the share that charges the measured bytes
-    the same time (``share_at``). What is cached is A - C itself, and the row is solved from it with the costs it
-    is read with: solved once with the costs of the day, it went stale when bench refitted them (on the RPC device
-    a row of 0 us beside a device row refitted to 306 us, and a plan predicted at 1.8 ms a token that ran 13).
-    A - C is kept with the A it was measured beside and read as that share of the A the costs predict, so that
-    costs refitted on a quieter or busier machine read it in their own time."""
+    the same time (``share_at``). What is cached is A - C with the A it was measured beside, and the row is solved
+    from it with the costs it is read with, as that share of the A they predict: a row solved once went stale when
+    bench refitted the costs (on the RPC device a plan predicted at 1.8 ms a token ran 13)."""
     from pyspecter.cache import ExpertCache
 
     key = cache_key(path, device, n_threads) + "|mapped"
-    known = _cached().get(key, {})
+    known = _STORE.entries().get(key, {})
     k, L = layout.n_expert_used, len(layout.layers)
 
     host = L * (2 * costs.split_us + k * costs.cpu_row_us)
@@ -313,14 +304,14 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
             cache.close()
     a_us = statistics.median(ta) * 1e6
     a_over_c = a_us - statistics.median(tc) * 1e6
-    _save(key, {"a_over_c_us": a_over_c, "a_us": a_us, "upload_share": share, "share_link_gbps": costs.link_gbps,
-                "source": "measured"})
+    _STORE.save(key, {"a_over_c_us": a_over_c, "a_us": a_us, "upload_share": share,
+                      "share_link_gbps": costs.link_gbps, "source": "measured"})
     return replace(costs, map_row_us=row(a_over_c, a_us), upload_share=share)
 
 
 def mapped_cached(path: str | Path, device: Device, n_threads: int = 2) -> bool:
     """Whether ``measure_mapped``'s measurement for this model, device and host threads is cached."""
-    return "a_over_c_us" in _cached().get(cache_key(path, device, n_threads) + "|mapped", {})
+    return "a_over_c_us" in _STORE.entries().get(cache_key(path, device, n_threads) + "|mapped", {})
 
 
 def share_at(share: float | None, measured_gbps: float, link_gbps: float) -> float | None:
@@ -336,14 +327,6 @@ _FIELDS = ("split_us", "link_gbps", "cpu_row_us", "dev_row_us", "base_us", "map_
 
 def _costs(entry: dict) -> DeviceCosts:
     return DeviceCosts(**{k: float(entry[k]) for k in _FIELDS if entry.get(k) is not None})
-
-
-def _cached() -> dict:
-    return _STORE.entries()
-
-
-def _save(key: str, entry: dict) -> None:
-    _STORE.save(key, entry)
 
 
 def calibrate(layout: ModelLayout, costs: DeviceCosts, cpu_moe_ms: float, n_cpu_moe_ms: float | None,
@@ -388,13 +371,13 @@ def calibrate(layout: ModelLayout, costs: DeviceCosts, cpu_moe_ms: float, n_cpu_
 def save_calibration(path: str | Path, device: Device, n_threads: int, costs: DeviceCosts, source: str) -> None:
     """Keep ``costs`` (``calibrate``'s) as the model's costs on this machine and device: ``plan_for`` (the session's
     layer plan, ``inspect --device``, bench's ``plan``) reads them from now on instead of measuring."""
-    _save(cache_key(path, device, n_threads), {**costs.as_dict(), "source": source})
+    _STORE.save(cache_key(path, device, n_threads), {**costs.as_dict(), "source": source})
 
 
 def cost_source(path: str | Path, device: Device, n_threads: int = 2) -> str:
     """Where the cached costs came from: "measured" (``measure``'s few seconds), a bench calibration's line, or
     "none" (not cached yet)."""
-    entry = _cached().get(cache_key(path, device, n_threads))
+    entry = _STORE.entries().get(cache_key(path, device, n_threads))
     return "none" if entry is None else str(entry.get("source", "measured"))
 
 

@@ -192,7 +192,7 @@ def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_agai
     key = cache_key(f, Dev()) + "|mapped"  # type: ignore[arg-type]
     for share in (0.25, None):
         # 8 layers, top-2: A - C = 8 (2 split + 2 cpu_row) - 16 map_row, so 688 us is a row of 9 us with these costs
-        devcosts._save(key, {"a_over_c_us": 688.0, "upload_share": share, "share_link_gbps": costs.link_gbps,
+        devcosts._STORE.save(key, {"a_over_c_us": 688.0, "upload_share": share, "share_link_gbps": costs.link_gbps,
                              "source": "measured"})
         got = devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]
         assert got == DeviceCosts(**{**costs.as_dict(), "map_row_us": 9.0}, upload_share=share)
@@ -203,7 +203,7 @@ def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_agai
         assert devcosts.measure_mapped(f, _layout(), Dev(), dearer).map_row_us == 17.0  # type: ignore[arg-type]
         # kept with the A it was measured beside: measured on a machine twice as slow, A - C is read at half
         a = costs.base_us + 8 * (2 * costs.split_us + 2 * costs.cpu_row_us)
-        devcosts._save(key, {"a_over_c_us": 2 * 688.0, "a_us": 2 * a, "upload_share": share,
+        devcosts._STORE.save(key, {"a_over_c_us": 2 * 688.0, "a_us": 2 * a, "upload_share": share,
                              "share_link_gbps": costs.link_gbps, "source": "measured"})
         assert devcosts.measure_mapped(f, _layout(), Dev(), costs).map_row_us == pytest.approx(9.0)  # type: ignore
 
@@ -212,7 +212,7 @@ def test_a_cached_mapped_measurement_is_read_back_and_an_older_one_measured_agai
 
     monkeypatch.setattr(devcosts.native, "Model", loads)
     for old in ({}, {"upload_share": 0.25}, {"upload_share": 0.25, "share_link_gbps": 30.0}):  # solved rows
-        devcosts._save(key, {"map_row_us": 9.0, "source": "measured", **old})
+        devcosts._STORE.save(key, {"map_row_us": 9.0, "source": "measured", **old})
         with pytest.raises(SpecterError, match="measured again"):
             devcosts.measure_mapped(f, _layout(), Dev(), costs)  # type: ignore[arg-type]
 
