@@ -1,6 +1,6 @@
-// Native residency's private state (residency.cpp, io.cpp, policy.cpp, and replay.cpp's private slot table;
-// nothing else includes this): the reads and their queue, and pyspecter_residency, the state a model's native
-// residency owns.
+// Native residency's private state (residency.cpp, native_route.cpp, io.cpp, policy.cpp, and replay.cpp's private
+// slot table; nothing else includes this): the reads and their queue, and pyspecter_residency, the state a model's
+// native residency owns.
 //
 // Threads: the routing op (llama.cpp's compute thread) and the API calls hold `mu` while they touch the slot
 // tables; reader threads never touch the tables, only the queue (`qmu`) and their read's atomics. Lock order:
@@ -201,6 +201,20 @@ void residency_hits(pyspecter_residency * R, llama_pyspecter_layer * L, const st
 void residency_map(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert, int32_t slot);
 std::shared_ptr<pyspecter_read> residency_pend(llama_pyspecter_layer * L, int32_t expert, int32_t slot);
 void residency_land(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t slot);
+// For native_route.cpp (the routing op's side, mu held): a slot's expert unmapped; every landed read of L mapped
+// (a failed one leaves its slot free); L's read of an expert in flight (none: nullptr); a read into a slot started
+// and queued; a queued read taken back; the prompt's lookahead into the next layer and its stale guesses dropped;
+// the disk tier's expert pages given back.
+void residency_evict(llama_pyspecter_layer * L, int32_t slot);
+void residency_reap(pyspecter_residency * R, llama_pyspecter_layer * L);
+pyspecter_read * residency_inflight(const llama_pyspecter_layer * L, int32_t expert);
+std::shared_ptr<pyspecter_read> residency_start_read(pyspecter_residency * R, llama_pyspecter_layer * L,
+                                                     int32_t expert, int32_t slot, int32_t cls,
+                                                     float priority = 0.0f, int64_t deadline = 0);
+bool residency_take_back(pyspecter_residency * R, llama_pyspecter_layer * L, pyspecter_read * r);
+void residency_prefill_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t n_needed);
+void residency_drop_stale_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L);
+void residency_host_pages(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t n_tokens);
 
 // The record's policy section (policy.cpp, mu held), written from other files through these: scores and
 // predictions at residency_init; a routing call's router input (x, or none unless n_embd is the reuse map's; raw:

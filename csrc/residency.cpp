@@ -1,11 +1,13 @@
 // Native residency: inside a MoE layer the routing op looks up residency, picks victims, starts reads and hands
-// misses to the host path without leaving C. The control plane configures it, schedules prefetches and writes
-// eviction scores between decodes, and reads counters.
+// misses to the host path without leaving C. This file keeps the slot table (every write to it goes through the
+// residency_* functions here), the planner's side and the API: the control plane configures it, schedules
+// prefetches and writes eviction scores between decodes, and reads counters.
 //
 // Exactness does not depend on anything here: a slot is mapped only once its read has landed whole, so every
 // (token, expert) row is computed either from a complete slot or from the host copy, exactly.
 //
-// The read queue and its readers are io.cpp's, eviction policy.cpp's; their shared state is residency-impl.h's.
+// The routing call itself (its hits, and its misses by mode) is native_route.cpp's, the read queue and its readers
+// io.cpp's, eviction policy.cpp's; their shared state is residency-impl.h's.
 
 #include "residency-impl.h"
 
@@ -84,6 +86,7 @@ void residency_hits(pyspecter_residency * R, llama_pyspecter_layer * L, const st
             missing.push_back(e);
         }
     }
+    L->route_missed = !missing.empty();
 }
 
 std::shared_ptr<pyspecter_read> residency_pend(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
@@ -101,7 +104,7 @@ void residency_land(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t 
     residency_map(R, L, r->expert, slot);
 }
 
-static void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
+void residency_evict(llama_pyspecter_layer * L, int32_t slot) {
     const int32_t prev = L->owner[slot];
     if (prev >= 0) {
         pyspecter_remap_set(L, prev, -1);
@@ -109,7 +112,7 @@ static void evict_slot(llama_pyspecter_layer * L, int32_t slot) {
 }
 
 // Maps every read of L that has landed; a failed one leaves its slot free and its expert a miss.
-static void reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
+void residency_reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
     for (int32_t slot = 0; slot < (int32_t) L->pending.size(); ++slot) {
         auto & r = L->pending[slot];
         if (r && r->done) {
@@ -123,7 +126,7 @@ static void reap(pyspecter_residency * R, llama_pyspecter_layer * L) {
     }
 }
 
-static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert) {
+pyspecter_read * residency_inflight(const llama_pyspecter_layer * L, int32_t expert) {
     for (const auto & r : L->pending) {
         if (r && r->expert == expert && !r->dropped) { // a dropped one never lands: read the expert anew
             return r.get();
@@ -132,9 +135,9 @@ static pyspecter_read * inflight(const llama_pyspecter_layer * L, int32_t expert
     return nullptr;
 }
 
-static std::shared_ptr<pyspecter_read> start_read(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t expert,
-                                                  int32_t slot, int32_t cls, float priority = 0.0f,
-                                                  int64_t deadline = 0) {
+std::shared_ptr<pyspecter_read> residency_start_read(pyspecter_residency * R, llama_pyspecter_layer * L,
+                                                     int32_t expert, int32_t slot, int32_t cls, float priority,
+                                                     int64_t deadline) {
     auto r = residency_pend(L, expert, slot);
     r->cls = cls;
     r->priority = priority;
@@ -154,16 +157,16 @@ static int32_t upload_ahead(pyspecter_residency * R, llama_pyspecter_layer * L, 
     }
     int32_t issued = 0;
     for (int32_t e : want) {
-        if (L->remap[e] >= 0 || inflight(L, e)) {
+        if (L->remap[e] >= 0 || residency_inflight(L, e)) {
             continue;
         }
         const int32_t slot = victim(R, L, keep, nullptr, false);
         if (slot < 0) {
             break;
         }
-        evict_slot(L, slot);
+        residency_evict(L, slot);
         // in the background: only the prefill lookahead reads ahead so (schedule's reads are prefetches)
-        start_read(R, L, e, slot, cls, priority, deadline)->lookahead = cls == CLS_BACKGROUND;
+        residency_start_read(R, L, e, slot, cls, priority, deadline)->lookahead = cls == CLS_BACKGROUND;
         ++issued;
     }
     L->parent->counters.prefetches += issued;
@@ -173,7 +176,7 @@ static int32_t upload_ahead(pyspecter_residency * R, llama_pyspecter_layer * L, 
 // A prompt's ubatch routes its many tokens to most experts of every layer, so the next layer will want about as
 // many as this one: start reading its most used ones now, while this layer computes, and have the kernel read
 // ahead what does not fit for the host path's page faults.
-static void prefill_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t n_needed) {
+void residency_prefill_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t n_needed) {
     llama_pyspecter_layer * N = L->next;
     if (!N) {
         return;
@@ -187,7 +190,7 @@ static void prefill_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L
     N->parent->counters.lookahead += upload_ahead(R, N, want, CLS_BACKGROUND);
     if (R->p.fd >= 0) {
         for (int32_t e : want) {
-            if (N->remap[e] < 0 && !inflight(N, e)) {
+            if (N->remap[e] < 0 && !residency_inflight(N, e)) {
                 auto r = std::make_shared<pyspecter_read>();
                 r->L = N;
                 r->expert = e;
@@ -204,7 +207,7 @@ static void prefill_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L
 // ubatch, into slots for wrong guesses, taking the link from the next calls' misses; and a prompt's leftovers landed
 // in the decode after it and counted there, as many as the readers had not drained yet: the decode's bytes then
 // moved with timing, from run to run and from one I/O backend to the other.
-static void drop_stale_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L) {
+void residency_drop_stale_lookahead(pyspecter_residency * R, llama_pyspecter_layer * L) {
     for (auto & r : L->pending) {
         if (r && r->lookahead && !r->dropped && !L->mark[r->expert] && R->drop(r.get())) {
             r.reset(); // its slot was evicted when the read was scheduled: free again
@@ -213,219 +216,9 @@ static void drop_stale_lookahead(pyspecter_residency * R, llama_pyspecter_layer 
     }
 }
 
-// A slot for a miss the routing op is about to wait for; when every candidate is still being filled, let the
-// reads of experts not needed now land first (waiting for a needed one gains no slot). -1: none.
-static int32_t slot_for_miss(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<uint8_t> & needed,
-                             const std::vector<uint8_t> & taken) {
-    int32_t slot = victim(R, L, needed, &taken, true);
-    if (slot >= 0) {
-        return slot;
-    }
-    std::vector<pyspecter_read *> & landing = R->freeing;
-    landing.clear();
-    for (const auto & r : L->pending) {
-        if (r && !needed[r->expert]) {
-            landing.push_back(r.get());
-        }
-    }
-    if (landing.empty()) {
-        return -1;
-    }
-    R->wait_all(landing);
-    reap(R, L);
-    return victim(R, L, needed, &taken, true);
-}
-
-static void miss_wait(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
-    auto & c = L->parent->counters;
-    // queued prefetches of these experts are taken back and read now; started ones become demand reads
-    std::vector<pyspecter_read *> & landing = R->landing;
-    landing.clear();
-    for (int32_t e : missing) {
-        pyspecter_read * r = inflight(L, e);
-        if (!r) {
-            continue;
-        }
-        if (R->take_back(r)) {
-            L->pending[r->slot].reset(); // its slot was evicted when the read was scheduled: free again
-            c.uploads--;
-            c.taken_back++;
-        } else {
-            landing.push_back(r);
-        }
-    }
-    if (!landing.empty()) {
-        R->wait_all(landing);
-        c.waited += (int64_t) landing.size();
-        reap(R, L);
-    }
-    std::vector<uint8_t> & taken = R->taken;
-    taken.assign(L->owner.size(), 0);
-    auto & loads = R->loads; // (expert, slot)
-    loads.clear();
-    for (int32_t e : missing) {
-        if (L->remap[e] >= 0) {
-            continue;
-        }
-        const int32_t slot = slot_for_miss(R, L, L->mark, taken);
-        if (slot < 0) { // more distinct experts in this ubatch than slots: the host computes the rest
-            c.overflow++;
-            continue;
-        }
-        evict_slot(L, slot);
-        taken[slot] = 1;
-        loads.emplace_back(e, slot);
-    }
-    if (loads.empty()) {
-        return;
-    }
-    if (R->p.fd < 0) {
-        // from RAM: a copy on this thread costs less than the hand-off to a reader it would wait for anyway; the
-        // call's misses go out as one batch, one event awaited for all of them
-        const int64_t t0 = pyspecter_now_ns(), cpu0 = pyspecter_op_cpu_ns();
-        c.uploads += (int64_t) loads.size();
-        pyspecter_load_batch(L, loads, R->landed, [&](int32_t slot, const pyspecter_load_fn & load) {
-            return R->faults.apply(L, -1, slot, 0, 0, load);
-        });
-        for (size_t i = 0; i < loads.size(); ++i) {
-            if (R->landed[i]) {
-                residency_map(R, L, loads[i].first, loads[i].second);
-            }
-        }
-        c.wait_ns += pyspecter_now_ns() - t0;
-        if (cpu0 >= 0) {
-            const int64_t cpu = pyspecter_thread_cpu_ns() - cpu0;
-            c.copy_cpu_ns += cpu * PYSPECTER_CPU_SAMPLE;
-            pyspecter_op_exclude(cpu);
-        }
-        return;
-    }
-    std::vector<pyspecter_read *> & reads = R->reads;
-    reads.clear();
-    for (auto [e, slot] : loads) {
-        reads.push_back(start_read(R, L, e, slot, CLS_DEMAND).get());
-    }
-    R->wait_all(reads);
-    reap(R, L);
-}
-
-// Ordered: every miss becomes a late expert (its read started or promoted here), computed from its slot after
-// the layer's resident experts and host path; the wait op blocks for the reads (pyspecter_native_wait).
-static void miss_ordered(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
-    auto & c = L->parent->counters;
-    std::vector<uint8_t> & taken = R->taken;
-    taken.assign(L->owner.size(), 0);
-    for (int32_t e : missing) {
-        int32_t slot;
-        if (pyspecter_read * r = inflight(L, e)) {
-            {
-                auto lk = R->qlock();
-                r->cls = CLS_DEMAND; // first in line from here on
-            }
-            slot = r->slot;
-            c.waited++;
-        } else {
-            slot = slot_for_miss(R, L, L->mark, taken);
-            if (slot < 0) { // more distinct experts in this ubatch than slots: the host computes the rest
-                c.overflow++;
-                continue;
-            }
-            evict_slot(L, slot);
-            start_read(R, L, e, slot, CLS_DEMAND);
-        }
-        taken[slot] = 1;
-        pyspecter_late_set(L, e, slot);
-        c.late++;
-    }
-}
-
-// a read already on the wire is due soon: wait for it; one still queued would stall longer than the host path
-static void wait_due(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
-    auto & c = L->parent->counters;
-    std::vector<pyspecter_read *> & due = R->landing;
-    due.clear();
-    {
-        auto lk = R->qlock();
-        for (int32_t e : missing) {
-            pyspecter_read * r = inflight(L, e);
-            if (r && r->started) {
-                due.push_back(r);
-            }
-        }
-    }
-    if (!due.empty()) {
-        R->wait_all(due);
-        c.waited += (int64_t) due.size();
-        reap(R, L);
-    }
-}
-
-static void miss_cpu(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
-    for (int32_t e : missing) {
-        if (L->remap[e] >= 0 || inflight(L, e)) {
-            continue;
-        }
-        const int32_t slot = victim(R, L, L->mark, nullptr, true);
-        if (slot < 0) {
-            break;
-        }
-        evict_slot(L, slot);
-        start_read(R, L, e, slot, CLS_BACKGROUND);
-    }
-}
-
-// Surrogate (approximate): a miss whose read is on the wire is waited for (the exact expert is worth a short wait);
-// every other is read in the background for next time and computed from its surrogate for this ubatch
-static void miss_surrogate(pyspecter_residency * R, llama_pyspecter_layer * L, const std::vector<int32_t> & missing) {
-    wait_due(R, L, missing);
-    for (int32_t e : missing) {
-        if (L->remap[e] >= 0) {
-            continue;
-        }
-        const int32_t slot = inflight(L, e) ? -1 : victim(R, L, L->mark, nullptr, true);
-        if (slot >= 0) {
-            evict_slot(L, slot);
-            start_read(R, L, e, slot, CLS_BACKGROUND);
-        }
-        pyspecter_map_surrogate(R, L, e);
-    }
-}
-
-bool pyspecter_native_enabled(const llama_pyspecter_slots * s) {
-    return s && s->res;
-}
-
-std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s) {
-    return s && s->res ? std::unique_lock<std::mutex>(s->res->mu) : std::unique_lock<std::mutex>();
-}
-
-void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int32_t n_tokens, int32_t n_used,
-                            bool with_late, bool served, const float * x, int32_t n_embd, const float * raw) {
-    pyspecter_residency * R = L->parent->res.get(); // R->mu held by the caller (pyspecter_native_lock)
-    auto & c = L->parent->counters;
-    // the call's reads are queued together, at its first wait or at its end
-    struct batch_guard {
-        pyspecter_residency * R;
-        explicit batch_guard(pyspecter_residency * R) : R(R) { R->batching = true; }
-        ~batch_guard() {
-            R->batching = false;
-            R->flush();
-        }
-    } batched(R);
-    policy_call_begin(L, x, n_embd, raw);
-    R->clock++;
-    if (n_tokens == 1 && R->planner) {
-        const int64_t now = pyspecter_now_ns(), gap = now - R->last_route_ns;
-        const int64_t waited = c.wait_ns.load(), dw = std::max<int64_t>(0, waited - R->last_wait_ns);
-        if (R->last_route_ns && gap < 500000000) { // between layers of one token, not across a pause
-            const bool first = R->t_layer_ns == 0.0;
-            R->t_layer_ns = first ? (double) gap : 0.9 * R->t_layer_ns + 0.1 * (double) gap;
-            R->stall_ns = first ? (double) dw : 0.9 * R->stall_ns + 0.1 * (double) dw;
-        }
-        R->last_route_ns = now;
-        R->last_wait_ns = waited;
-    }
-    residency_call_begin(R, L);
+// Disk tier: a change from prompt to decode gives every layer's expert pages back in one queued advice; during a
+// prompt the layers routed since their pages last went give theirs back; this call's host rows may fault L's in.
+void residency_host_pages(pyspecter_residency * R, llama_pyspecter_layer * L, int32_t n_tokens) {
     if (n_tokens != R->prev_tokens) {
         if (n_tokens == 1 && R->prev_tokens > 1 && R->p.fd >= 0) {
             // on a reader: the page-cache drop over every layer's experts (smol-moe: 90 fadvise calls, tens of ms
@@ -448,61 +241,27 @@ void pyspecter_native_route(llama_pyspecter_layer * L, const int32_t * ids, int3
         }
     }
     L->host_touched = true; // this call's host rows may fault its pages in
-    std::vector<int32_t> & needed = R->needed;
-    residency_needed(L, ids, n_tokens * n_used, needed);
-    if (R->p.record) {
-        R->trace.push_back(L->il);
-        R->trace.push_back((int32_t) needed.size());
-        R->trace.insert(R->trace.end(), needed.begin(), needed.end());
+}
+
+// A queued read of L taken back before any of its chunks started: its slot, evicted when the read was scheduled,
+// is free again. False: it has started, and will land.
+bool residency_take_back(pyspecter_residency * R, llama_pyspecter_layer * L, pyspecter_read * r) {
+    if (!R->take_back(r)) {
+        return false;
     }
-    if (!L->ghost_held.empty()) {
-        c.ghost_misses += held_ghost_observe(L, needed);
-    }
-    if (!R->sur.empty() && R->sur[L->il]) {
-        pyspecter_unmap_surrogates(R, L);
-    }
-    reap(R, L);
-    drop_stale_lookahead(R, L);
-    std::vector<int32_t> & missing = R->missing;
-    residency_hits(R, L, needed, missing);
-    c.needed += (int64_t) needed.size();
-    c.resident_at_need += (int64_t) (needed.size() - missing.size());
-    L->route_missed = !missing.empty();
-    const bool moves = R->p.miss != LLAMA_PYSPECTER_MISS_HOST; // host: every miss computed from home, in place
-    if (n_tokens > 1 && R->p.lookahead && moves && R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
-        prefill_lookahead(R, L, (int32_t) needed.size());
-    }
-    if (!missing.empty() && moves) {
-        if (R->p.miss == LLAMA_PYSPECTER_MISS_ORDERED && with_late) {
-            miss_ordered(R, L, missing);
-        } else if (R->p.miss == LLAMA_PYSPECTER_MISS_SURROGATE && n_tokens == 1) {
-            miss_surrogate(R, L, missing);
-        } else if (R->p.miss != LLAMA_PYSPECTER_MISS_CPU) {
-            miss_wait(R, L, missing);
-        } else if (n_tokens == 1) {
-            if (!served) { // served: no landing serves its rows, so a wait only holds the thread or the next launch
-                wait_due(R, L, missing);
-            }
-            miss_cpu(R, L, missing);
-        }
-        // (cpu, a prompt's ubatch: its misses are most experts, and the host computes them all anyway; reading them
-        // into slots beside that compute would take the cores it runs on, and the first token waits for both)
-    }
-    if (!L->reuse_R.empty()) {
-        if (R->duel) { // with this call's scores, before the call joins the layer's past
-            duel_observe(R, L, needed, n_tokens == 1);
-        }
-        recency_observe(L, needed);
-    }
-    policy_call_end(L);
-    // Decoding: the next layers of this token. Not while the link is the bottleneck: when waits for reads take
-    // more than max_stall of a layer-time the link has no idle time for prefetches to fill, and every wrong one
-    // takes it from the misses the compute thread waits for (on smol-moe's disk tier at 50% prefetching raised
-    // the stall; tokens there are 70-78% stalled on reads).
-    const bool link_bound = R->t_layer_ns > 0.0 && R->stall_ns > R->max_stall * R->t_layer_ns;
-    if (n_tokens == 1 && R->planner && R->plan && moves && !L->ahead.empty() && !link_bound) {
-        R->plan(L, x, n_embd);
-    }
+    auto & c = L->parent->counters;
+    L->pending[r->slot].reset(); // r is freed here
+    c.uploads--;
+    c.taken_back++;
+    return true;
+}
+
+bool pyspecter_native_enabled(const llama_pyspecter_slots * s) {
+    return s && s->res;
+}
+
+std::unique_lock<std::mutex> pyspecter_native_lock(llama_pyspecter_slots * s) {
+    return s && s->res ? std::unique_lock<std::mutex>(s->res->mu) : std::unique_lock<std::mutex>();
 }
 
 //
@@ -524,7 +283,7 @@ bool pyspecter_native_room(const llama_pyspecter_layer * D) {
 
 bool pyspecter_native_prefetch(llama_pyspecter_layer * D, int32_t e, float p, int32_t h, const float * probs) {
     pyspecter_residency * R = D->parent->res.get();
-    if (D->remap[e] >= 0 || inflight(D, e)) {
+    if (D->remap[e] >= 0 || residency_inflight(D, e)) {
         return false;
     }
     // the victim: a free slot, else the resident least likely to be needed (an expert D used at its latest call
@@ -554,8 +313,8 @@ bool pyspecter_native_prefetch(llama_pyspecter_layer * D, int32_t e, float p, in
         D->parent->counters.ahead_refused++;
         return false;
     }
-    evict_slot(D, best);
-    start_read(R, D, e, best, CLS_PREFETCH, p, (int64_t) R->clock + h);
+    residency_evict(D, best);
+    residency_start_read(R, D, e, best, CLS_PREFETCH, p, (int64_t) R->clock + h);
     D->parent->counters.prefetches++;
     return true;
 }
@@ -567,7 +326,7 @@ void pyspecter_set_native_plan(llama_pyspecter_slots * s, pyspecter_plan_fn plan
 }
 
 bool pyspecter_native_take_back_prefetch(llama_pyspecter_layer * D, int32_t e) {
-    pyspecter_read * r = inflight(D, e);
+    pyspecter_read * r = residency_inflight(D, e);
     if (!r || r->cls != CLS_PREFETCH || !D->parent->res->cancel(r)) {
         return false;
     }
@@ -619,7 +378,7 @@ void pyspecter_native_wait(llama_pyspecter_layer * L) {
         }
     }
     R->wait_all(reads);
-    reap(R, L);
+    residency_reap(R, L);
     // A late expert whose read failed is not resident, yet the graph computes its rows from its slot: read it
     // again, here; if that fails too, this ubatch's output is wrong, which the control plane reports as an error.
     bool settled = true;
@@ -725,7 +484,7 @@ int32_t llama_pyspecter_set_usable(llama_model * model, int32_t il, int32_t n) {
     std::lock_guard<std::mutex> lk(R->mu);
     for (int32_t slot = n; slot < (int32_t) L->owner.size(); ++slot) {
         if (!L->pending[slot]) { // one being filled stays until it lands; it is then simply not handed out again
-            evict_slot(L, slot);
+            residency_evict(L, slot);
         }
     }
     L->n_usable = n;
@@ -766,7 +525,7 @@ int32_t llama_pyspecter_schedule(llama_model * model, int32_t il, int32_t expert
     }
     try {
         std::lock_guard<std::mutex> lk(R->mu);
-        reap(R, L);
+        residency_reap(R, L);
         return upload_ahead(R, L, { expert }, CLS_PREFETCH, priority, (int64_t) R->clock + deadline);
     } catch (const std::bad_alloc &) {
         return LLAMA_PYSPECTER_ERR_NO_MEMORY;
@@ -790,7 +549,7 @@ int32_t llama_pyspecter_drain(llama_model * model) {
         }
         R->wait_all(all, /*stall=*/false);
         for (auto * L : R->order) {
-            reap(R, L);
+            residency_reap(R, L);
         }
         return LLAMA_PYSPECTER_OK;
     } catch (const std::bad_alloc &) {

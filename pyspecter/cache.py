@@ -1,6 +1,6 @@
 """Expert slots for one model, and the one face the engine, the session and the bench talk to.
 
-Inside a layer C alone decides (csrc/residency.cpp, through ``NativeResidency``): the routing op looks residency
+Inside a layer C alone decides (csrc/native_route.cpp, residency.cpp, through ``NativeResidency``): the routing op looks residency
 up, picks victims, starts reads and hands misses to the host path, in every policy and miss mode. This class
 allocates the slots, configures that engine, and reads it between decodes. With ``hook=False`` no engine runs:
 residency is static (what 'all-resident' and a hot set measure), the routing op maps ids through the table

@@ -1,5 +1,5 @@
 """What happens to an expert a layer needs that is not resident: the miss modes a user picks from, and which one a
-configuration gets when nobody said. The modes themselves run in C, inside the routing op (csrc/residency.cpp,
+configuration gets when nobody said. The modes themselves run in C, inside the routing op (csrc/native_route.cpp,
 csrc/surrogate.cpp):
 
   cpu        compute misses on the host now, and read them into slots in the background for next time;

@@ -242,7 +242,7 @@ def test_prefill_reads_the_next_layer_ahead(ordered: bool) -> None:
 def test_a_miss_beyond_the_slots_goes_to_the_host_path() -> None:
     """Bug: with every slot receiving an expert the ubatch needs (prefill's lookahead does that), a further miss
     waited for all of them in the routing op, though none could become its victim; it belongs to the host path
-    at once (csrc/residency.cpp slot_for_miss waits only for reads of experts the call does not need). With reads
+    at once (csrc/native_route.cpp's slot_for_miss waits only for reads of experts the call does not need). With reads
     that land slowly, a prompt needing more experts than top-k slots stays exact and overflows to the host."""
     path = build_tiny("tiny-mixtral")
     lay = read_layout(path)
