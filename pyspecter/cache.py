@@ -1,12 +1,12 @@
 """Expert slots for one model, and the one face the engine, the session and the bench talk to.
 
-Inside a layer C alone decides (csrc/native_route.cpp, residency.cpp, through ``NativeResidency``): the routing op looks residency
-up, picks victims, starts reads and hands misses to the host path, in every policy and miss mode. This class
-allocates the slots, configures that engine, and reads it between decodes. With ``hook=False`` no engine runs:
-residency is static (what 'all-resident' and a hot set measure), the routing op maps ids through the table
-``warm`` fills and never evicts (a hot set is re-chosen between decodes by ``adapt``, never inside a layer).
-Either way an expert not resident when its layer runs is computed exactly on the host, so no decision can change
-the model's output, only its speed (surrogates, opt-in, are the exception).
+Inside a layer C alone decides (csrc/native_route.cpp and residency.cpp, through ``NativeResidency``): the
+routing op looks residency up, picks victims, starts reads and hands misses to the host path, in every policy and
+miss mode. This class allocates the slots, configures that engine, and reads it between decodes. With
+``hook=False`` no engine runs: residency is static (what 'all-resident' and a hot set measure), the routing op maps
+ids through the table ``warm`` fills and never evicts (a hot set is re-chosen between decodes by ``adapt``, never
+inside a layer). Either way an expert not resident when its layer runs is computed exactly on the host, so no
+decision can change the model's output, only its speed (surrogates, opt-in, are the exception).
 """
 
 from __future__ import annotations
