@@ -167,7 +167,7 @@ def solve(layout: ModelLayout, m: int, host_over_full_s: float, wide_a_s: float,
         if dev < 0:
             dev, cpu = 0.0, host_over_full / k
     host_layers = L * (2 * split + k * cpu)
-    if host_layers > step_a_s * us > 0:  # the differences outgrew the step they are parts of: load came and went
+    if host_layers > step_a_s * us > 0:  # rows outgrew their step: load, or wide steps over-pricing a row (RPC)
         # scaled down together, what is put where stays as measured (only the link's share of a slot grows)
         f = step_a_s * us / host_layers
         split, cpu, dev, host_layers = split * f, cpu * f, dev * f, step_a_s * us
