@@ -5,10 +5,10 @@
 // CPU split: the layer never waits for the host, whatever it hits. Residency still learns the routing after the
 // token, from the log.
 //
-// The view: on CUDA, where the model's host experts are in the device's pinned host buffer type (CUDA_Host, from
-// cudaMallocHost: under unified addressing its device pointer is its host pointer), a buffer of the device's own
-// type over that memory, so the scheduler runs the matmul on the device and its kernel reads the bytes over the
-// link. No copy and no device memory. Elsewhere (the RPC device, tests) a device copy of every expert can stand in:
+// The view: on CUDA, where the model's host experts are in the pinned type a slot session loads them into
+// (pinned.cpp: CUDA_Host memory, from cudaMallocHost: under unified addressing its device pointer is its host
+// pointer; laid out with CUDA's row padding), a buffer of the device's own type over that memory, so the scheduler
+// runs the matmul on the device and its kernel reads the bytes over the link. No copy and no device memory. Elsewhere (the RPC device, tests) a device copy of every expert can stand in:
 // it checks the composition, the splits and the bookkeeping, not the read rate, and it costs device memory.
 
 #include "pyspecter-impl.h"
@@ -56,10 +56,10 @@ const ggml_backend_buffer_i VIEW_IFACE = {
     /* .reset         = */ nullptr,
 };
 
-// Whether dev's kernels can read host tensor h where it is: pinned memory of dev's own host buffer type, on CUDA.
+// Whether dev's kernels can read host tensor h where it is: pinned memory laid out as dev's own buffers, on CUDA.
 bool device_reads_in_place(ggml_backend_dev_t dev, const ggml_tensor * h) {
     const std::string reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
-    ggml_backend_buffer_type_t pinned = ggml_backend_dev_host_buffer_type(dev);
+    ggml_backend_buffer_type_t pinned = llama_pyspecter_pinned_buffer_type(dev);
     return reg == "CUDA" && pinned && h->buffer && ggml_backend_buffer_get_type(h->buffer) == pinned &&
            ggml_backend_buffer_get_base(h->buffer) != nullptr;
 }
@@ -117,15 +117,16 @@ int32_t llama_pyspecter_map_host_experts(llama_model * model, int32_t allow_copy
                         ggml_backend_buffer_set_usage(v, GGML_BACKEND_BUFFER_USAGE_WEIGHTS); // run where it lives
                         s->mapped_bufs.push_back(v);
                     }
-                    // placed by hand: the device type's alloc size pads quantized rows, which the host copy lacks
-                    // (ggml already runs kernels over unpadded pinned weights on integrated GPUs)
+                    // placed by hand at the host tensor's bytes, whose padding the pinned type laid out as the
+                    // device's own
                     t->buffer = v;
                     t->data = h->data;
                 } else if (allow_copy) {
                     copies.emplace_back(h, t);
                 } else {
-                    LLAMA_LOG_ERROR("%s: %s: %s cannot read it in host memory (pinned, CUDA only)\n", __func__,
-                            h->name, ggml_backend_dev_name(L->dev));
+                    LLAMA_LOG_ERROR("%s: %s: %s cannot read it in %s (pinned host memory, CUDA only)\n", __func__,
+                            h->name, ggml_backend_dev_name(L->dev),
+                            h->buffer ? ggml_backend_buffer_name(h->buffer) : "no buffer");
                     return LLAMA_PYSPECTER_ERR_ARG;
                 }
             }

@@ -313,8 +313,8 @@ class ExpertCache:
         if rc == 0:
             raise SpecterError("miss mode 'mapped': no slot layer is on the device")
         if rc == native.ERR_ARG and not stand_in:
-            raise SpecterError(f"miss mode 'mapped': {model.device.spec} cannot read the host experts where they are "
-                               "(pinned host memory, CUDA only: is GGML_CUDA_NO_PINNED set?); use --miss cpu")
+            raise SpecterError(f"miss mode 'mapped': {model.device.spec} cannot read the host experts in "
+                               f"{model.host_experts()} (pinned host memory, CUDA only); use --miss cpu")
         if rc < 0:
             raise SpecterError(f"miss mode 'mapped': could not map the host experts (code {rc})")
         return nbytes

@@ -188,7 +188,9 @@ def measure(path: str | Path, layout: ModelLayout, device: Device, *, reps: int 
     per_layer = max(L_.expert_bytes for L_ in layout.layers) * layout.n_expert
     room = free // 2 - 2 * layout.nonexpert_bytes  # both placements at once, and half the device to spare
     m = max(1, min(L, room // per_layer if per_layer else L, 4))
-    with native.Model(path, device=device) as a, native.Model(path, device=device, host_layers=moe[: L - m]) as b:
+    # A as a slot session loads it (its link is what uploads get), B as stock
+    with (native.Model(path, device=device, pinned=True) as a,
+          native.Model(path, device=device, host_layers=moe[: L - m]) as b):
         steps = _steps(reps, WIDTH, a.n_vocab)
         ta, tb = _timed_rounds([a, b], steps, n_threads)
         link = _link_gbps(a, layout)
@@ -293,7 +295,7 @@ def measure_mapped(path: str | Path, layout: ModelLayout, device: Device, costs:
     if use_cache and "a_over_c_us" in known:  # upload_share null where refused
         return replace(costs, map_row_us=row(float(known["a_over_c_us"]), known.get("a_us")),
                        upload_share=share_at(known["upload_share"], known["share_link_gbps"], costs.link_gbps))
-    with native.Model(path, device=device) as m:
+    with native.Model(path, device=device, pinned=True) as m:
         steps = [_warm_up(m.n_vocab, reps)] + [[t] for t in _tokens(m.n_vocab, reps)]
         (ta,) = _timed_rounds([m], steps, n_threads)
         cache = ExpertCache(m, layout, k, miss="mapped", hook=False)  # nothing resident: every row a miss

@@ -210,8 +210,10 @@ class Session:
         # for them), with no slots, no routing hook and no second copy of the experts
         self.stock = p.stock and self.surrogates is None
         # on the disk tier the experts live in the file: loading must not read them all (patch 0005)
+        # slots upload from, and mapped misses read, the host experts: pinned beside a device that has such memory
+        slots = self.layer_plan is None or bool(self.layer_plan.plan.layers("slots"))
         self.target = native.Model(cfg.model, device=self.device, lazy_experts=self.tier.name == "disk",
-                                   extra_bufts=self.stock,
+                                   extra_bufts=self.stock, pinned=slots and not self.stock,
                                    host_layers=self.layer_plan.plan.host_layers if self.layer_plan else None)
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
         self.target_splits: tuple[int, int] | None = None

@@ -305,6 +305,8 @@ def verify_row(path, rc):
     detail = (f"{'IDENTICAL' if same else 'DIFFERENT'} tokens ({r.get('n_tokens')} after a "
               f"{r.get('n_prompt_tokens')}-token prompt) on {r.get('device')}, max |dlogit| vs stock same placement "
               f"{_num(d)}, hit {100 * r.get('hit_rate', 0):.0f}%, {r.get('uploads')} uploads")
+    if r.get("host_experts"):  # CUDA_Host_experts: pinned (uploads at the link rate, mapped reads in place)
+        detail += f" from {r['host_experts']}"
     if "contract_ok" in r:
         ok = bool(r["contract_ok"])
         c = r.get("contract") or {}

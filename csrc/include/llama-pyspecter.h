@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 30
+#define LLAMA_PYSPECTER_VERSION 31
 
 #ifdef __cplusplus
 extern "C" {
@@ -175,6 +175,16 @@ LLAMA_API void    llama_pyspecter_set_speculate(struct llama_model * model, bool
 // none on a device), or LLAMA_PYSPECTER_ERR_NO_SLOTS, ERR_ENABLED (mapped already), ERR_ARG (a layer with zero
 // slots, or host experts the device cannot read and allow_copy 0; nothing is mapped then), ERR_NO_MEMORY.
 LLAMA_API int32_t llama_pyspecter_map_host_experts(struct llama_model * model, int32_t allow_copy, size_t * copy_bytes);
+// Where a slot session keeps the routed experts on the host beside device dev (the placement's override for them):
+// dev's pinned host buffer type (CUDA_Host) laid out with dev's own allocation sizes, so that uploads copy from pinned
+// memory and the device reads the experts in place (map_host_experts). llama.cpp's loader turns an override to the
+// host type itself into the CPU's whenever the file is mmap'd, so the experts stayed pageable (csrc/pinned.cpp). NULL
+// where dev has no host buffer type (the CPU, RPC; SPECTER_PINNED_PROXY=1 gives RPC one over CPU memory, for tests).
+// A buffer the host type cannot pin is refused (the model load then fails), not made pageable.
+LLAMA_API ggml_backend_buffer_type_t llama_pyspecter_pinned_buffer_type(ggml_backend_dev_t dev);
+// The name of the buffer type that holds slot layer il's host experts (what its uploads and mapped misses read), or
+// NULL (no slots, not a slot layer).
+LLAMA_API const char * llama_pyspecter_host_experts_buffer(const struct llama_model * model, int32_t il);
 
 // Called once per MoE layer per ubatch from the compute thread, just before the routing hook, with the layer's
 // router input x: [n_tokens][n_embd] contiguous f32 rows, valid only during the call (learned routing predictors

@@ -169,6 +169,30 @@ def zero_slots(dev: int, n_used: int) -> int:
     return slots().zero_slots(dev, n_used)
 
 
+@ctypes_function("llama_pyspecter_pinned_buffer_type", [ctypes.c_void_p], ctypes.c_void_p)
+def llama_pyspecter_pinned_buffer_type(dev: int, /) -> int | None:
+    """Where a slot session keeps the routed experts on the host beside dev: its pinned host buffer type laid out
+    as its own buffers (csrc/pinned.cpp), or None (no host buffer type: the CPU, RPC)."""
+    ...
+
+
+def pinned_buffer_type(dev: int) -> int | None:
+    """``llama_pyspecter_pinned_buffer_type``."""
+    return slots().pinned_buffer_type(dev) or None
+
+
+@ctypes_function("llama_pyspecter_host_experts_buffer", [_model, _i32], ctypes.c_char_p)
+def llama_pyspecter_host_experts_buffer(model: ModelPtr, il: int, /) -> bytes | None:
+    """The name of the buffer type holding slot layer il's host experts, or None."""
+    ...
+
+
+def host_experts_buffer(model: ModelPtr, il: int) -> str | None:
+    """``llama_pyspecter_host_experts_buffer``: e.g. CUDA_Host_experts (pinned), CPU_Mapped (the file's pages)."""
+    name = slots().host_experts_buffer(model, il)
+    return name.decode() if name else None
+
+
 @ctypes_function("llama_pyspecter_get_sync_counts", [ctypes.POINTER(SyncCounts)], None)
 def llama_pyspecter_get_sync_counts(out: Any, /) -> None:
     """Fill a SyncCounts with this thread's counts."""

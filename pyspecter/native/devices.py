@@ -130,8 +130,15 @@ class Device:
         return zero_slots(self.ptr, n_used)
 
     def host_buffer_type(self) -> int | None:
-        """The device's pinned host buffer type (CUDA_Host), or None (RPC has none): where experts stay."""
+        """The device's pinned host buffer type (CUDA_Host), or None (RPC has none)."""
         return ggml().ggml_backend_dev_host_buffer_type(self.ptr) or None
+
+    def pinned_buffer_type(self) -> int | None:
+        """Where a slot session keeps the routed experts on the host: the pinned host buffer type laid out as the
+        device's own buffers (csrc/pinned.cpp), or None where the device has no host buffer type."""
+        from pyspecter.native.device_api import pinned_buffer_type
+
+        return pinned_buffer_type(self.ptr)
 
 
 def _check_reachable(endpoint: str, timeout: float = 3.0) -> None:
@@ -177,18 +184,22 @@ def open_device(spec: str | None) -> Device | None:
 
 
 class Placement:
-    """The llama_model_params fields that put every layer on ``device`` and the routed experts in host memory
-    (pinned where the device offers a host buffer type). ``n_cpu_moe``: only the first N layers' experts stay on
-    the host (llama.cpp's --n-cpu-moe); ``host_layers``: only those layers' (a layer plan's host and slot layers;
-    the others are full layers, all their experts on the device); neither: all of them (--cpu-moe). Holds the
-    ctypes arrays the params point to, so keep it alive until the model is loaded."""
+    """The llama_model_params fields that put every layer on ``device`` and the routed experts in host memory.
+    ``n_cpu_moe``: only the first N layers' experts stay on the host (llama.cpp's --n-cpu-moe); ``host_layers``:
+    only those layers' (a layer plan's host and slot layers; the others are full layers, all their experts on the
+    device); neither: all of them (--cpu-moe). ``pinned``: in the device's pinned host memory, copied there at load
+    (csrc/pinned.cpp), where the device has it (CUDA), as slots need: uploads then copy at the link's rate and
+    ``--miss mapped`` reads them in place; else in the file's mapping, as stock's ``--cpu-moe`` leaves them
+    (``self.pinned`` says which). Holds the ctypes arrays the params point to, so keep it alive until the model is
+    loaded."""
 
     def __init__(self, device: Device, n_cpu_moe: int | None = None,
-                 host_layers: Iterable[int] | None = None) -> None:
+                 host_layers: Iterable[int] | None = None, pinned: bool = False) -> None:
         if n_cpu_moe is not None and host_layers is not None:
             raise SpecterError("give n_cpu_moe or host_layers, not both")
         self.devices = (ctypes.c_void_p * 2)(device.ptr, None)
-        host = device.host_buffer_type() or _cpu_buffer_type()
+        pinned_type = device.pinned_buffer_type() if pinned else None
+        host = pinned_type or _cpu_buffer_type()
         if host_layers is not None:
             patterns = [rf"blk\.{i}{EXPERT_PATTERN}" for i in sorted(set(host_layers))]
         elif n_cpu_moe is None:
@@ -200,7 +211,7 @@ class Placement:
         for i, p in enumerate(self._patterns):
             self.overrides[i].pattern = p
             self.overrides[i].buft = host
-        self.pinned = device.host_buffer_type() is not None
+        self.pinned = pinned_type is not None
 
     def apply(self, params) -> None:
         params.devices = ctypes.cast(self.devices, ctypes.c_void_p)

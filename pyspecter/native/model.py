@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from collections.abc import Iterable
 
 from pyspecter.errors import SpecterError
@@ -21,12 +22,14 @@ class Model:
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, load_mode: str = "mmap",
                  extra_bufts: bool = False, device: Device | None = None, n_cpu_moe: int | None = None,
-                 host_layers: Iterable[int] | None = None, lazy_experts: bool = False) -> None:
+                 host_layers: Iterable[int] | None = None, lazy_experts: bool = False, pinned: bool = False) -> None:
         """device: every layer on that ggml device, routed experts in host memory (all of them, only the first
         n_cpu_moe layers' as llama.cpp's --n-cpu-moe, or only host_layers': a layer plan's host and slot layers).
         None: everything on the CPU. lazy_experts: the file mapping
         is not pre-faulted for the routed experts (patch 0005), so a model bigger than RAM loads without reading
-        them; stock pre-faults the whole file."""
+        them; stock pre-faults the whole file. pinned: with a device, those host experts are copied into its
+        pinned host memory at load where it has one (``Placement``), as slot layers need; where that memory cannot
+        be had, the model loads as stock places it, and says so (``self.pinned``: whether it is)."""
         import llama_cpp
 
         llama_lib()
@@ -41,10 +44,19 @@ class Model:
         p.use_extra_bufts = extra_bufts
         if lazy_experts:
             p.lazy_mode = 2  # LLAMA_LAZY_MODE_ON: with patch 0005, routed experts too
-        placement = Placement(device, n_cpu_moe, host_layers) if device is not None else None
+        pinned = pinned and device is not None and not lazy_experts  # lazy experts stay in the file (patch 0005)
+        placement = Placement(device, n_cpu_moe, host_layers, pinned) if device is not None else None
         if placement is not None:
             placement.apply(p)  # its arrays stay alive until the load below has read them
         self.ptr = llama_cpp.llama_model_load_from_file(self.path.encode(), p)
+        self.pinned = placement is not None and placement.pinned
+        if not self.ptr and self.pinned:  # pinned memory refused (csrc/pinned.cpp logs how much)
+            print(f"pyspecter: {os.path.basename(self.path)}: could not pin the host experts on {device.name}: "
+                  "they stay in the file's mapping (uploads slower, no --miss mapped)", file=sys.stderr)
+            placement = Placement(device, n_cpu_moe, host_layers)
+            placement.apply(p)
+            self.ptr = llama_cpp.llama_model_load_from_file(self.path.encode(), p)
+            self.pinned = False
         del placement
         if not self.ptr:
             where = f" on {device.name}" if device is not None else ""
@@ -77,6 +89,13 @@ class Model:
         import llama_cpp
 
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def host_experts(self) -> str | None:
+        """The buffer type that holds the first slot layer's host experts, what its uploads and mapped misses read
+        (CUDA_Host_experts: pinned; CPU_Mapped: the file's pages), or None before slots are made."""
+        from pyspecter.native.device_api import host_experts_buffer
+
+        return next(filter(None, (host_experts_buffer(self.ptr, il) for il in range(self.n_layer))), None)
 
     def close(self) -> None:
         """Free the model; safe to call again, and from __del__ (also on a half-built object)."""

@@ -108,7 +108,7 @@ def measure_link(path: Path, tier: str, n_uploads: int = 32, seed: int = 0, devi
     one: host RAM to device memory)."""
     layout = read_layout(path).require_moe()
     rng = np.random.default_rng(seed)
-    with Model(path, device=device) as model:
+    with Model(path, device=device, pinned=True) as model:  # as the slots' uploads read it
         cache = ExpertCache(model, layout, layout.n_expert_used, tier=make_tier(tier), hook=False)
         picks = [(layout.layers[rng.integers(len(layout.layers))].index, int(rng.integers(layout.n_expert)))
                  for _ in range(n_uploads)]

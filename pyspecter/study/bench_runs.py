@@ -211,7 +211,7 @@ def _model_for(policy: str, path: Path, layout: ModelLayout, device: Device | No
         return Model(path, device=device, extra_bufts=True, n_cpu_moe=n_cpu_moe_for(layout, budget_bytes))
     if policy == "stock-device":
         return Model(path, device=device, extra_bufts=True, n_cpu_moe=0)
-    return Model(path, device=device)
+    return Model(path, device=device, pinned=True)  # our slots: uploads and mapped misses read pinned memory
 
 
 def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: str, prompts: list[list[int]],
@@ -229,7 +229,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
     if policy in ("plan", "plan-mapped"):
         if plan is None or device is None:
             raise SpecterError(f"policy {policy} needs --device (and a layer plan)")
-        model = Model(path, device=device, host_layers=plan.host_layers)
+        model = Model(path, device=device, host_layers=plan.host_layers, pinned=bool(plan.layers("slots")))
     else:
         model = _model_for(policy, path, layout, device, budget_bytes, lazy_experts=tier == "disk")
     cache = None

@@ -100,7 +100,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         _, _, dev_tokens, dev_logits, _ = _stock_ref(path, dev, [], toks, prompt, n_tokens, n_threads, n_batch,
                                                      forced, fed)
 
-    with Model(path, device=dev, host_layers=host_layers) as model:
+    with Model(path, device=dev, host_layers=host_layers, pinned=True) as model:
         cache = ExpertCache(model, layout, slots, policy=policy, miss=miss, tier=the_tier, ordered=ordered,
                             kinds=plan.native_kinds() if plan is not None else None, hook=not hot)
         try:
@@ -115,6 +115,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
                 cache.check()
             counters = cache.counters()
             dev_stats = device_stats(model.ptr).as_dict()
+            host_experts = model.host_experts()
         finally:
             cache.close()
 
@@ -131,7 +132,7 @@ def verify(path: str | Path, *, slots: int, miss: str = "wait", tier: str = "ram
         "upload_bytes": counters["upload_bytes"], "overflow_rows": counters["overflow_rows"], "late": counters["late"],
         "hook_us_per_call": counters["hook_us_per_call"], "route_us_per_call": counters["route_us_per_call"],
         "hot_moves": sum(moved), "stock_tokens": ref_tokens, "slot_tokens": got_tokens,
-        "stock_splits": stock_splits, "splits": splits, "device_tables": dev_stats,
+        "stock_splits": stock_splits, "splits": splits, "device_tables": dev_stats, "host_experts": host_experts,
     }
     if contract_run:
         stock_gap = logit_gap(ref_tokens, ref_logits, dev_tokens, dev_logits)
