@@ -417,6 +417,13 @@ void pyspecter_late_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot)
 void pyspecter_late_reset(llama_pyspecter_layer * L);   // the routing op: no expert late yet, nothing settled
 void pyspecter_late_settle(llama_pyspecter_layer * L, bool settled); // the wait op: every late expert is in (or not)
 void pyspecter_mark_passed(llama_pyspecter_layer * L);  // the layer's route op has started in this ubatch
+// Held by a route op while it runs on the compute thread: a CPU split whose device input the scheduler copied after
+// synchronising the device, so no work queued there before it still runs, and a table written now is the one the
+// layers' later slot paths read. A slot freed meanwhile needs no upload ordered after device work (read_queued).
+struct pyspecter_drained_scope {
+    pyspecter_drained_scope();
+    ~pyspecter_drained_scope();
+};
 // a context is going away (speculate.cpp's llama_pyspecter_context_gone): uploads stop ordering after its backends
 void pyspecter_compute_gone(llama_pyspecter_slots * s, const void * sched);
 // The scheduler's backend on a device (null: it has none there).

@@ -137,6 +137,8 @@ static void route_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     }
     auto * L = (llama_pyspecter_layer *) userdata;
     auto * s = L->parent;
+    // a device layer's ids come from the device: the scheduler synchronised it before this CPU split
+    pyspecter_drained_scope drained;
     const ggml_tensor * ids = dst->src[0]; // [n_used, n_tokens], may be a strided view (top-k of argsort)
     const ggml_tensor * w   = dst->src[1]; // [1, n_used, n_tokens], or null (route weights off)
     const int32_t n_used   = (int32_t) ids->ne[0];
@@ -277,6 +279,7 @@ static void route_split_op(ggml_tensor * dst, int ith, int nth, void * userdata)
     }
     auto * L = (llama_pyspecter_layer *) userdata;
     auto * s = L->parent;
+    pyspecter_drained_scope drained;
     pyspecter_mark_passed(L); // this CPU split began after the device finished the split before it: the slot path
     const ggml_tensor * pack = dst->src[0]; // [n_embd + 2 n_used, n_tokens]
     const ggml_tensor * w    = dst->src[1]; // [1, n_used, n_tokens], or null (route weights off)

@@ -477,6 +477,16 @@ void pyspecter_mark_passed(llama_pyspecter_layer * L) {
     L->passed = true;
 }
 
+static thread_local bool device_drained = false;
+
+pyspecter_drained_scope::pyspecter_drained_scope() {
+    device_drained = true;
+}
+
+pyspecter_drained_scope::~pyspecter_drained_scope() {
+    device_drained = false;
+}
+
 int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t slot) {
     if (!L || expert < 0 || expert >= (int32_t) L->remap.size() || slot < -1 || slot >= (int32_t) L->owner.size()) {
         return LLAMA_PYSPECTER_ERR_ARG;
@@ -490,8 +500,11 @@ int32_t pyspecter_remap_set(llama_pyspecter_layer * L, int32_t expert, int32_t s
             unmap_on_device(L, expert);
         }
         // passed: the slot path has run and no table maps the slot again before the next fence, so nothing queued
-        // or to be queued reads these bytes; otherwise the slot path may be queued already with the old table
-        L->read_queued[old_slot].store(!L->passed, std::memory_order_release);
+        // or to be queued reads these bytes; otherwise the slot path may be queued already with the old table,
+        // unless this runs in a route op (device_drained): nothing is queued, and the table was just written. An
+        // upload then never records an event on the compute stream from its own thread, which on CUDA could land
+        // in a graph being captured there (the capture would abort)
+        L->read_queued[old_slot].store(!L->passed && !device_drained, std::memory_order_release);
     }
     if (slot >= 0) {
         const int32_t prev = L->owner[slot];
