@@ -5,8 +5,12 @@ CPU backend gives (0001). It goes through each kernel path that patch touches, a
     quantized (Q4_0), 1 token           mul_mat_vec_q (one token)
     quantized, 3 tokens                 mul_mat_vec_q_moe (several tokens; MMQ where its batch limit is lower)
     quantized, 40 tokens                MMQ, with its compact map (and broadcast activations: the dedup it turns off)
-    float (F16), 1 and 40 tokens        MMF (its per-expert scan, and mm_ids_helper)
-    gate + up + SwiGLU, 1 token         the fused mmvq / mmvf kernels, where CUDA fuses them
+    float (F16), 1, 3 and 40 tokens     MMF (its per-expert scan, and mm_ids_helper)
+    gate + up + SwiGLU, 1 and 3 tokens  the fused mmvq / mul_mat_vec_q_moe / mmvf kernels, where CUDA fuses them
+
+and the shapes and types the fixtures and the big model bring: top-8 of 32 (mm_ids_helper's 8-wide instance, as
+big-qwen3moe-q4 takes it from 9 tokens), 64 rows an expert (tiny n_ff), Q8_0 (tiny-mixtral), MXFP4 (tiny-gptoss,
+MMQ from 8 tokens) and F32 (tiny-qwen2moe).
 
 Each case has negative ids in some rows, a token whose rows are all negative, and activations shared by a token's
 rows (as gate and up read them) or one per row (as down does). The ggml graph is built through ggml's C API (ctypes)
@@ -30,9 +34,9 @@ import sys
 
 import numpy as np
 
-F32, F16, Q4_0, I32 = 0, 1, 2, 26
+F32, F16, Q4_0, Q8_0, I32, MXFP4 = 0, 1, 2, 8, 26, 39
 NEGATIVE_ZERO = 15  # GGML_MUL_MAT_ID_NEGATIVE_ZERO: the last op_params slot (patch 0001's ggml.h)
-K, N, N_AS, N_USED = 256, 128, 8, 4  # row length, rows per expert, experts, experts a token uses
+K = 256  # row length
 
 
 class Params(ctypes.Structure):
@@ -78,35 +82,37 @@ def libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     return base, reg
 
 
-def weights(wtype: int, rng: np.random.Generator) -> bytes:
-    """N_AS experts of N x K weights as wtype's bytes (quantized by ggml itself)."""
-    w = rng.standard_normal((N_AS * N, K), dtype=np.float32) * 0.1
-    if wtype == F16:
-        return w.astype(np.float16).tobytes()
+def weights(wtype: int, n_as: int, n: int, rng: np.random.Generator) -> bytes:
+    """n_as experts of n x K weights as wtype's bytes (quantized by ggml itself)."""
+    w = rng.standard_normal((n_as * n, K), dtype=np.float32) * 0.1
+    if wtype in (F16, F32):
+        return w.astype(np.float16 if wtype == F16 else np.float32).tobytes()
     base, _ = libs()
-    out = ctypes.create_string_buffer(N_AS * N * K)  # more than Q4_0 needs
-    return out.raw[:base.ggml_quantize_chunk(wtype, w.ctypes.data, out, 0, N_AS * N, K, None)]
+    out = ctypes.create_string_buffer(2 * n_as * n * K)  # more than any of the quantized types needs
+    return out.raw[:base.ggml_quantize_chunk(wtype, w.ctypes.data, out, 0, n_as * n, K, None)]
 
 
-def ids_for(n_tok: int) -> np.ndarray:
-    """[n_tok, N_USED] distinct experts a token, some rows negative, token 1 (where there is one) all negative. A
+def ids_for(n_tok: int, n_as: int, n_used: int) -> np.ndarray:
+    """[n_tok, n_used] distinct experts a token, some rows negative, token 1 (where there is one) all negative. A
     negative row is ~expert (-1 - expert), as the runtime's slot path writes a miss (csrc pyspecter_miss_id), so
     a kernel that tested for -1 alone would fail here."""
-    ids = np.array([[(t + 3 * j) % N_AS for j in range(N_USED)] for t in range(n_tok)], dtype=np.int32)
+    step = 3 if n_as % 3 else 5  # distinct within a token: coprime with n_as
+    ids = np.array([[(t + step * j) % n_as for j in range(n_used)] for t in range(n_tok)], dtype=np.int32)
     for t in range(n_tok):
-        for j in range(N_USED):
+        for j in range(n_used):
             if (t + j) % 3 == 0 or t == 1:
                 ids[t, j] = ~ids[t, j]
     return ids
 
 
-def run(base, backend: int, w: list[bytes], wtype: int, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """One marked MUL_MAT_ID on ``backend`` (two weights: gate and up, joined by SwiGLU): [n_tok, N_USED, N]."""
-    n_tok = ids.shape[0]
+def run(base, backend: int, w: list[bytes], wtype: int, x: np.ndarray, ids: np.ndarray, n_as: int,
+        n: int) -> np.ndarray:
+    """One marked MUL_MAT_ID on ``backend`` (two weights: gate and up, joined by SwiGLU): [n_tok, n_used, n]."""
+    n_tok, n_used = ids.shape
     ctx = base.ggml_init(Params(16 * base.ggml_tensor_overhead() + base.ggml_graph_overhead(), None, True))
-    ws = [base.ggml_new_tensor_3d(ctx, wtype, K, N, N_AS) for _ in w]
+    ws = [base.ggml_new_tensor_3d(ctx, wtype, K, n, n_as) for _ in w]
     b = base.ggml_new_tensor_3d(ctx, F32, K, x.shape[1], n_tok)
-    t = base.ggml_new_tensor_2d(ctx, I32, N_USED, n_tok)
+    t = base.ggml_new_tensor_2d(ctx, I32, n_used, n_tok)
     mms = [base.ggml_mul_mat_id(ctx, a, b, t) for a in ws]
     for mm in mms:
         Head.from_address(mm).op_params[NEGATIVE_ZERO] = 1
@@ -120,7 +126,7 @@ def run(base, backend: int, w: list[bytes], wtype: int, x: np.ndarray, ids: np.n
             base.ggml_backend_tensor_set(tensor, data, 0, len(data))
         if base.ggml_backend_graph_compute(backend, g) != 0:
             raise RuntimeError("graph compute failed")
-        res = np.empty((n_tok, N_USED, N), dtype=np.float32)
+        res = np.empty((n_tok, n_used, n), dtype=np.float32)
         base.ggml_backend_tensor_get(out, res.ctypes.data, 0, res.nbytes)
         return res
     finally:
@@ -128,15 +134,27 @@ def run(base, backend: int, w: list[bytes], wtype: int, x: np.ndarray, ids: np.n
         base.ggml_free(ctx)
 
 
-CASES = [  # name, weight type, tokens, activations shared by a token's rows, gate+up+SwiGLU
-    ("Q4_0, 1 token (mul_mat_vec_q)", Q4_0, 1, False, False),
-    ("Q4_0, 3 tokens (mul_mat_vec_q_moe)", Q4_0, 3, False, False),
-    ("Q4_0, 40 tokens (MMQ)", Q4_0, 40, False, False),
-    ("Q4_0, 40 tokens, shared activations (MMQ, no dedup)", Q4_0, 40, True, False),
-    ("F16, 1 token (MMF scan)", F16, 1, True, False),
-    ("F16, 40 tokens (MMF, mm_ids_helper)", F16, 40, False, False),
-    ("Q4_0, gate+up+SwiGLU, 1 token (fused mmvq, where fused)", Q4_0, 1, True, True),
-    ("F16, gate+up+SwiGLU, 1 token (fused mmvf, where fused)", F16, 1, True, True),
+# name, weight type, tokens, activations shared by a token's rows, gate+up+SwiGLU, experts, used a token, rows each
+CASES = [
+    ("Q4_0, 1 token (mul_mat_vec_q)", Q4_0, 1, False, False, 8, 4, 128),
+    ("Q4_0, 3 tokens (mul_mat_vec_q_moe)", Q4_0, 3, False, False, 8, 4, 128),
+    ("Q4_0, 40 tokens (MMQ)", Q4_0, 40, False, False, 8, 4, 128),
+    ("Q4_0, 40 tokens, shared activations (MMQ, no dedup)", Q4_0, 40, True, False, 8, 4, 128),
+    ("F16, 1 token (MMF scan)", F16, 1, True, False, 8, 4, 128),
+    ("F16, 3 tokens (MMF scan)", F16, 3, True, False, 8, 4, 128),
+    ("F16, 40 tokens (MMF, mm_ids_helper)", F16, 40, False, False, 8, 4, 128),
+    ("Q4_0, gate+up+SwiGLU, 1 token (fused mmvq, where fused)", Q4_0, 1, True, True, 8, 4, 128),
+    ("Q4_0, gate+up+SwiGLU, 3 tokens (fused mul_mat_vec_q_moe)", Q4_0, 3, True, True, 8, 4, 128),
+    ("F16, gate+up+SwiGLU, 1 token (fused mmvf, where fused)", F16, 1, True, True, 8, 4, 128),
+    ("Q4_0, top-8 of 32, 3 tokens (mul_mat_vec_q_moe)", Q4_0, 3, True, False, 32, 8, 128),
+    ("Q4_0, top-8 of 32, 40 tokens (MMQ, mm_ids_helper's 8)", Q4_0, 40, False, False, 32, 8, 128),
+    ("Q4_0, 64 rows an expert, 40 tokens (MMQ, a partial tile)", Q4_0, 40, False, False, 8, 4, 64),
+    ("Q8_0, 1 token (mmvq)", Q8_0, 1, False, False, 16, 2, 128),
+    ("Q8_0, 40 tokens (MMQ)", Q8_0, 40, False, False, 16, 2, 128),
+    ("MXFP4, 3 tokens (mul_mat_vec_q_moe)", MXFP4, 3, False, False, 32, 4, 64),
+    ("MXFP4, 8 tokens (MMQ)", MXFP4, 8, False, False, 32, 4, 64),
+    ("F32, 1 token (mmvf / MMF)", F32, 1, True, False, 16, 4, 64),
+    ("F32, 40 tokens (MMF, mm_ids_helper)", F32, 40, False, False, 16, 4, 64),
 ]
 
 
@@ -152,13 +170,13 @@ def check(device: str) -> list[dict]:
     rng = np.random.default_rng(0)
     results = []
     try:
-        for name, wtype, n_tok, shared, fused in CASES:
+        for name, wtype, n_tok, shared, fused, n_as, n_used, n in CASES:
             print(f"mmid_check: {name} ...", file=sys.stderr, flush=True)  # the last one named, if it aborts
-            w = [weights(wtype, rng) for _ in range(2 if fused else 1)]
-            x = rng.standard_normal((n_tok, 1 if shared else N_USED, K), dtype=np.float32)
-            ids = ids_for(n_tok)
-            got = run(base, target, w, wtype, x, ids)
-            ref = run(base, cpu, w, wtype, x, ids)
+            w = [weights(wtype, n_as, n, rng) for _ in range(2 if fused else 1)]
+            x = rng.standard_normal((n_tok, 1 if shared else n_used, K), dtype=np.float32)
+            ids = ids_for(n_tok, n_as, n_used)
+            got = run(base, target, w, wtype, x, ids, n_as, n)
+            ref = run(base, cpu, w, wtype, x, ids, n_as, n)
             neg = ids < 0
             scale = float(np.abs(ref).max()) or 1.0
             err = float(np.abs(got[~neg] - ref[~neg]).max() / scale) if (~neg).any() else 0.0

@@ -150,5 +150,5 @@ def test_mmid_check_holds_on_the_strict_rpc_device() -> None:
         stop_server(proc)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["ok"] and len(out["cases"]) == 8
+    assert out["ok"] and len(out["cases"]) == 19
     assert all(c["negative_rows"] > 0 and c["negative_rows_zero"] for c in out["cases"])
