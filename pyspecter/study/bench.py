@@ -335,6 +335,7 @@ def run_bench(path: str | Path, *, tier: str = "ram", budget: str | None = None,
             "read_io": ("io_uring" if c.get("io_uring") else "pread") if c.get("read_ops") else None,
             "peak_rss_mb": max(r.peak_rss for r in rs) / 2**20,
             "slots_mean": c.get("slots_mean"),  # usable slots per layer, on average (layers may differ)
+            "host_experts": c.get("host_experts"),  # the buffer type slots upload from (CUDA_Host_experts: pinned)
             # per run, capped children only: pages read back from the file, and times the cgroup hit its cap
             "major_faults": [r.counters["major_faults"] for r in rs if "major_faults" in r.counters] or None,
             "cap_hits": [r.counters["cap_hits"] for r in rs if "cap_hits" in r.counters] or None,

@@ -281,6 +281,7 @@ def run_policy(policy: str, path: Path, layout: ModelLayout, slots: int, tier: s
         c = merge_counters(parts)
         if cache:
             c["slots_mean"] = cache.usable_mean()
+            c["host_experts"] = model.host_experts()  # what uploads and mapped misses read: pinned or pageable
             if cache.mapped_copy_bytes:
                 c["mapped_copy_bytes"] = cache.mapped_copy_bytes
         return Run(prefill, tpots, c, peak, cache.trace if cache else None, tokens, load_s, first_prefill or 0.0,
