@@ -13,7 +13,8 @@
 // (mapped.cpp), so they carry the same padding, zeroed here at init as CUDA zeroes its own.
 //
 // SPECTER_PINNED_PROXY=1 (tests): a device without a host buffer type (the RPC device) gets one over the CPU's, so the
-// suite loads, places and computes the experts through this type on every machine.
+// suite loads, places and computes the experts through this type on every machine; =refuse: one whose memory is
+// refused, as cudaMallocHost refuses what it cannot pin.
 
 #include "pyspecter-impl.h"
 
@@ -99,16 +100,17 @@ void pinned_set_tensor(ggml_backend_buffer_t, ggml_tensor * t, const void * data
 
 ggml_backend_buffer_t pinned_alloc(ggml_backend_buffer_type_t buft, size_t size) {
     pinned_type * p = of(buft);
-    ggml_backend_buffer_t b = ggml_backend_buft_alloc_buffer(p->host, size);
-    if (!b) {
-        return nullptr;
-    }
-    if (ggml_backend_buffer_get_type(b) != p->host || b->iface.init_tensor != nullptr) {
+    const char * proxy = std::getenv("SPECTER_PINNED_PROXY");
+    const bool refuse = proxy && std::strcmp(proxy, "refuse") == 0;
+    ggml_backend_buffer_t b = refuse ? nullptr : ggml_backend_buft_alloc_buffer(p->host, size);
+    if (!b || ggml_backend_buffer_get_type(b) != p->host || b->iface.init_tensor != nullptr) {
         // CUDA_Host falls back to pageable memory where cudaMallocHost fails: that is not this type's memory, and the
         // load fails instead (the Python side then loads the experts as stock does, saying so)
         LLAMA_LOG_ERROR("%s: could not allocate %.2f GiB of %s memory for the host experts\n", __func__,
                 size / 1073741824.0, ggml_backend_buft_name(p->host));
-        ggml_backend_buffer_free(b);
+        if (b) {
+            ggml_backend_buffer_free(b);
+        }
         return nullptr;
     }
     b->buft = buft; // the allocator lays tensors out by the buffer's type
@@ -129,7 +131,7 @@ ggml_backend_buffer_type_t llama_pyspecter_pinned_buffer_type(ggml_backend_dev_t
     ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(dev);
     if (!host) {
         const char * proxy = std::getenv("SPECTER_PINNED_PROXY");
-        if (!proxy || std::strcmp(proxy, "1") != 0) {
+        if (!proxy || (std::strcmp(proxy, "1") != 0 && std::strcmp(proxy, "refuse") != 0)) {
             return nullptr;
         }
         host = ggml_backend_cpu_buffer_type();

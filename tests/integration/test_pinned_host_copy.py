@@ -61,3 +61,15 @@ def test_only_slot_sessions_pin_and_stock_stays_mapped(dev: Device, monkeypatch:
                 cache.close()
     assert seen == {"ours": (True, "CPU_experts"), "stock": (False, "CPU_Mapped"),
                     "no host type": (False, "CPU_Mapped")}
+
+
+def test_pinned_memory_refused_loads_as_stock_and_says_so(dev: Device, monkeypatch: pytest.MonkeyPatch,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    """Where the pinned memory cannot be had (cudaMallocHost refusing it; here SPECTER_PINNED_PROXY=refuse), the
+    model loads as stock places it, in the file's mapping, and says so in one line: slower uploads, not a failure."""
+    monkeypatch.setenv("SPECTER_PINNED_PROXY", "refuse")
+    path = build_tiny("tiny-qwen3moe")
+    with Model(path, device=dev, pinned=True) as m:
+        assert not m.pinned and m.n_layer > 0
+    err = capfd.readouterr().err
+    assert "could not pin the host experts" in err and "file's mapping" in err
