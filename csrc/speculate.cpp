@@ -33,12 +33,17 @@ bool any_zero(const llama_pyspecter_layer * L, const int32_t * slots, int32_t n_
 
 } // namespace
 
-void llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
+bool llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
     // SPECTER_SPECULATE=0 keeps it off whatever the caller asks: the same run with and without, for benchmarks
     const char * env = std::getenv("SPECTER_SPECULATE");
-    if (auto * s = pyspecter_slots_of(model)) {
-        s->speculate = enabled && !(env && std::string(env) == "0");
+    auto * s = pyspecter_slots_of(model);
+    if (!s) {
+        return false;
     }
+    // a redo reruns the ubatch on the memory its first pass left: a recurrent layer's state would advance twice
+    const bool recurrent = llama_model_is_recurrent(model) || llama_model_is_hybrid(model);
+    s->speculate = enabled && !(env && std::string(env) == "0") && !recurrent;
+    return s->speculate;
 }
 
 void llama_pyspecter_context_gone(llama_pyspecter_slots * s, ggml_backend_sched * sched) {

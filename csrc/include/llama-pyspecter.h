@@ -161,8 +161,11 @@ LLAMA_API void    llama_pyspecter_set_route_weights(struct llama_model * model, 
 // (read a zero slot) has the ubatch computed again with host paths, so the output stays exact. After a miss the
 // next speculation waits 1, 2, 4 ... 64 ubatches. Only for device slot layers in miss mode cpu, and not while a
 // reader needs a layer's input or router weights mid-ubatch (input hooks, learned predictors, route weights):
-// those graphs keep their host paths. SPECTER_SPECULATE=0 in the environment keeps it off (benchmarks' A/B).
-LLAMA_API void    llama_pyspecter_set_speculate(struct llama_model * model, bool enabled);
+// those graphs keep their host paths. SPECTER_SPECULATE=0 in the environment keeps it off (benchmarks' A/B), and so
+// does a model with recurrent layers (llama_model_is_recurrent, _is_hybrid): a redo computes the ubatch again on the
+// memory the first pass left, which attention's KV cells allow (rewritten in place) and a recurrent state does not
+// (it would advance twice). Returns whether speculation is on (false also without slots).
+LLAMA_API bool    llama_pyspecter_set_speculate(struct llama_model * model, bool enabled);
 // Misses the device reads from the host copy (docs/DEVICES.md, candidate 1): each device slot layer gets a device
 // view of its host experts, and a speculated ubatch adds to each slot matmul one over that view for the rows whose
 // expert is not resident (their slot id is ~expert), so it never redoes: with speculation on, decode and prompt

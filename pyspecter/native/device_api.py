@@ -71,10 +71,12 @@ def llama_pyspecter_set_route_weights(model: ModelPtr, enabled: bool, /) -> None
     ...
 
 
-@ctypes_function("llama_pyspecter_set_speculate", [_model, ctypes.c_bool], None)
-def llama_pyspecter_set_speculate(model: ModelPtr, enabled: bool, /) -> None:
+@ctypes_function("llama_pyspecter_set_speculate", [_model, ctypes.c_bool], ctypes.c_bool)
+def llama_pyspecter_set_speculate(model: ModelPtr, enabled: bool, /) -> bool:
     """Speculate that ubatches hit (csrc/speculate.cpp): a ubatch after one that hit in every row of every device
-    slot layer runs with no host path, and again with host paths if a row missed. Off by default."""
+    slot layer runs with no host path, and again with host paths if a row missed. Off by default. Returns whether
+    it is on: never under SPECTER_SPECULATE=0, nor for a model with recurrent layers (a redo would advance their
+    state twice)."""
     ...
 
 

@@ -130,17 +130,22 @@ def test_without_a_stand_in_a_device_that_cannot_read_host_memory_maps_nothing(d
             cache.close()
 
 
-@pytest.mark.parametrize("why", ["zero slots", "no speculation", "no device"])
+@pytest.mark.parametrize("why", ["zero slots", "no speculation", "speculation refused", "no device"])
 def test_mapped_misses_need_negative_ids_speculation_and_a_device(why: str, dev: Device,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused in one line where the mapped path cannot run: a device without negative ids, no device, speculation
+    not asked for, or refused by C (SPECTER_SPECULATE=0 here; a model with recurrent layers, whose state a redo
+    would advance twice, is refused the same way: llama_pyspecter_set_speculate says whether it is on)."""
     if why == "zero slots":
         monkeypatch.setenv("SPECTER_ZERO_SLOTS", "1")
+    if why == "speculation refused":
+        monkeypatch.setenv("SPECTER_SPECULATE", "0")
     path = build_tiny("tiny-qwen3moe")
     lay = read_layout(path)
     plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
     device = None if why == "no device" else dev
     with native.Model(path, device=device, host_layers=plan.host_layers if device else None) as m:
-        with pytest.raises(SpecterError, match="takes no negative expert ids|needs a device"):
+        with pytest.raises(SpecterError, match="takes no negative expert ids|needs a device|needs speculation, which"):
             ExpertCache(m, lay, lay.n_expert, miss="mapped", kinds=plan.native_kinds(),
                         speculate=why != "no speculation")
 
