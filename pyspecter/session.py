@@ -215,6 +215,10 @@ class Session:
         self.target = native.Model(cfg.model, device=self.device, lazy_experts=self.tier.name == "disk",
                                    extra_bufts=self.stock, pinned=slots and not self.stock,
                                    host_layers=self.layer_plan.plan.host_layers if self.layer_plan else None)
+        if self.miss == "mapped" and cfg.miss is None and not self.target.pinned:
+            # the plan's misses read pinned host experts in place; where that memory was refused (Model said so)
+            # the same layers compute them on the CPU
+            self.miss = "cpu"
         self.cache = self.tctx = self.decoder = self.draft = self.dctx = self.routing = None
         self.target_splits: tuple[int, int] | None = None
         try:
