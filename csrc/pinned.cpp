@@ -90,7 +90,11 @@ void pinned_set_tensor(ggml_backend_buffer_t, ggml_tensor * t, const void * data
     std::vector<std::thread> threads;
     for (size_t i = 1; i < n_threads; ++i) {
         const size_t at = i * part, n = std::min(part, size - at);
-        threads.emplace_back([=] { memcpy(dst + at, (const char *) data + at, n); });
+        try {
+            threads.emplace_back([=] { memcpy(dst + at, (const char *) data + at, n); });
+        } catch (...) { // no thread to be had: this one copies it
+            memcpy(dst + at, (const char *) data + at, n);
+        }
     }
     memcpy(dst, data, part);
     for (auto & th : threads) {
