@@ -8,8 +8,9 @@
 // The view: on CUDA, where the model's host experts are in the pinned type a slot session loads them into
 // (pinned.cpp: CUDA_Host memory, from cudaMallocHost: under unified addressing its device pointer is its host
 // pointer; laid out with CUDA's row padding), a buffer of the device's own type over that memory, so the scheduler
-// runs the matmul on the device and its kernel reads the bytes over the link. No copy and no device memory. Elsewhere (the RPC device, tests) a device copy of every expert can stand in:
-// it checks the composition, the splits and the bookkeeping, not the read rate, and it costs device memory.
+// runs the matmul on the device and its kernel reads the bytes over the link. No copy and no device memory.
+// Elsewhere (the RPC device, tests) a device copy of every expert can stand in: it checks the composition, the
+// splits and the bookkeeping, not the read rate, and it costs device memory.
 
 #include "pyspecter-impl.h"
 

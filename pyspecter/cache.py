@@ -114,8 +114,8 @@ class ExpertCache:
             rc = self.api.slots_init(model.ptr, self.n_alloc)
         if rc != 0:
             raise SpecterError(f"could not allocate {self.n_alloc} expert slots per layer (code {rc})")
-        speculating = bool(self.api.set_speculate(model.ptr, speculate))
-        self.mapped_copy_bytes = self._map_host_experts(model, speculate, speculating) if miss == "mapped" else 0
+        speculating = bool(self.api.set_speculate(model.ptr, speculate))  # C may refuse it (see _map_host_experts)
+        self.mapped_copy_bytes = self._map_host_experts(model, speculating) if miss == "mapped" else 0
         self.tier = tier or RamTier()
         self.tier.bind(model, layout)
         self.expert_bytes = {L.index: L.expert_bytes for L in layout.layers}
@@ -299,13 +299,14 @@ class ExpertCache:
         return self.api.stats(self.model.ptr).upload_failures
 
     @staticmethod
-    def _map_host_experts(model: native.Model, speculate: bool, speculating: bool) -> int:
-        """Miss mode 'mapped': the device's view of the host experts (see __init__); the device bytes a copy took."""
-        if model.device is None or not speculate:
-            raise SpecterError("miss mode 'mapped' needs a device (--device) and speculation")
-        if not speculating:  # the mapped path is built on the speculated graph
-            raise SpecterError("miss mode 'mapped' needs speculation, which is off here (SPECTER_SPECULATE=0, or a "
-                               "model with recurrent layers, whose state a redo would advance twice); use --miss cpu")
+    def _map_host_experts(model: native.Model, speculating: bool) -> int:
+        """Miss mode 'mapped': the device's view of the host experts (see __init__); the device bytes a copy took.
+        The mapped path is built on the speculated graph, so it needs speculation on (``speculating``: as C set
+        it, which refuses it under SPECTER_SPECULATE=0 and for models with recurrent layers)."""
+        if model.device is None or not speculating:
+            raise SpecterError("miss mode 'mapped' needs a device (--device) and speculation (off where not asked "
+                               "for, under SPECTER_SPECULATE=0, or for a model with recurrent layers, whose state a "
+                               "redo would advance twice); use --miss cpu")
         if model.device.zero_slots(1):
             raise SpecterError(f"miss mode 'mapped': {model.device.spec} takes no negative expert ids")
         # where the device cannot read host memory a device copy of every expert stands in: taken on the RPC

@@ -145,7 +145,7 @@ def test_mapped_misses_need_negative_ids_speculation_and_a_device(why: str, dev:
     plan = LayerPlan({L.index: "slots" for L in lay.layers}, lay.n_expert)
     device = None if why == "no device" else dev
     with native.Model(path, device=device, host_layers=plan.host_layers if device else None) as m:
-        with pytest.raises(SpecterError, match="takes no negative expert ids|needs a device|needs speculation, which"):
+        with pytest.raises(SpecterError, match="takes no negative expert ids|needs a device"):
             ExpertCache(m, lay, lay.n_expert, miss="mapped", kinds=plan.native_kinds(),
                         speculate=why != "no speculation")
 
