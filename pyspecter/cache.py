@@ -301,12 +301,10 @@ class ExpertCache:
     @staticmethod
     def _map_host_experts(model: native.Model, speculating: bool) -> int:
         """Miss mode 'mapped': the device's view of the host experts (see __init__); the device bytes a copy took.
-        The mapped path is built on the speculated graph, so it needs speculation on (``speculating``: as C set
-        it, which refuses it under SPECTER_SPECULATE=0 and for models with recurrent layers)."""
+        It is built on the speculated graph: ``speculating`` is whether C turned speculation on."""
         if model.device is None or not speculating:
-            raise SpecterError("miss mode 'mapped' needs a device (--device) and speculation (off where not asked "
-                               "for, under SPECTER_SPECULATE=0, or for a model with recurrent layers, whose state a "
-                               "redo would advance twice); use --miss cpu")
+            raise SpecterError("miss mode 'mapped' needs a device (--device) and speculation (off where not asked for, "
+                               "SPECTER_SPECULATE=0, or recurrent layers, which a redo would advance twice)")
         if model.device.zero_slots(1):
             raise SpecterError(f"miss mode 'mapped': {model.device.spec} takes no negative expert ids")
         # where the device cannot read host memory a device copy of every expert stands in: taken on the RPC
