@@ -87,9 +87,15 @@ def fetch_sdist(pin: dict[str, str]) -> Path:
 
 
 # Machines that cannot reach the registry (tools/gpu_check.sh's GPU machine) build from an archive carried to them.
-# The sdist (~77 MB) is mostly git objects, vocabulary GGUFs and docs; a trimmed copy without them is ~12 MB.
+# The sdist (~77 MB) is mostly git objects, vocabulary GGUFs, docs, tools, tests and other backends. The build
+# (CMakeLists.txt: llama.cpp with tools, examples, tests, server and common off) reads llama.cpp's CMake files,
+# ggml/ less the backends it does not enable, src/, include/, vendor/ and the bindings' llama_cpp/: ~2 MiB as xz.
 TRIM_MANIFEST = "PYSPECTER_TRIMMED.json"
-TRIM = re.compile(r"^[^/]+/(?:\.git/|.*\.gguf$|.*\.csv$|vendor/llama\.cpp/(?:docs|benches|media|\.github)/)")
+TRIM = re.compile(r"^[^/]+/(?:\.git/|.*\.gguf$|.*\.csv$|examples/|docs/|tests/"
+                  r"|vendor/llama\.cpp/(?:docs|benches|media|\.github|tools|examples|tests|gguf-py|models|scripts"
+                  r"|grammars|prompts|requirements|pocs|ci|licenses|\.devops|common|app|conversion|skills)/"
+                  r"|vendor/llama\.cpp/ggml/src/ggml-(?:vulkan|opencl|sycl|metal|cann|musa|hip|webgpu|zdnn|zendnn"
+                  r"|openvino|hexagon|virtgpu|blas|et)/)")
 
 
 def trim_sdist(pin: dict[str, str], dest: Path) -> None:
@@ -100,7 +106,7 @@ def trim_sdist(pin: dict[str, str], dest: Path) -> None:
     manifest = json.dumps({"sdist": pin["file"], "sdist_sha256": pin["sha256"], "dropped": TRIM.pattern}).encode()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
-    with tarfile.open(src) as tf, tarfile.open(tmp, "w:gz") as out:
+    with tarfile.open(src) as tf, tarfile.open(tmp, "w:xz") as out:
         for m in tf:
             if not TRIM.match(m.name):
                 out.addfile(m, tf.extractfile(m) if m.isfile() else None)

@@ -2,9 +2,12 @@
 # tools/gpu_check.sh: pyspecter's CUDA path checked end to end, in one prepared run, on a machine with an NVIDIA GPU.
 #
 #   bash tools/gpu_check.sh --prepare        here, where the package registry is reachable: writes .gpu/ (git-
-#                                            ignored): the pinned sdist trimmed to ~11 MiB and a wheelhouse of every
-#                                            runtime dependency (pyproject's, transitively, read now) for the GPU
-#                                            machine's Python: 3.12 x86_64, else GPU_CHECK_PYVER / GPU_CHECK_ARCH;
+#                                            ignored): the pinned sdist trimmed to ~2 MiB; the GPU half of the CUDA
+#                                            build (tools/cuda_part.py: libggml-cuda and libggml, ~25 MiB, for
+#                                            GPU_CHECK_CUDA_ARCH, default 90; the CUDA build here first, ~15 min on 2
+#                                            cores when none is cached; GPU_CHECK_CUDA_PART=0: none); a wheelhouse of
+#                                            every runtime dependency (pyproject's, transitively, read now) for the
+#                                            GPU machine's Python: 3.12 x86_64, else GPU_CHECK_PYVER / GPU_CHECK_ARCH;
 #                                            and bench-qwen3moe's learned predictor (fitted here first if need be);
 #                                            fails when .gpu/ is over the device tool's 64 MiB carry limit
 #   bash tools/gpu_check.sh --list-requirements   what --prepare starts from: pyproject's dependencies
@@ -19,9 +22,13 @@
 # The steps, each time-boxed (timeout) and recorded; a failure is a row of the table and the run goes on:
 #   1. python: the wheelhouse installed offline into a scratch folder first on PYTHONPATH (pip from the wheelhouse
 #      where the interpreter has none), every requirement's version checked, and `pyspecter --help` (the CLI imports)
-#   2. build: SPECTER_CUDA=1 tools/build_llama.py from .gpu/llama-src.tar.gz (SPECTER_SDIST), one architecture (the
-#      GPU's compute capability, else 90; SPECTER_CUDA_ARCH wins), flash-attention kernels left out; its own cache
-#      key; the bindings are used through PYTHONPATH (--print-root), whatever the interpreter has linked
+#   2. build: with .gpu/cuda-part.tar.xz, `tools/cuda_part.py splice`: this machine's CPU build (its own native
+#      flags; seconds on 16 cores) with the carried libggml-cuda and libggml, when they were built from the same
+#      sdist, patches, CMake options, architecture and CUDA major release, and only if the device then opens through
+#      it (a row says why not); else SPECTER_CUDA=1 tools/build_llama.py (~170 s on 16 cores), both from
+#      .gpu/llama-src.tar.xz (SPECTER_SDIST); one architecture (the GPU's compute capability, else 90;
+#      SPECTER_CUDA_ARCH wins), flash-attention kernels left out; its own cache key; the bindings are used through
+#      PYTHONPATH (--print-root), whatever the interpreter has linked
 #   3. device: nvidia-smi; the probe (tools/gpu_probe.cu, compiled with nvcc, the CUDA runtime alone, seconds):
 #      a host wait's and a host visit's floor, one expert uploaded or read zero-copy from pinned host memory, H2D
 #      rates pinned and pageable, to $OUT/gpu_probe.json; `pyspecter inspect tiny-qwen3moe --device cuda0`
@@ -75,13 +82,14 @@
 #   - Python >= 3.11 (GPU_CHECK_PYTHON: an interpreter or a venv's folder; else python3) of the version and machine
 #     the wheelhouse was prepared for, with nothing installed (not even pip); its own packages are shadowed by the
 #     wheelhouse's; nothing is fetched;
-#   - the source is .gpu/llama-src.tar.gz (or SPECTER_SDIST); without either the build tries the registry.
+#   - the source is .gpu/llama-src.tar.xz (or SPECTER_SDIST); without either the build tries the registry.
 # Sized for one device-tool command (10 minutes at most, in a 15-minute lease that also pays the machine's start):
 # GPU_CHECK_BUDGET_S (default 575: run it with the device tool's timeout_s 600) bounds the whole run; the verify
 # steps stop early enough to leave GPU_CHECK_BENCH_S (default 110) for the bench model and its bench, and those
-# GPU_CHECK_BIG_S (default 250) for
-# step 6. With the CUDA build's ~170 s that leaves verify about half a minute on 16 cores, less the probe's seconds (breadth first: every
-# arch's first case); GPU_CHECK_BIG=0 gives step 6's time back to steps 4 and 5.
+# GPU_CHECK_BIG_S (default 250; 310 when the carried CUDA part is used) for step 6. With the CUDA build's ~170 s that
+# leaves verify about half a minute on 16 cores, less the probe's seconds (breadth first: every arch's first case);
+# with the CUDA part (a CPU build, estimated at 20-30 s there) about two minutes. GPU_CHECK_BIG=0 gives step 6's
+# time back to steps 4 and 5.
 # Other knobs: OUT (default out/gpu_check), GPU_CHECK_MODEL (default bench-qwen3moe; dry run tiny-qwen3moe),
 # GPU_CHECK_DEVICE (default cuda0), GPU_CHECK_PAR (verify runs at a time: 4, dry run 1), GPU_CHECK_REPEAT and
 # GPU_CHECK_BENCH_N (bench repeats and decode tokens: 2 and 32, dry run 1 and 8), GPU_CHECK_WORK (scratch folder,
@@ -126,7 +134,21 @@ if [ "${1:-}" = "--prepare" ]; then
         PLATFORMS+=(--platform "${p}_$ARCH")
     done
     TARGET=(--only-binary=:all: --python-version "$PYVER" --implementation cp --abi "$ABI" "${PLATFORMS[@]}")
-    "$PY" tools/build_llama.py --trim-sdist .gpu/llama-src.tar.gz || exit 2
+    rm -f .gpu/llama-src.tar.gz  # an older --prepare's name for it
+    "$PY" tools/build_llama.py --trim-sdist .gpu/llama-src.tar.xz || exit 2
+    # the GPU half of the CUDA build (tools/cuda_part.py), compiled here so that the lease does not: the CUDA build
+    # of this checkout for GPU_CHECK_CUDA_ARCH (default 90: H100, H200), incremental when one is cached, else about
+    # 15 min on 2 cores; where nvcc is missing or the build fails, the GPU machine builds CUDA itself
+    rm -f .gpu/cuda-part.tar.xz
+    if [ "${GPU_CHECK_CUDA_PART:-1}" != 0 ]; then
+        if SPECTER_CUDA=1 SPECTER_CUDA_ARCH=${GPU_CHECK_CUDA_ARCH:-90} "$PY" tools/build_llama.py &&
+            SPECTER_CUDA_ARCH=${GPU_CHECK_CUDA_ARCH:-90} "$PY" tools/cuda_part.py export .gpu/cuda-part.tar.xz; then
+            :
+        else
+            rm -f .gpu/cuda-part.tar.xz
+            echo "no CUDA part carried (see above): the GPU machine will build CUDA itself (~170 s of its lease)" >&2
+        fi
+    fi
     # one wheelhouse, for one Python: a second version would double numpy (~16 MB) against the 64 MiB carry limit
     rm -rf .gpu/wheels
     mkdir -p .gpu/wheels || exit 2
@@ -151,7 +173,7 @@ m = resolve_model("bench-qwen3moe", predictor=False)
 print(m, sidecar_path(m))') || exit 2
     [ -f "$side" ] || "$PY" -m pyspecter fit-predictor "$model" || exit 2
     cp "$side" .gpu/predictors/ || exit 2
-    ls -l .gpu/llama-src.tar.gz .gpu/wheels .gpu/predictors
+    ls -l .gpu/llama-src.tar.xz .gpu/cuda-part.tar.xz .gpu/wheels .gpu/predictors 2> /dev/null
     size=$(du -sb .gpu | cut -f1)
     echo ".gpu: $((size / 1024 / 1024)) MiB (Python $PYVER $ARCH wheels: $(du -sh .gpu/wheels | cut -f1))"
     # the device tool carries at most 64 MiB of ignored paths in all
@@ -282,9 +304,11 @@ def python(reqs, site, wheels=""):
 
 def build_detail(info_path, what):
     i = json.loads(Path(info_path).read_text())
-    c = i.get("cuda_setup") or {}
+    c, part = i.get("cuda_setup") or {}, i.get("cuda_part")
     print(f"{what}: key {i['key']}, built in {i['build_s']:.0f}s on {i['cpus']} cpus"
-          + (f", CUDA {c['release']} arch {c['arch']}, cuBLAS {c['cublas']}, libcuda {c['libcuda']}" if c else ""))
+          + (f", CUDA {c['release']} arch {c['arch']}, cuBLAS {c['cublas']}, libcuda {c['libcuda']}" if c else "")
+          + (f"; GPU half from CUDA build {part['key']} (CUDA {part['cuda_release']}, {part['cpus']} cpus)"
+             if part else ""))
 
 
 def _num(x):
@@ -597,7 +621,8 @@ else
     fi
     build_what="CUDA build, arch $SPECTER_CUDA_ARCH"
 fi
-if [ -z "${SPECTER_SDIST:-}" ] && [ -f .gpu/llama-src.tar.gz ]; then export SPECTER_SDIST=$REPO/.gpu/llama-src.tar.gz; fi
+if [ -z "${SPECTER_SDIST:-}" ] && [ -f .gpu/llama-src.tar.xz ]; then export SPECTER_SDIST=$REPO/.gpu/llama-src.tar.xz; fi
+PART=$REPO/.gpu/cuda-part.tar.xz  # the GPU half compiled by --prepare (tools/cuda_part.py); GPU_CHECK_CUDA_PART=0: not used
 # build_llama.py links what it builds into its interpreter's site-packages (a .pth): on the GPU machine that would
 # write into the system Python (or fail there for want of permission), on a dry run into GPU_CHECK_PYTHON's venv.
 # It runs from a scratch venv instead, which takes the link with it (the system's packages stay visible: a pip cmake)
@@ -621,9 +646,39 @@ if [ "$DRY" = 1 ] && [ "${GPU_CHECK_DRY_BUILD:-0}" != 1 ]; then
     fi
     build_rc=$RC
 else
-    run build 420 "$DEADLINE" "$WORK/build.txt" "$BPY" tools/build_llama.py
-    build_rc=$RC
-    PKG_ROOT=$("$BPY" tools/build_llama.py --print-root 2>/dev/null)
+    build_rc=1
+    if [ "$DRY" != 1 ] && [ "${GPU_CHECK_CUDA_PART:-1}" != 0 ] && [ -f "$PART" ]; then
+        # this machine's CPU build (native flags, seconds on 16 cores) with the carried libggml-cuda and libggml; it
+        # counts only if the device then opens through it: else a row says why, and CUDA is built here after all
+        run build 420 "$DEADLINE" "$WORK/build.txt" "$BPY" tools/cuda_part.py splice "$PART"
+        build_rc=$RC
+        PKG_ROOT=$("$BPY" tools/cuda_part.py --print-root "$PART" 2>/dev/null)
+        if [ "$build_rc" = 0 ]; then
+            splice_s=$SECS
+            run "cuda part" 120 "$DEADLINE" "$WORK/part_check.txt" env PYTHONPATH="$PKG_ROOT:$PYTHONPATH" "$PY" -c \
+                'import sys
+from pyspecter.native.devices import open_device
+print(open_device(sys.argv[1]))' "${GPU_CHECK_DEVICE:-cuda0}"
+            build_rc=$RC
+            SECS=$((splice_s + SECS))
+        fi
+        if [ "$build_rc" = 0 ]; then
+            build_what="$build_what: this machine's CPU build and the CUDA part carried in .gpu/"
+            # of the ~150 s not spent compiling CUDA, a minute more for step 6 (whose 16 GiB set its time guard
+            # may skip) and the rest to verify
+            if [ "$BIG" = 1 ] && [ -z "${GPU_CHECK_BIG_S:-}" ]; then BIG_S=310 BIG_FROM=$((DEADLINE - 310)); fi
+        else
+            f=$WORK/build.txt
+            [ -f "$WORK/part_check.txt" ] && f=$WORK/part_check.txt
+            record "build (carried CUDA part)" "$(status_of $build_rc)" "$SECS" \
+                "$(why $build_rc "$f"); building CUDA here instead"
+        fi
+    fi
+    if [ "$build_rc" != 0 ]; then
+        run build 420 "$DEADLINE" "$WORK/build.txt" "$BPY" tools/build_llama.py
+        build_rc=$RC
+        PKG_ROOT=$("$BPY" tools/build_llama.py --print-root 2>/dev/null)
+    fi
 fi
 BUILD_LOG=$(dirname "$PKG_ROOT")/build.log
 if [ -f "$BUILD_LOG" ]; then tail -n 150 "$BUILD_LOG" > "$OUT/build_log_tail.txt"; fi

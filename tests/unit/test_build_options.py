@@ -169,13 +169,21 @@ def test_cuda_extra_is_the_cublas_wheel(b) -> None:
     assert any(r.startswith("nvidia-cublas") for r in extras[b.CUDA_EXTRA])
 
 
+# what the build reads (CMakeLists.txt adds llama.cpp's vendor/ even with common off; src/models/ is not models/)
+KEPT = ("CMakeLists.txt", "llama_cpp/llama.py", "vendor/llama.cpp/src/llama.cpp", "vendor/llama.cpp/src/models/x.cpp",
+        "vendor/llama.cpp/vendor/miniaudio/CMakeLists.txt", "vendor/llama.cpp/ggml/src/ggml-cuda/mmq.cu",
+        "vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c", "vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp",
+        "vendor/llama.cpp/cmake/common.cmake")
+
+
 def _fake_sdist(tmp: Path, top: str) -> Path:
     path = tmp / "fake.tar.gz"
     with tarfile.open(path, "w:gz") as tf:
-        for name, data in {"CMakeLists.txt": b"project(x)", "vendor/llama.cpp/src/llama.cpp": b"int x;",
-                           "vendor/llama.cpp/models/ggml-vocab-x.gguf": b"GGUF" * 100,
+        for name, data in {**{k: b"kept" for k in KEPT}, "vendor/llama.cpp/models/ggml-vocab-x.gguf": b"GGUF" * 100,
                            ".git/modules/pack": b"pack", "vendor/llama.cpp/docs/ops/CUDA.csv": b"a,b",
-                           "vendor/llama.cpp/docs/build.md": b"# build"}.items():
+                           "vendor/llama.cpp/docs/build.md": b"# build", "vendor/llama.cpp/tools/ui/x.webp": b"x",
+                           "vendor/llama.cpp/ggml/src/ggml-vulkan/x.cpp": b"x", "examples/server/server.py": b"x",
+                           "vendor/llama.cpp/common/arg.cpp": b"x", "vendor/llama.cpp/tests/t.cpp": b"x"}.items():
             info = tarfile.TarInfo(f"{top}/{name}")
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
@@ -187,12 +195,12 @@ def test_trimmed_sdist_round_trip(b, tmp_path: Path, monkeypatch: pytest.MonkeyP
     pin = b.read_pin()
     top = pin["file"].removesuffix(".tar.gz")
     monkeypatch.setattr(b, "fetch_sdist", lambda p: _fake_sdist(tmp_path, top))
-    dest = tmp_path / "carry" / "llama-src.tar.gz"
+    dest = tmp_path / "carry" / "llama-src.tar.xz"
     b.trim_sdist(pin, dest)
     with tarfile.open(dest) as tf:
         names = set(tf.getnames())
         manifest = json.loads(tf.extractfile(f"{top}/{b.TRIM_MANIFEST}").read())
-    assert names == {f"{top}/CMakeLists.txt", f"{top}/vendor/llama.cpp/src/llama.cpp", f"{top}/{b.TRIM_MANIFEST}"}
+    assert names == {f"{top}/{k}" for k in KEPT} | {f"{top}/{b.TRIM_MANIFEST}"}
     assert manifest["sdist_sha256"] == pin["sha256"]
     assert b.local_sdist(pin) is None  # not asked for: fetch as usual
     monkeypatch.setenv("SPECTER_SDIST", str(dest))
