@@ -23,6 +23,11 @@ llama_pyspecter_slots::~llama_pyspecter_slots() {
     for (auto * b : mapped_bufs) {
         ggml_backend_buffer_free(b);
     }
+    for (auto & tab : tables) {
+        if (tab.log_host) {
+            ggml_backend_buffer_free(tab.log_host);
+        }
+    }
     for (auto * c : ctxs) {
         ggml_free(c);
     }

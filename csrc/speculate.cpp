@@ -43,6 +43,16 @@ bool llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
     // a redo reruns the ubatch on the memory its first pass left: a recurrent layer's state would advance twice
     const bool recurrent = llama_model_is_recurrent(model) || llama_model_is_hybrid(model);
     s->speculate = enabled && !(env && std::string(env) == "0") && !recurrent;
+    // where each table's log is read back into (redo): pinned memory where the device has a host type, so that CUDA
+    // copies it behind the ubatch and the scheduler's one wait covers it (into pageable memory the copy is staged
+    // and blocks the caller until the ubatch ends: a wait no counter sees); else pageable. Freed with the tables.
+    for (auto & tab : s->tables) {
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(tab.spec_log->buffer));
+        auto * pinned = s->speculate && !tab.log_host ? llama_pyspecter_pinned_buffer_type(dev) : nullptr;
+        if (pinned) {
+            tab.log_host = ggml_backend_buft_alloc_buffer(pinned, ggml_nbytes(tab.spec_log));
+        }
+    }
     return s->speculate;
 }
 
@@ -112,27 +122,36 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
     const int32_t n_used = s->n_used, n_rows = n_used * st->n_tokens;
     // each table's log is copied on its device's stream behind the ubatch, so that the one wait for the scheduler
     // covers the copy too (a get after it would wait on the device a second time: on CUDA a copy and a stream sync)
+    // (into the table's pinned log_host where it has one, else pageable memory here)
     thread_local std::vector<std::vector<int32_t>> logs;
+    thread_local std::vector<int32_t *> into;
     thread_local std::vector<ggml_backend_t> from;
+    const size_t n_log = (size_t) 2 * n_rows * s->layers.size(); // what this ubatch wrote: every layer's rows
     logs.resize(s->tables.size());
+    into.assign(s->tables.size(), nullptr);
     from.assign(s->tables.size(), nullptr);
     for (size_t t = 0; t < s->tables.size(); ++t) {
-        ggml_tensor * log = s->tables[t].spec_log;
-        logs[t].resize((size_t) 2 * n_rows * s->layers.size()); // what this ubatch wrote: every layer's rows
-        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(log->buffer));
+        const auto & tab = s->tables[t];
+        if (tab.log_host) {
+            into[t] = (int32_t *) ggml_backend_buffer_get_base(tab.log_host);
+        } else {
+            logs[t].resize(n_log);
+            into[t] = logs[t].data();
+        }
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(tab.spec_log->buffer));
         if ((from[t] = pyspecter_sched_backend(sched, dev))) {
-            ggml_backend_tensor_get_async(from[t], log, logs[t].data(), 0, logs[t].size() * sizeof(int32_t));
+            ggml_backend_tensor_get_async(from[t], tab.spec_log, into[t], 0, n_log * sizeof(int32_t));
         }
     }
     ggml_backend_sched_synchronize(sched);
     for (size_t t = 0; t < s->tables.size(); ++t) {
         if (!from[t]) {
-            ggml_backend_tensor_get(s->tables[t].spec_log, logs[t].data(), 0, logs[t].size() * sizeof(int32_t));
+            ggml_backend_tensor_get(s->tables[t].spec_log, into[t], 0, n_log * sizeof(int32_t));
         }
     }
     bool missed = false;
     for (auto * L : st->layers) { // a mapped layer's device read its misses from the host copy: nothing to redo
-        const int32_t * slots = logs[L->table].data() + pyspecter_log_offset(L, st->n_tokens);
+        const int32_t * slots = into[L->table] + pyspecter_log_offset(L, st->n_tokens);
         missed = missed || (!pyspecter_is_mapped(L) && any_zero(L, slots, n_rows));
     }
     s->counters.spec_ubatches++;
@@ -154,7 +173,7 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
         pyspecter_mark_passed(L);
     }
     for (auto * L : st->layers) {
-        pyspecter_route_settled(L, logs[L->table].data() + pyspecter_log_offset(L, st->n_tokens),
+        pyspecter_route_settled(L, into[L->table] + pyspecter_log_offset(L, st->n_tokens),
                                 st->n_tokens, n_used);
     }
     pyspecter_count_settle(pyspecter_now_ns() - t0);
