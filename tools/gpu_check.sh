@@ -24,8 +24,8 @@
 #      where the interpreter has none), every requirement's version checked, and `pyspecter --help` (the CLI imports)
 #   2. build: with .gpu/cuda-part.tar.xz, `tools/cuda_part.py splice`: this machine's CPU build (its own native
 #      flags; seconds on 16 cores) with the carried libggml-cuda and libggml, when they were built from the same
-#      sdist, patches, CMake options, architecture and CUDA major release, and only if the device then opens through
-#      it (a row says why not); else SPECTER_CUDA=1 tools/build_llama.py (~170 s on 16 cores), both from
+#      sdist, patches, CMake options, architecture and CUDA major release, and only if stock then decodes a fixture
+#      on the device through it to finite logits (a row says why not); else SPECTER_CUDA=1 tools/build_llama.py (~170 s on 16 cores), both from
 #      .gpu/llama-src.tar.xz (SPECTER_SDIST); one architecture (the GPU's compute capability, else 90;
 #      SPECTER_CUDA_ARCH wins), flash-attention kernels left out; its own cache key; the bindings are used through
 #      PYTHONPATH (--print-root), whatever the interpreter has linked
@@ -655,10 +655,21 @@ else
         PKG_ROOT=$("$BPY" tools/cuda_part.py --print-root "$PART" 2>/dev/null)
         if [ "$build_rc" = 0 ]; then
             splice_s=$SECS
+            # the device opens, and stock decodes a fixture on it (every weight there) to finite logits: a crash
+            # here is the splice's to answer for, so CUDA is then built here rather than the whole run lost
             run "cuda part" 120 "$DEADLINE" "$WORK/part_check.txt" env PYTHONPATH="$PKG_ROOT:$PYTHONPATH" "$PY" -c \
                 'import sys
+import numpy as np
+from pyspecter.models.catalog import resolve_model
 from pyspecter.native.devices import open_device
-print(open_device(sys.argv[1]))' "${GPU_CHECK_DEVICE:-cuda0}"
+from pyspecter.native.model import Context, Model
+dev = open_device(sys.argv[1])
+with Model(resolve_model("tiny-qwen3moe", predictor=False), device=dev, extra_bufts=True, n_cpu_moe=0) as m:
+    with Context(m, n_ctx=64) as ctx:
+        logits = ctx.decode([1, 2, 3, 4, 5, 6, 7, 8])
+assert np.isfinite(logits).all(), "NaN or inf in the logits"
+print(f"stock decodes tiny-qwen3moe on {sys.argv[1]} through the spliced build: finite logits")' \
+                "${GPU_CHECK_DEVICE:-cuda0}"
             build_rc=$RC
             SECS=$((splice_s + SECS))
         fi
