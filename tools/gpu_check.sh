@@ -389,7 +389,10 @@ def probe_detail(path):
     print(f"sync {p['sync_us']:.1f} us, host visit {p['visit_us']:.1f} us; one expert uploaded "
           f"{p['upload_expert_us']:.0f} us, read zero-copy {p['zero_copy_expert_us']:.0f} us (from device memory "
           f"{p['device_expert_us']:.0f}); H2D {p['h2d_pinned_gbps']:.1f} GB/s pinned, {p['h2d_pageable_gbps']:.1f} "
-          f"pageable; zero-copy reads {p['zero_copy_gbps']:.1f} GB/s, device {p['device_read_gbps']:.0f}")
+          f"pageable; zero-copy reads {p['zero_copy_gbps']:.1f} GB/s, device {p['device_read_gbps']:.0f}"
+          + (f"; a landing waited {p['wait_spin_us']:.0f} us ({p['wait_spin_cpu_us']:.0f} us CPU), with a "
+             f"blocking event {p['wait_block_us']:.0f} us ({p['wait_block_cpu_us']:.0f} us CPU)"
+             if "wait_spin_us" in p else ""))
 
 
 def device_table(bench_json, out):

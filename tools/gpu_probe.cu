@@ -13,6 +13,12 @@
 //   zero_copy_gbps      that read over many experts' bytes
 //   device_expert_us    the same kernel over one expert in device memory: a resident expert's read
 //   device_read_gbps    that over many experts' bytes
+//   wait_spin_us        one expert uploaded on a stream of its own, then an event of ggml's kind (no flags) recorded
+//   wait_spin_cpu_us    and synchronised, as pyspecter's readers wait for a batch to land: the wall time, and the
+//                       waiting thread's CPU time (spinning: about the same; CUDA's default scheduling spins where
+//                       the host has more cores than the process has contexts)
+//   wait_block_us       the same with a cudaEventBlockingSync event: what a blocking wait would cost in latency, and
+//   wait_block_cpu_us   the core it would give back to llama.cpp's CPU threads (host layers, --miss cpu)
 //
 //   nvcc -O2 -arch=sm_90 tools/gpu_probe.cu -o gpu_probe && ./gpu_probe [--expert-bytes N] [--pack-bytes N]
 //                                                                      [--rows-bytes N] [--device I]
@@ -29,7 +35,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <vector>
+
+static double thread_cpu_us() {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
 
 static double now_us() {
     return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -220,13 +233,42 @@ int main(int argc, char ** argv) {
     const double device_expert_us = read(d_big, expert_bytes, 50);
     const double device_read_gbps = big / (read(d_big, big, 5) * 1e3);
 
+    // a landing waited for, as a reader waits: wall and the waiting thread's CPU time, per event kind
+    cudaStream_t up;
+    CHECK(cudaStreamCreateWithFlags(&up, cudaStreamNonBlocking));
+    auto wait = [&](unsigned flags, double * cpu_us) {
+        cudaEvent_t ev;
+        CHECK(cudaEventCreateWithFlags(&ev, flags));
+        std::vector<double> cpu;
+        const double us = timed(50, 5, [&](int i) {
+            const size_t off = (size_t) (i % n_rate) * expert_bytes;
+            CHECK(cudaMemcpyAsync((char *) d_big + off, (const char *) h_pinned + off, expert_bytes,
+                                  cudaMemcpyHostToDevice, up));
+            CHECK(cudaEventRecord(ev, up));
+            const double c0 = thread_cpu_us();
+            CHECK(cudaEventSynchronize(ev));
+            cpu.push_back(thread_cpu_us() - c0);
+        });
+        cpu.erase(cpu.begin(), cpu.begin() + 5); // the warm-up repeats, as timed() leaves them out
+        *cpu_us = median(cpu);
+        CHECK(cudaEventDestroy(ev));
+        return us;
+    };
+    double wait_spin_cpu_us = 0, wait_block_cpu_us = 0;
+    const double wait_spin_us = wait(cudaEventDisableTiming, &wait_spin_cpu_us);
+    const double wait_block_us = wait(cudaEventDisableTiming | cudaEventBlockingSync, &wait_block_cpu_us);
+    CHECK(cudaStreamDestroy(up));
+
     printf("{\"device\": \"%s\", \"cc\": \"%d.%d\", \"sms\": %d, \"expert_bytes\": %zu, \"pack_bytes\": %zu, "
            "\"rows_bytes\": %zu, \"sync_us\": %.2f, \"visit_us\": %.2f, \"upload_expert_us\": %.2f, "
            "\"h2d_pinned_gbps\": %.2f, \"h2d_pageable_gbps\": %.2f, \"zero_copy_expert_us\": %.2f, "
-           "\"zero_copy_gbps\": %.2f, \"device_expert_us\": %.2f, \"device_read_gbps\": %.2f}\n",
+           "\"zero_copy_gbps\": %.2f, \"device_expert_us\": %.2f, \"device_read_gbps\": %.2f, "
+           "\"wait_spin_us\": %.2f, \"wait_spin_cpu_us\": %.2f, \"wait_block_us\": %.2f, "
+           "\"wait_block_cpu_us\": %.2f}\n",
            prop.name, prop.major, prop.minor, prop.multiProcessorCount, expert_bytes, pack_bytes, rows_bytes,
            sync_us, visit_us, upload_expert_us, h2d_pinned_gbps, h2d_pageable_gbps, zero_copy_expert_us,
-           zero_copy_gbps, device_expert_us, device_read_gbps);
+           zero_copy_gbps, device_expert_us, device_read_gbps, wait_spin_us, wait_spin_cpu_us, wait_block_us,
+           wait_block_cpu_us);
 
     cudaFreeHost(h_pinned);
     cudaFreeHost(h_pack);

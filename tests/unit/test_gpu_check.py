@@ -166,7 +166,8 @@ def test_verify_rows_use_the_contract_when_verify_reports_one(gc, tmp_path: Path
 
 
 PROBE_KEYS = {"sync_us", "visit_us", "upload_expert_us", "h2d_pinned_gbps", "h2d_pageable_gbps",
-              "zero_copy_expert_us", "zero_copy_gbps", "device_expert_us", "device_read_gbps"}
+              "zero_copy_expert_us", "zero_copy_gbps", "device_expert_us", "device_read_gbps", "wait_spin_us",
+              "wait_spin_cpu_us", "wait_block_us", "wait_block_cpu_us"}
 
 
 def _nvcc() -> str | None:
@@ -199,6 +200,7 @@ def test_the_probe_row_names_every_measurement(gc, tmp_path: Path, capsys: pytes
     gc.probe_detail(str(f))
     row = capsys.readouterr().out
     assert row.startswith("sync 7.2 us, host visit 31.0 us;") and "zero-copy reads 1.5 GB/s" in row
+    assert row.endswith("a landing waited 2 us (2 us CPU), with a blocking event 2 us (2 us CPU)\n")
 
 
 def test_the_benches_fall_back_to_zero_slots_only_where_negative_ids_alone_failed(gc, tmp_path: Path,
