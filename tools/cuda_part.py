@@ -202,6 +202,9 @@ def splice(part: Path, print_root: bool = False) -> None:
         (staging / "BUILD_INFO.json").write_text(json.dumps(info, indent=1))
         shutil.rmtree(pkg_root, ignore_errors=True)
         staging.rename(pkg_root)
+        log = cpu_root.parent / "build.log"  # what was compiled here: the CPU build's (gpu_check keeps its tail)
+        if log.is_file() and not (out / "build.log").exists():
+            (out / "build.log").symlink_to(log)
         print(f"llama.cpp CUDA build {out.name}: this machine's CPU build {cpu_root.parent.name} with the CUDA part "
               f"of build {manifest['built']['key']} (CUDA {manifest['cuda_release']}, arch {manifest['arch']})")
     else:

@@ -92,3 +92,15 @@ def test_a_part_that_does_not_fit_exits_3_saying_why(cp, tmp_path: Path, capsys:
         cp.splice(part)
     assert e.value.code == 3 and "sdist_sha256 differs" in capsys.readouterr().err
     assert not (tmp_path / "cache").exists()
+
+
+def test_nothing_of_ours_is_compiled_differently_for_cuda() -> None:
+    """The splice takes libllama (csrc/ and llama.cpp's src/) from the CPU build. A full CUDA build compiles them
+    with GGML_USE_CUDA (a PUBLIC definition of ggml), so code of ours that tested it would differ between the two,
+    unseen by the manifest: none may (llama.cpp's own src/ has none, read in the pinned sdist on 2026-12-07)."""
+    ours = [p for p in (ROOT / "csrc").rglob("*") if p.is_file()]
+    hits = [f"{p.relative_to(ROOT)}" for p in ours if "GGML_USE_" in p.read_text(errors="replace")]
+    for patch in sorted((ROOT / "patches").glob("*.patch")):
+        added = [ln for ln in patch.read_text(errors="replace").splitlines() if ln.startswith("+")]
+        hits += [f"{patch.name}" for ln in added if "GGML_USE_" in ln]
+    assert not hits, f"GGML_USE_* in {sorted(set(hits))}: the CUDA part's splice would build these differently"
