@@ -88,8 +88,8 @@
 # steps stop early enough to leave GPU_CHECK_BENCH_S (default 110) for the bench model and its bench, and those
 # GPU_CHECK_BIG_S (default 250; 310 when the carried CUDA part is used) for step 6. With the CUDA build's ~170 s that
 # leaves verify about half a minute on 16 cores, less the probe's seconds (breadth first: every arch's first case);
-# with the CUDA part (a CPU build, estimated at 20-30 s there) about two minutes. GPU_CHECK_BIG=0 gives step 6's
-# time back to steps 4 and 5.
+# with the CUDA part (a CPU build and a decode check, estimated at 30-40 s there) about a minute and a half.
+# GPU_CHECK_BIG=0 gives step 6's time back to steps 4 and 5.
 # Other knobs: OUT (default out/gpu_check), GPU_CHECK_MODEL (default bench-qwen3moe; dry run tiny-qwen3moe),
 # GPU_CHECK_DEVICE (default cuda0), GPU_CHECK_PAR (verify runs at a time: 4, dry run 1), GPU_CHECK_REPEAT and
 # GPU_CHECK_BENCH_N (bench repeats and decode tokens: 2 and 32, dry run 1 and 8), GPU_CHECK_WORK (scratch folder,
