@@ -75,7 +75,7 @@
 # $OUT/results.json (every step; the JSON that verify and
 # bench printed), $OUT/build_log_tail.txt, $OUT/bench.json and $OUT/gpu_check.log (every command's output).
 #
-# Assumptions about the GPU machine (this workplace's H200 kind: 16 cores, no network; run by the device tool):
+# Assumptions about the GPU machine (this workplace's H100 and H200 kinds: compute capability 9.0, 16 cores, no network; run by the device tool):
 #   - bash with coreutils (timeout), a C/C++ compiler, CMake >= 3.18 on PATH or as this Python's `cmake` package;
 #   - nvcc (CUDA 12 or 13) at $CUDACXX, $CUDA_HOME/bin, /usr/local/cuda/bin or on PATH; the driver's libcuda.so.1;
 #   - cuBLAS in that toolkit or as NVIDIA's wheel in the Python (nvidia-cublas for CUDA 13, as PyTorch brings it);
