@@ -75,7 +75,8 @@
 # $OUT/results.json (every step; the JSON that verify and
 # bench printed), $OUT/build_log_tail.txt, $OUT/bench.json and $OUT/gpu_check.log (every command's output).
 #
-# Assumptions about the GPU machine (this workplace's H100 and H200 kinds: compute capability 9.0, 16 cores, no network; run by the device tool):
+# Assumptions about the GPU machine (this workplace's H100 and H200 kinds: compute capability 9.0, 16 cores, no
+# network; run by the device tool):
 #   - bash with coreutils (timeout), a C/C++ compiler, CMake >= 3.18 on PATH or as this Python's `cmake` package;
 #   - nvcc (CUDA 12 or 13) at $CUDACXX, $CUDA_HOME/bin, /usr/local/cuda/bin or on PATH; the driver's libcuda.so.1;
 #   - cuBLAS in that toolkit or as NVIDIA's wheel in the Python (nvidia-cublas for CUDA 13, as PyTorch brings it);
@@ -142,7 +143,8 @@ if [ "${1:-}" = "--prepare" ]; then
     rm -f .gpu/cuda-part.tar.xz
     if [ "${GPU_CHECK_CUDA_PART:-1}" != 0 ]; then
         # as gpu_check builds there: flash attention's kernels left out whatever this shell says
-        if env -u SPECTER_CUDA_FA SPECTER_CUDA=1 SPECTER_CUDA_ARCH=${GPU_CHECK_CUDA_ARCH:-90} "$PY" tools/build_llama.py &&
+        if env -u SPECTER_CUDA_FA SPECTER_CUDA=1 SPECTER_CUDA_ARCH=${GPU_CHECK_CUDA_ARCH:-90} \
+            "$PY" tools/build_llama.py &&
             env -u SPECTER_CUDA_FA SPECTER_CUDA_ARCH=${GPU_CHECK_CUDA_ARCH:-90} "$PY" tools/cuda_part.py export \
                 .gpu/cuda-part.tar.xz; then
             :
