@@ -181,7 +181,7 @@ struct llama_pyspecter_table {
     // token-major; pyspecter_log_offset), room for PYSPECTER_LOG_MAX_TOKENS tokens. Packed by the ubatch's own size,
     // so speculate.cpp reads back what was written, in one copy: a decode token's log is 2 * n_used values a layer
     ggml_tensor * spec_log = nullptr;
-    ggml_backend_buffer_t log_host = nullptr; // pinned host memory spec_log is read back into (slots.cpp), or none
+    ggml_backend_buffer_t log_host = nullptr; // pinned memory the log is read into (set_speculate), or none
     std::vector<int32_t> image; // what the device holds
     bool dirty = false;         // remap changed since the image was last pushed
 };

@@ -33,6 +33,11 @@ bool any_zero(const llama_pyspecter_layer * L, const int32_t * slots, int32_t n_
 
 } // namespace
 
+// the device a table's speculation log is written on
+static ggml_backend_dev_t log_device(const llama_pyspecter_table & tab) {
+    return ggml_backend_buft_get_device(ggml_backend_buffer_get_type(tab.spec_log->buffer));
+}
+
 bool llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
     // SPECTER_SPECULATE=0 keeps it off whatever the caller asks: the same run with and without, for benchmarks
     const char * env = std::getenv("SPECTER_SPECULATE");
@@ -47,8 +52,7 @@ bool llama_pyspecter_set_speculate(llama_model * model, bool enabled) {
     // copies it behind the ubatch and the scheduler's one wait covers it (into pageable memory the copy is staged
     // and blocks the caller until the ubatch ends: a wait no counter sees); else pageable. Freed with the tables.
     for (auto & tab : s->tables) {
-        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(tab.spec_log->buffer));
-        auto * pinned = s->speculate && !tab.log_host ? llama_pyspecter_pinned_buffer_type(dev) : nullptr;
+        auto * pinned = s->speculate && !tab.log_host ? llama_pyspecter_pinned_buffer_type(log_device(tab)) : nullptr;
         if (pinned) {
             tab.log_host = ggml_backend_buft_alloc_buffer(pinned, ggml_nbytes(tab.spec_log));
         }
@@ -138,8 +142,7 @@ bool llama_pyspecter_redo(llama_pyspecter_slots * s, ggml_backend_sched * sched)
             logs[t].resize(n_log);
             into[t] = logs[t].data();
         }
-        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(tab.spec_log->buffer));
-        if ((from[t] = pyspecter_sched_backend(sched, dev))) {
+        if ((from[t] = pyspecter_sched_backend(sched, log_device(tab)))) {
             ggml_backend_tensor_get_async(from[t], tab.spec_log, into[t], 0, n_log * sizeof(int32_t));
         }
     }

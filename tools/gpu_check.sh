@@ -674,7 +674,7 @@ else
     build_rc=1
     if [ "$DRY" != 1 ] && [ "${GPU_CHECK_CUDA_PART:-1}" != 0 ] && [ -f "$PART" ]; then
         # this machine's CPU build (native flags, seconds on 16 cores) with the carried libggml-cuda and libggml; it
-        # counts only if the device then opens through it: else a row says why, and CUDA is built here after all
+        # counts only if stock then decodes on the device through it: else a row says why, and CUDA is built here
         run build 420 "$DEADLINE" "$WORK/build.txt" "$BPY" tools/cuda_part.py splice "$PART"
         build_rc=$RC
         PKG_ROOT=$("$BPY" tools/cuda_part.py --print-root "$PART" 2>/dev/null)
