@@ -55,8 +55,16 @@ void llama_pyspecter_context_gone(llama_pyspecter_slots * slots, ggml_backend_sc
 // Speculating that a ubatch hits (csrc/speculate.cpp). A slot layer whose rows all hit still visits the host in
 // its split form; a speculated graph has no host path at all (misses read zero slots) and logs on the device what
 // each slot path looked up. Before each ubatch's graph is taken (llama_context::process_ubatch, after its memory
-// context is applied): true when the scheduler's graph was built in the other form and must be built again.
+// context is applied): decides the form this thread's next graph is built in, and is true when the scheduler's last
+// graph was built in the other form (it must be built again: the arenas below differ too, but exactness does not
+// rest on that).
 bool llama_pyspecter_begin_ubatch(llama_pyspecter_slots * slots, ggml_backend_sched * sched, int n_tokens);
+
+// Whether the graph this thread builds next is speculated (begin_ubatch decided; false outside a ubatch).
+// llama_context keeps it in graph arenas of its own (get_gf_res_prev), so that each form's tensors keep their
+// addresses from one build to the next: ggml-cuda keys a captured CUDA graph by its first node's address, and two
+// forms in one arena would restart each other's warm-up (two runs without a graph) at every change of form.
+bool llama_pyspecter_speculating();
 
 // After the ubatch's graph has computed: true when it was speculated and a row missed. The caller then runs the
 // same ubatch again (its KV cells are rewritten) without taking its memory context again; this time the graph is

@@ -349,6 +349,10 @@ pyspecter_spec * pyspecter_build_state() {
     return t_building;
 }
 
+bool llama_pyspecter_speculating() {
+    return t_speculate;
+}
+
 // Whether slot layer L of the graph being built is built speculated, given whether it could be (eligible); the
 // graph's first slot layer records the form the graph is built in.
 static bool speculate_layer(llama_pyspecter_layer * L, bool eligible) {

@@ -157,3 +157,44 @@ def test_turned_off_between_decodes_the_graph_keeps_its_host_paths_again(dev: De
         got[speculate] = (np.stack(rows), before, after)
     assert np.array_equal(got[True][0], got[False][0])
     assert got[True][1] == 4 and got[True][2] == 4
+
+
+def test_each_form_keeps_a_graph_arena_of_its_own(dev: Device) -> None:
+    """ggml-cuda keys a captured CUDA graph by its split's first node's address, and a graph whose nodes changed
+    runs twice without one before it is captured again. So a speculated graph and one with host paths are built in
+    arenas of their own (patch 0007): a node of one form never has the other's address, and each form's is the
+    same from one ubatch to the next, so that switching forms after a miss keeps both forms' CUDA graphs warm."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp import _ggml
+
+    get_name = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(("ggml_get_name", _ggml.libggml))
+    seen: list[int] = []
+
+    def on_eval(addr: int, ask: bool, _ud) -> bool:
+        if ask and get_name(addr) == b"attn_norm-0":  # the first layer's: one a graph computed
+            seen.append(addr)
+        return not ask  # wanting no node's data, each split runs whole
+
+    cb = llama_cpp.ggml_backend_sched_eval_callback(on_eval)
+    forms: dict[str, set[int]] = {"speculated": set(), "host paths": set()}
+    path = build_tiny("tiny-qwen3moe")
+    with slotted(path, dev, speculate=True) as (m, _, lay), native.Context(m, cb_eval=cb) as ctx:
+        evict(m, lay, lay.n_expert)  # expert 0 of each layer: tokens that route to it miss and are redone
+        ctx.decode(m.tokenize(PROMPT))
+        token = 5
+        for _ in range(N_TOKENS):
+            s0, seen[:] = native.device_stats(m.ptr), []
+            lg = ctx.decode([token])
+            s1, token = native.device_stats(m.ptr), int(np.argmax(lg))
+            spec, redo = s1.spec_ubatches - s0.spec_ubatches, s1.spec_redos - s0.spec_redos
+            # one graph computed, or a speculated one and then its redo with host paths
+            assert len(seen) == 1 + redo, (seen, spec, redo)
+            forms["speculated" if spec else "host paths"].add(seen[0])
+            if redo:
+                forms["host paths"].add(seen[1])
+        stats = native.device_stats(m.ptr)
+    assert stats.spec_redos > 0 and stats.spec_ubatches > stats.spec_redos, stats.as_dict()  # both forms ran
+    assert len(forms["speculated"]) == 1 and len(forms["host paths"]) == 1, forms
+    assert not forms["speculated"] & forms["host paths"], forms
