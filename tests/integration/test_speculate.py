@@ -159,42 +159,53 @@ def test_turned_off_between_decodes_the_graph_keeps_its_host_paths_again(dev: De
     assert got[True][1] == 4 and got[True][2] == 4
 
 
-def test_each_form_keeps_a_graph_arena_of_its_own(dev: Device) -> None:
-    """ggml-cuda keys a captured CUDA graph by its split's first node's address, and a graph whose nodes changed
-    runs twice without one before it is captured again. So a speculated graph and one with host paths are built in
-    arenas of their own (patch 0007): a node of one form never has the other's address, and each form's is the
-    same from one ubatch to the next, so that switching forms after a miss keeps both forms' CUDA graphs warm."""
+def test_each_form_keeps_its_cuda_graph(dev: Device) -> None:
+    """ggml-cuda captures a split's CUDA graph once its nodes are the same on two runs, keys it by the split's
+    first node's address, and runs without one again whenever a node changed (its address, op, shape, strides, op
+    params, data or a source's data: ``ggml_cuda_graph_update_required``). So each form's graph must be the same
+    from one token to the next, and the two forms must share no node: they are built in arenas of their own (patch
+    0007), so switching forms after a miss keeps both captured. Read through the eval callback, every node of every
+    compute. (The first speculated ubatch makes the scheduler plan its compute buffer again, so the form with host
+    paths moves once, from the reserve's plan to its own: one warm-up, counted from there.)"""
     import ctypes
 
     import llama_cpp
     from llama_cpp import _ggml
 
+    from pyspecter.models.calibration import _GgmlTensor
+
     get_name = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(("ggml_get_name", _ggml.libggml))
-    seen: list[int] = []
+    computes: list[list[tuple]] = []
 
     def on_eval(addr: int, ask: bool, _ud) -> bool:
-        if ask and get_name(addr) == b"attn_norm-0":  # the first layer's: one a graph computed
-            seen.append(addr)
+        if ask:
+            name = get_name(addr)
+            if not computes or computes[-1][0][0] == name:  # the graph's first node again: its next compute
+                computes.append([])
+            srcs = tuple((s, _GgmlTensor.from_address(s).data) for s in _GgmlTensor.from_address(addr).src if s)
+            computes[-1].append((name, addr, ctypes.string_at(addr, ctypes.sizeof(_GgmlTensor)), srcs))
         return not ask  # wanting no node's data, each split runs whole
 
     cb = llama_cpp.ggml_backend_sched_eval_callback(on_eval)
-    forms: dict[str, set[int]] = {"speculated": set(), "host paths": set()}
+    ran: list[tuple[bool, tuple]] = []  # (speculated, the compute's nodes) in order
     path = build_tiny("tiny-qwen3moe")
     with slotted(path, dev, speculate=True) as (m, _, lay), native.Context(m, cb_eval=cb) as ctx:
         evict(m, lay, lay.n_expert)  # expert 0 of each layer: tokens that route to it miss and are redone
         ctx.decode(m.tokenize(PROMPT))
         token = 5
         for _ in range(N_TOKENS):
-            s0, seen[:] = native.device_stats(m.ptr), []
+            s0, computes[:] = native.device_stats(m.ptr), []
             lg = ctx.decode([token])
             s1, token = native.device_stats(m.ptr), int(np.argmax(lg))
             spec, redo = s1.spec_ubatches - s0.spec_ubatches, s1.spec_redos - s0.spec_redos
             # one graph computed, or a speculated one and then its redo with host paths
-            assert len(seen) == 1 + redo, (seen, spec, redo)
-            forms["speculated" if spec else "host paths"].add(seen[0])
+            assert len(computes) == 1 + redo, (len(computes), spec, redo)
+            ran.append((spec == 1, tuple(computes[0])))
             if redo:
-                forms["host paths"].add(seen[1])
-        stats = native.device_stats(m.ptr)
-    assert stats.spec_redos > 0 and stats.spec_ubatches > stats.spec_redos, stats.as_dict()  # both forms ran
-    assert len(forms["speculated"]) == 1 and len(forms["host paths"]) == 1, forms
-    assert not forms["speculated"] & forms["host paths"], forms
+                ran.append((False, tuple(computes[1])))
+    first = next(i for i, (spec, _) in enumerate(ran) if spec)
+    forms = {spec: {nodes for s, nodes in ran[first:] if s == spec} for spec in (True, False)}
+    assert sum(not s for s, _ in ran[first:]) >= 2 and sum(s for s, _ in ran) >= 2, [s for s, _ in ran]
+    assert len(forms[True]) == 1 and len(forms[False]) == 1, {k: len(v) for k, v in forms.items()}
+    (spec_nodes,), (host_nodes,) = forms[True], forms[False]
+    assert not {n[1] for n in spec_nodes} & {n[1] for n in host_nodes}
