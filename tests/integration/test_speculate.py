@@ -159,14 +159,12 @@ def test_turned_off_between_decodes_the_graph_keeps_its_host_paths_again(dev: De
     assert got[True][1] == 4 and got[True][2] == 4
 
 
-def test_each_form_keeps_its_cuda_graph(dev: Device) -> None:
-    """ggml-cuda captures a split's CUDA graph once its nodes are the same on two runs, keys it by the split's
-    first node's address, and runs without one again whenever a node changed (its address, op, shape, strides, op
-    params, data or a source's data: ``ggml_cuda_graph_update_required``). So each form's graph must be the same
-    from one token to the next, and the two forms must share no node: they are built in arenas of their own (patch
-    0007), so switching forms after a miss keeps both captured. Read through the eval callback, every node of every
-    compute. (The first speculated ubatch makes the scheduler plan its compute buffer again, so the form with host
-    paths moves once, from the reserve's plan to its own: one warm-up, counted from there.)"""
+def computed_graphs(dev: Device, *, evicted: bool = True, **slotted_kw) -> list[tuple[bool, tuple]]:
+    """Every node of every graph computed for N_TOKENS one-token decodes after the prompt, in order, with whether
+    the graph was speculated; each node as ggml-cuda compares it to keep a captured CUDA graph (its address, its
+    tensor's fields, its sources' addresses and data: ``ggml_cuda_graph_update_required``). Read through the eval
+    callback; ``evicted``: expert 0 of each layer out of its slot under static residency (tokens that route to it
+    miss: speculated ones are redone)."""
     import ctypes
 
     import llama_cpp
@@ -187,10 +185,11 @@ def test_each_form_keeps_its_cuda_graph(dev: Device) -> None:
         return not ask  # wanting no node's data, each split runs whole
 
     cb = llama_cpp.ggml_backend_sched_eval_callback(on_eval)
-    ran: list[tuple[bool, tuple]] = []  # (speculated, the compute's nodes) in order
+    ran: list[tuple[bool, tuple]] = []
     path = build_tiny("tiny-qwen3moe")
-    with slotted(path, dev, speculate=True) as (m, _, lay), native.Context(m, cb_eval=cb) as ctx:
-        evict(m, lay, lay.n_expert)  # expert 0 of each layer: tokens that route to it miss and are redone
+    with slotted(path, dev, **slotted_kw) as (m, _, lay), native.Context(m, cb_eval=cb) as ctx:
+        if evicted:
+            evict(m, lay, lay.n_expert)
         ctx.decode(m.tokenize(PROMPT))
         token = 5
         for _ in range(N_TOKENS):
@@ -203,9 +202,36 @@ def test_each_form_keeps_its_cuda_graph(dev: Device) -> None:
             ran.append((spec == 1, tuple(computes[0])))
             if redo:
                 ran.append((False, tuple(computes[1])))
-    first = next(i for i, (spec, _) in enumerate(ran) if spec)
-    forms = {spec: {nodes for s, nodes in ran[first:] if s == spec} for spec in (True, False)}
-    assert sum(not s for s, _ in ran[first:]) >= 2 and sum(s for s, _ in ran) >= 2, [s for s, _ in ran]
+    return ran
+
+
+def graphs_by_form(ran: list[tuple[bool, tuple]]) -> dict[bool, set[tuple]]:
+    """The distinct graphs each form computed, from the first speculated one on (it makes the scheduler plan its
+    compute buffer again: the form with host paths moves once, from the reserve's plan to its own)."""
+    first = next((i for i, (spec, _) in enumerate(ran) if spec), 0)
+    return {spec: {nodes for s, nodes in ran[first:] if s == spec} for spec in (True, False)}
+
+
+def test_each_form_keeps_its_cuda_graph(dev: Device) -> None:
+    """ggml-cuda keys a captured CUDA graph by its split's first node's address and runs without one again when a
+    node changed. So each form's graph is the same from one token to the next, and the two forms share no node:
+    they are built in arenas of their own (patch 0007), so switching forms after a miss keeps both captured."""
+    ran = computed_graphs(dev, speculate=True)
+    assert sum(not s for s, _ in ran) >= 3 and sum(s for s, _ in ran) >= 2, [s for s, _ in ran]  # both forms ran
+    forms = graphs_by_form(ran)
     assert len(forms[True]) == 1 and len(forms[False]) == 1, {k: len(v) for k, v in forms.items()}
     (spec_nodes,), (host_nodes,) = forms[True], forms[False]
     assert not {n[1] for n in spec_nodes} & {n[1] for n in host_nodes}
+
+
+@pytest.mark.parametrize("how", ["lru", "lru-speculated", "lru-mapped"])
+def test_a_graph_under_lru_is_the_same_every_token(how: str, dev: Device) -> None:
+    """Uploads, evictions and table pushes change data, never a node: under LRU (its slots moving every token), with
+    host paths, speculated, or reading misses from the host copy, each form's graph stays as ggml-cuda captured it."""
+    n_expert = read_layout(build_tiny("tiny-qwen3moe")).n_expert
+    ran = computed_graphs(dev, evicted=False, speculate=how != "lru", hook=True, n_slots=n_expert - 2,
+                          mapped=how == "lru-mapped")
+    forms = graphs_by_form(ran)
+    assert all(len(v) <= 1 for v in forms.values()), {k: len(v) for k, v in forms.items()}
+    if how != "lru":
+        assert forms[True], [s for s, _ in ran]
