@@ -51,9 +51,20 @@ void copy_cut(char * dst, const char * src, size_t cap) {
     dst[n] = '\0';
 }
 
+// ggml-cuda's graph lines (GGML_LOG_DEBUG in ggml_backend_cuda_graph_compute, on the thread computing the graph)
+thread_local int64_t t_graph_warmups = 0;
+thread_local int64_t t_graph_resets  = 0;
+
 void on_log(enum ggml_log_level level, const char * text, void * /*user_data*/) {
     if (text == nullptr) {
         return;
+    }
+    if (level == GGML_LOG_LEVEL_DEBUG) { // before the lock: a graph's lines come once a compute, from its thread
+        if (strstr(text, "CUDA graph warmup complete") != nullptr) {
+            t_graph_warmups++;
+        } else if (strstr(text, "CUDA graph warmup reset") != nullptr) {
+            t_graph_resets++;
+        }
     }
     log_memory & m = memory();
     std::lock_guard<std::mutex> lock(m.mu);
@@ -148,6 +159,18 @@ void pyspecter_log_exception(const char * where, const char * what) noexcept {
         LLAMA_LOG_ERROR("pyspecter: %s: %s\n", where, what);
     } catch (...) {
         // logging is best effort; the status code carries the failure
+    }
+}
+
+void pyspecter_cuda_graph_counts(int64_t * warmups, int64_t * resets, bool reset) noexcept {
+    if (warmups) {
+        *warmups = t_graph_warmups;
+    }
+    if (resets) {
+        *resets = t_graph_resets;
+    }
+    if (reset) {
+        t_graph_warmups = t_graph_resets = 0;
     }
 }
 

@@ -237,6 +237,7 @@ void pyspecter_count_settle(int64_t ns) {
 void llama_pyspecter_get_sync_counts(struct llama_pyspecter_sync_counts * out) {
     if (out) {
         *out = t_sync;
+        pyspecter_cuda_graph_counts(&out->cuda_graph_warmups, &out->cuda_graph_resets, false);
     }
 }
 
@@ -244,4 +245,5 @@ void llama_pyspecter_sync_counts_reset(void) {
     // the last kind stays: a token's first split switches from the previous token's last, so that a token of
     // steady decode counts every boundary it crosses, as many as the graph has splits
     t_sync = {};
+    pyspecter_cuda_graph_counts(nullptr, nullptr, true);
 }

@@ -139,6 +139,9 @@ def rows(bench: dict) -> list[dict]:
             "device_launch_ms": p.get("device_launch_ms_per_token"),
             # ... and after a speculated ubatch, residency's bookkeeping from the log (the device idle meanwhile)
             "host_settle_ms": p.get("host_settle_ms_per_token"),
+            # ggml-cuda's CUDA graphs a token: captured, and dropped because a node changed (then launched op by op)
+            "cuda_graph_warmups_per_token": p.get("cuda_graph_warmups_per_token"),
+            "cuda_graph_resets_per_token": p.get("cuda_graph_resets_per_token"),
             # what a token moved over its own time: the issue's "effective" rate (58.8 MB in an 11.8 ms token)
             "upload_gbps": p["bytes_per_token"] / (tpot * 1e6) if p.get("bytes_per_token") else 0.0,
             # ... and the copies' own rate (bytes over the time some batch was in flight, first copy to landing): near

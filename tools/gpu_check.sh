@@ -439,6 +439,9 @@ def device_table(bench_json, out):
         if p.get("spec_ubatches_per_token"):  # ubatches with no host visit, and those a miss ran again
             note = (note + "; " if note else "") + (f"speculated {p['spec_ubatches_per_token']:.2f}/token, "
                                                     f"redone {p.get('spec_redos_per_token', 0.0):.2f}")
+        if p.get("cuda_graph_warmups_per_token") or p.get("cuda_graph_resets_per_token"):  # ggml-cuda's graphs
+            note = (note + "; " if note else "") + (f"CUDA graphs captured {p['cuda_graph_warmups_per_token']:.2f}, "
+                                                    f"dropped {p.get('cuda_graph_resets_per_token', 0.0):.2f}/token")
         # as the scheduler took them where counted (a speculated graph is not the one llama.cpp's line reports)
         splits = p.get("splits_computed_per_token", p.get("splits_per_token", "-"))
         switches = p.get("switches_taken_per_moe_layer", p.get("host_switches_per_moe_layer", float("nan")))

@@ -17,7 +17,7 @@
 
 // The API version compiled into this library. The Python side refuses any other (a stock or stale build) with a
 // clear message instead of a missing-symbol crash or a silent ABI mismatch; bump it with every change below.
-#define LLAMA_PYSPECTER_VERSION 31
+#define LLAMA_PYSPECTER_VERSION 32
 
 #ifdef __cplusplus
 extern "C" {
@@ -476,6 +476,11 @@ struct llama_pyspecter_sync_counts {
     int64_t device_compute_ns; // in device graph computes: launching a split (asynchronous on CUDA; a round trip on RPC)
     int64_t settle_ns;         // after a speculated ubatch, the host's bookkeeping from its log (residency hearing
                                // each layer's routing): between ubatches, where the device waits for the next
+    // ggml-cuda's CUDA graphs, from its debug log lines on this thread (counted once llama_pyspecter_logs_quiet
+    // routed the logs; 0 on other backends): a split's graph captured ("warmup complete"), and a captured graph
+    // dropped because its nodes changed ("warmup reset": the split then runs without a graph, launching each kernel)
+    int64_t cuda_graph_warmups;
+    int64_t cuda_graph_resets;
 };
 // Count dev's synchronisations from now on (its backends made after this call; idempotent; dev a ggml device,
 // the CPU's too: its graph computes are the host splits). 0, or LLAMA_PYSPECTER_ERR_ARG.

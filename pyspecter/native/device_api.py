@@ -137,6 +137,9 @@ class SyncCounts(ctypes.Structure):
         ("device_compute_ns", ctypes.c_int64),
         # after a speculated ubatch: the host's bookkeeping from its log, between ubatches (the device idles)
         ("settle_ns", ctypes.c_int64),
+        # ggml-cuda's CUDA graphs (its debug log lines): a split's graph captured, a captured one dropped
+        ("cuda_graph_warmups", ctypes.c_int64),
+        ("cuda_graph_resets", ctypes.c_int64),
     ]
 
     syncs: int
@@ -148,6 +151,8 @@ class SyncCounts(ctypes.Structure):
     host_compute_ns: int
     device_compute_ns: int
     settle_ns: int
+    cuda_graph_warmups: int
+    cuda_graph_resets: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}

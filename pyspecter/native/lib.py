@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from pyspecter.errors import SpecterError
 
 # LLAMA_PYSPECTER_VERSION of csrc/include/llama-pyspecter.h: the C API these bindings are written against
-PATCH_SERIES_VERSION = 31
+PATCH_SERIES_VERSION = 32
 PREFIX = "llama_pyspecter_"
 
 ModelPtr = int | ctypes.c_void_p | None  # a llama_model *, as llama_cpp hands it out

@@ -52,7 +52,11 @@ def device_columns(splits: int | None, n_moe_layers: int, on_device: bool, syncs
                    device_launch_ms_per_token=per.get("device_compute_ns", 0) / 1e6,
                    # after a speculated ubatch, residency hearing each layer's routing from the log: host time
                    # between tokens, in which the device waits
-                   host_settle_ms_per_token=per.get("settle_ns", 0) / 1e6)
+                   host_settle_ms_per_token=per.get("settle_ns", 0) / 1e6,
+                   # ggml-cuda's CUDA graphs (0 elsewhere): captures, and captured graphs dropped because a node
+                   # changed; in steady decode both near 0 (each split launched as one captured graph)
+                   cuda_graph_warmups_per_token=per.get("cuda_graph_warmups", 0),
+                   cuda_graph_resets_per_token=per.get("cuda_graph_resets", 0))
     return out
 
 

@@ -160,3 +160,39 @@ def test_the_plans_counts_are_never_above_stock_n_cpu_moes(dev: Device, costs: D
     s_splits, s = counts(path, lay, dev, stock)
     assert p_splits <= s_splits, plan.describe(lay)
     assert p["switches"] <= s["switches"], plan.describe(lay)
+
+
+def test_ggml_cudas_graph_lines_are_counted_with_the_synchronisations() -> None:
+    """ggml-cuda says when it captures a split's CUDA graph and when it drops one whose nodes changed only in debug
+    log lines, on the thread computing the graph. Fed the pinned source's own lines through ggml's logger (the call
+    ggml-cuda makes), the sync counts follow; other lines count nothing, and a reset zeroes them. On a GPU bench
+    reports them per token (``cuda_graph_*_per_token``): a form that drops its graph every token shows there."""
+    import ctypes
+    import re
+    import tarfile
+
+    from llama_cpp import _ggml
+    from test_build import _build_module
+
+    b = _build_module()
+    pin = b.read_pin()
+    with tarfile.open(b.local_sdist(pin) or b.fetch_sdist(pin)) as tf:
+        member = next(m for m in tf.getmembers() if m.name.endswith("ggml/src/ggml-cuda/ggml-cuda.cu"))
+        src = tf.extractfile(member).read().decode()
+    fmts = dict(re.findall(r'GGML_LOG_DEBUG\("(%s: CUDA graph warmup (complete|reset)\\n)", __func__\)', src))
+    assert set(fmts.values()) == {"complete", "reset"}, "the pinned ggml-cuda's graph lines changed"
+    log = _ggml.libggml.ggml_log_internal  # exported by ggml-base, found through libggml's dependencies
+    log.restype = None
+    debug, info = 1, 2  # GGML_LOG_LEVEL_DEBUG, _INFO
+
+    native.quiet_logs()
+    native.sync_counts(reset=True)
+    for fmt, what in fmts.items():
+        for _ in range(2 if what == "complete" else 1):
+            log(ctypes.c_int(debug), fmt.replace("\\n", "\n").encode(), b"ggml_backend_cuda_graph_compute")
+    log(ctypes.c_int(debug), b"CUDA Graph id %zu reused\n", ctypes.c_size_t(7))
+    log(ctypes.c_int(info), b"%s: CUDA graph warmup complete\n", b"not ggml-cuda's level")
+    c = native.sync_counts(reset=True)
+    assert (c.cuda_graph_warmups, c.cuda_graph_resets) == (2, 1)
+    c = native.sync_counts()
+    assert (c.cuda_graph_warmups, c.cuda_graph_resets) == (0, 0)
