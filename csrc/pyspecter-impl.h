@@ -202,6 +202,7 @@ struct llama_pyspecter_counters {
     std::atomic<int64_t> fences{0}, table_pushes{0}, table_bytes{0}, eviction_writes{0};
     std::atomic<int64_t> async_batches{0}; // upload batches sent on an upload stream and awaited by their event
     std::atomic<int64_t> inflight_peak{0}; // most batches one upload stream held in flight at once
+    std::atomic<int64_t> landing_wait_ns{0}, landing_wait_cpu_ns{0}; // upload threads in their events' waits
     std::atomic<int64_t> compute_orders{0}; // upload batches ordered after the device's queued compute
     std::atomic<int64_t> spec_ubatches{0}, spec_redos{0}; // speculated ubatches; of which a row missed (speculate.cpp)
     std::atomic<int64_t> mapped_rows{0}; // rows a speculated layer's device read from the host copy (mapped.cpp)

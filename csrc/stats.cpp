@@ -77,7 +77,8 @@ void llama_pyspecter_stats_reset(llama_model * model) {
             *v = 0;
         }
         for (auto * v : { &c.fences, &c.table_pushes, &c.table_bytes, &c.eviction_writes, &c.async_batches,
-                          &c.compute_orders, &c.spec_ubatches, &c.spec_redos, &c.inflight_peak, &c.mapped_rows }) {
+                          &c.compute_orders, &c.spec_ubatches, &c.spec_redos, &c.inflight_peak, &c.mapped_rows,
+                          &c.landing_wait_ns, &c.landing_wait_cpu_ns }) {
             *v = 0;
         }
         for (auto & row : c.layer_cpu_hist) {
@@ -108,6 +109,8 @@ void llama_pyspecter_get_device_stats(const llama_model * model, llama_pyspecter
     out->spec_redos      = s->counters.spec_redos;
     out->inflight_peak   = s->counters.inflight_peak;
     out->mapped_rows     = s->counters.mapped_rows;
+    out->landing_wait_ns     = s->counters.landing_wait_ns;
+    out->landing_wait_cpu_ns = s->counters.landing_wait_cpu_ns;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

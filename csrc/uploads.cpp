@@ -204,7 +204,10 @@ void pyspecter_upload_batch::land() {
     auto * s = L->parent;
     ggml_backend_event_t ev = issued ? record() : nullptr;
     if (ev) {
+        const int64_t w0 = pyspecter_now_ns(), c0 = pyspecter_thread_cpu_ns();
         ggml_backend_event_synchronize(ev);
+        s->counters.landing_wait_cpu_ns += pyspecter_thread_cpu_ns() - c0;
+        s->counters.landing_wait_ns += pyspecter_now_ns() - w0;
         s->counters.async_batches++;
     }
     if (!late.empty()) { // fault injection: the real bytes, a while after the batch's NaN landed

@@ -362,10 +362,11 @@ class ExpertCache:
         # speculated ubatches (device slot layers): computed with no host path, and those a missed row redid; the
         # most upload batches a device stream held in flight at once, and those that first waited for the device's
         # queued compute; the bytes the fences pushed to the devices' remap tables (a synchronous copy before a
-        # ubatch, when anything changed)
+        # ubatch, when anything changed); the upload threads' waits for their batches to land, and their CPU time
         d = native.device_stats(self.model.ptr)
         out.update(spec_ubatches=d.spec_ubatches, spec_redos=d.spec_redos, upload_inflight_peak=d.inflight_peak,
-                   compute_orders=d.compute_orders, mapped_rows=d.mapped_rows, table_bytes=d.table_bytes)
+                   compute_orders=d.compute_orders, mapped_rows=d.mapped_rows, table_bytes=d.table_bytes,
+                   landing_wait_ns=d.landing_wait_ns, landing_wait_cpu_ns=d.landing_wait_cpu_ns)
         return out
 
     def _residency_counters(self) -> dict:

@@ -94,6 +94,10 @@ def _zero(bench: dict) -> str:
     return "misses as ?" if z is None else "misses as negative ids" if z == 0 else f"{z} zero slots a slot layer"
 
 
+def _ms(ns: float | None) -> float | None:
+    return ns / 1e6 if ns is not None else None
+
+
 def _f(x: object, fmt: str) -> str:
     return format(x, fmt) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
 
@@ -148,6 +152,10 @@ def rows(bench: dict) -> list[dict]:
             # the link's, the uploads are fine and the token's time went elsewhere; far below it, the copies
             # themselves are slow; and the most batches one stream held in flight at once (1: no overlap)
             "upload_busy_gbps": p.get("upload_busy_gbps"), "upload_inflight_peak": p.get("upload_inflight_peak"),
+            # the upload threads waiting for batches to land, ms a token, and their CPU time in it: near the wall
+            # time, a core spun (CUDA's default events) that the CPU's compute threads may have wanted
+            "landing_wait_ms": _ms(p.get("landing_wait_ns_per_token")),
+            "landing_wait_cpu_ms": _ms(p.get("landing_wait_cpu_ns_per_token")),
             # upload batches a token that first waited for the device's queued compute (a slot queued work may
             # still read): each may wait for a whole ubatch queued meanwhile
             "ordered_per_token": p.get("compute_orders_per_token"),

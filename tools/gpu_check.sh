@@ -435,7 +435,10 @@ def device_table(bench_json, out):
             note = (note + "; " if note else "") + (f"uploads {p['bytes_per_token'] / 1e6:.1f} MB/token, "
                                                     f"{p['upload_busy_gbps']:.1f} GB/s while copying, "
                                                     f"{p.get('upload_inflight_peak', '-')} in flight at most"
-                                                    + (f" from {p['host_experts']}" if p.get("host_experts") else ""))
+                                                    + (f" from {p['host_experts']}" if p.get("host_experts") else "")
+                                                    + (f", landings waited {p['landing_wait_ns_per_token'] / 1e6:.2f} ms"
+                                                       f" ({p.get('landing_wait_cpu_ns_per_token', 0) / 1e6:.2f} CPU)"
+                                                       if p.get("landing_wait_ns_per_token") else ""))
         if p.get("spec_ubatches_per_token"):  # ubatches with no host visit, and those a miss ran again
             note = (note + "; " if note else "") + (f"speculated {p['spec_ubatches_per_token']:.2f}/token, "
                                                     f"redone {p.get('spec_redos_per_token', 0.0):.2f}")

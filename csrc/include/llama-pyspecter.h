@@ -459,6 +459,10 @@ struct llama_pyspecter_device_stats {
     int64_t spec_redos;      // ... of which a row missed: computed again with host paths
     int64_t inflight_peak;   // most upload batches one stream held issued and not yet landed at once
     int64_t mapped_rows;     // rows a speculated mapped layer's device read from the host copy (its misses)
+    // the upload threads waiting for their batches' events to land them: the time, and those threads' CPU time in
+    // it. Near the wall time the wait spins a core (CUDA's default events do), one the CPU's compute threads lose
+    int64_t landing_wait_ns;
+    int64_t landing_wait_cpu_ns;
 };
 LLAMA_API void    llama_pyspecter_get_device_stats(const struct llama_model * model,
                                                    struct llama_pyspecter_device_stats * out);

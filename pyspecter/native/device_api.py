@@ -40,6 +40,9 @@ class DeviceStats(ctypes.Structure):
         ("spec_redos", ctypes.c_int64),  # ... of which a row missed: computed again with host paths
         ("inflight_peak", ctypes.c_int64),  # most upload batches one stream held issued and not yet landed at once
         ("mapped_rows", ctypes.c_int64),  # rows a speculated mapped layer's device read from the host copy (misses)
+        # the upload threads waiting for their batches' events, and their CPU time in it (near the wall: a spin)
+        ("landing_wait_ns", ctypes.c_int64),
+        ("landing_wait_cpu_ns", ctypes.c_int64),
     ]
 
     fences: int
@@ -53,6 +56,8 @@ class DeviceStats(ctypes.Structure):
     spec_redos: int
     inflight_peak: int
     mapped_rows: int
+    landing_wait_ns: int
+    landing_wait_cpu_ns: int
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name, _ in self._fields_}

@@ -64,11 +64,13 @@ def spec_columns(counters: list[dict], n_tokens: int) -> dict:
     """A slot row's ubatches per decode token that ran with no host path (csrc/speculate.cpp), those a missed
     row computed again, the rows the device read from the host copy instead (csrc/mapped.cpp), the bytes the
     fences pushed to the remap tables, and the upload batches that first waited for the device's queued compute,
-    averaged over the repeats' ``counters`` (a slot row's cache counters, one per repeat)."""
+    averaged over the repeats' ``counters`` (a slot row's cache counters, one per repeat); and the upload threads'
+    waits for their batches to land, wall and their CPU time in it (where the two are near, the wait spun a core)."""
     if n_tokens <= 0 or not any("spec_ubatches" in c for c in counters):
         return {}
     return {f"{k}_per_token": statistics.mean(c.get(k, 0) for c in counters) / n_tokens
-            for k in ("spec_ubatches", "spec_redos", "mapped_rows", "table_bytes", "compute_orders")}
+            for k in ("spec_ubatches", "spec_redos", "mapped_rows", "table_bytes", "compute_orders",
+                      "landing_wait_ns", "landing_wait_cpu_ns")}
 
 
 def syncs_over_device(policies: dict, n_moe_layers: int) -> None:

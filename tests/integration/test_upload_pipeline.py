@@ -61,6 +61,8 @@ def test_prefetches_from_ram_keep_several_batches_in_flight(sync: bool, rpc: str
             else:
                 assert stats.async_batches == queued
                 assert 2 <= stats.inflight_peak <= IN_FLIGHT, stats.as_dict()
+                # the upload threads' waits for those events, and their CPU time in them (bench's spin reading)
+                assert 0 < stats.landing_wait_ns and 0 <= stats.landing_wait_cpu_ns <= stats.landing_wait_ns
             with native.Context(m) as ctx:
                 out = [tok for tok, _ in native_greedy_steps(ctx, toks, 6)]
             cache.check()
